@@ -13,7 +13,7 @@ Set `RECOMPUTE=1` (read when the layer runs) or use `recompute_scope(True)`.
 """
 
 from ._config import ENV_VAR, is_enabled, recompute_scope
-from ._core import VariableCreatedInRecomputationError
+from ._errors import VariableCreatedInRecomputationError
 from ._decorator import recompute_grad
 
 __all__ = [

@@ -1,12 +1,13 @@
 """The recomputation itself: one `tf.custom_gradient` around a layer's `call`.
 
 Forward pass: the call runs with every tape paused, so none of its activations
-are kept; only its inputs (and a few small state snapshots) survive until the
-backward pass. Backward pass: the state the forward pass started from is put
-back (random-number states, moving statistics, metric variables), the call runs
-again under a fresh tape in the same Keras call context, the gradient is taken,
-and the state is set back to where the forward pass left it -- so turning
-recomputation on changes neither the numbers nor the state, only memory and time.
+are kept; only its inputs (and a few small state snapshots: seeds, moving
+statistics) survive until the backward pass. Backward pass: the call runs again
+under a fresh tape, in the same Keras call context (training flag, mixed
+precision autocast), starting from the state the forward pass started from --
+so it draws the same dropout masks -- and without leaving any state change
+behind (moving statistics, seeds, metrics and `add_loss` are updated once, by
+the forward pass). Turning recomputation on changes only memory and time.
 """
 
 import warnings
@@ -14,25 +15,24 @@ import warnings
 import tensorflow as tf
 
 from . import _tf
+from ._errors import VariableCreatedInRecomputationError
 
-_LEGACY_RNG_WARNED = False
-
-
-class VariableCreatedInRecomputationError(RuntimeError):
-    """A layer tried to create a variable while its activations were being recomputed."""
+_legacy_rng_warned = False
 
 
 def _is_float_tensor(value):
-    return tf.is_tensor(value) and not isinstance(value, tf.Variable) and (
-        value.dtype.is_floating or value.dtype.is_complex
+    return (
+        tf.is_tensor(value)
+        and not isinstance(value, tf.Variable)
+        and (value.dtype.is_floating or value.dtype.is_complex)
     )
 
 
 def _warn_legacy_rng(layer):
-    global _LEGACY_RNG_WARNED
-    if _LEGACY_RNG_WARNED:
+    global _legacy_rng_warned
+    if _legacy_rng_warned:
         return
-    _LEGACY_RNG_WARNED = True
+    _legacy_rng_warned = True
     warnings.warn(
         f"recompute_grad: layer '{layer.name}' contains tf_keras layers that draw "
         "random numbers with legacy stateful ops, which cannot be replayed. "
@@ -41,7 +41,7 @@ def _warn_legacy_rng(layer):
         "For results identical to RECOMPUTE=0, call "
         "`tf_keras.backend.experimental.enable_tf_random_generator()` before "
         "building the model (and seed with `tf_keras.utils.set_random_seed`).",
-        stacklevel=4,
+        stacklevel=5,
     )
 
 
@@ -62,121 +62,125 @@ def _after(tensors, dy):
     return [x + tf.cast(zero, x.dtype) for x in tensors]
 
 
+def _forbid_creation(layer):
+    def creator(next_creator, **kwargs):
+        raise VariableCreatedInRecomputationError(
+            f"Layer '{layer.name}' tried to create a variable "
+            f"('{kwargs.get('name')}') while its activations were being "
+            "recomputed for the backward pass. Variables must exist before the "
+            "recomputation: build the layer and every sublayer it calls first "
+            "(for example by calling the model once on a sample batch, or with "
+            "`layer.build(input_shape)`)."
+        )
+
+    return tf.variable_creator_scope(creator)
+
+
 def recomputed_call(adapter, call, layer, args, kwargs):
-    """Runs `call(*args, **kwargs)` so that its activations are recomputed for the gradient."""
+    """Runs `call(layer, *args, **kwargs)` so that its activations are recomputed for the gradient."""
     structure = (args, kwargs)
     flat = tf.nest.flatten(structure)
-    slot_of = {}  # id(tensor) -> index among the differentiable inputs
+    slot_of = {}  # id(tensor) -> its index among the differentiable inputs
     xs = []
     for value in flat:
         if _is_float_tensor(value) and id(value) not in slot_of:
-            slot_of[id(value)] = len(xs)
+            slot_of[id(value)] = len(xs)  # a tensor passed twice is one input
             xs.append(value)
 
-    if _tf.forward_accumulator_watches(xs + [v.handle for v in _trainable(layer)]):
+    trainable = [adapter.tf_variable(v).handle for v in layer.trainable_weights]
+    if _tf.forward_accumulator_watches(xs + trainable):
         raise NotImplementedError(
             "`recompute_grad` defines reverse-mode gradients only; it cannot be "
             "used under `tf.autodiff.ForwardAccumulator` (forward-mode autodiff). "
-            f"Received: a forward accumulator watching the inputs of layer '{layer.name}'. "
-            "Run this computation with RECOMPUTE=0 or outside `recompute_scope(True)`."
+            f"Received: a forward accumulator watching layer '{layer.name}'. "
+            "Run this computation with RECOMPUTE=0 or inside "
+            "`recompute_scope(False)`."
         )
 
     def rebuild(new_xs):
         new_flat = [new_xs[slot_of[id(v)]] if id(v) in slot_of else v for v in flat]
-        new_args, new_kwargs = tf.nest.pack_sequence_as(structure, new_flat)
-        return new_args, new_kwargs
+        return tf.nest.pack_sequence_as(structure, new_flat)
 
-    layers = adapter.sublayers(layer)
     reenter = adapter.capture_call_state(layer)
     before = adapter.state_variables(layer)
-    pre = {id(v): v.read_value() for v in before}
+    pre = {id(adapter.tf_variable(v)): adapter.tf_variable(v).read_value() for v in before}
+    layers = adapter.sublayers(layer)
     legacy = adapter.legacy_random_generators(layers)
     legacy_seed = None
     if legacy:
         _warn_legacy_rng(layer)
         legacy_seed = adapter.draw_legacy_seed(legacy)
 
-    created = {}
+    created = {}  # variables the forward call creates (first call): their initial values
 
-    def record_creation(next_creator, **kwargs):
-        variable = next_creator(**kwargs)
+    def record_creation(next_creator, **kw):
+        variable = next_creator(**kw)
         created[id(variable)] = variable.read_value()
         return variable
 
+    def run_call(inputs):
+        call_args, call_kwargs = rebuild(inputs)
+        if legacy:
+            with adapter.replay_legacy_rng(legacy, legacy_seed):
+                return call(layer, *call_args, **call_kwargs)
+        return call(layer, *call_args, **call_kwargs)
+
+    produced = {}  # what the forward call returned: structure and loss slots
+
     @tf.custom_gradient
     def forward(*inputs):
-        call_args, call_kwargs = rebuild(inputs)
+        added_losses = adapter.track_losses(layers)
         with _tf.stop_recording(), tf.variable_creator_scope(record_creation):
-            if legacy:
-                with adapter.replay_legacy_rng(legacy, legacy_seed):
-                    outputs = call(layer, *call_args, **call_kwargs)
-            else:
-                outputs = call(layer, *call_args, **call_kwargs)
+            outputs = run_call(inputs)
+        loss_slots = added_losses()
+        # Losses the call passes to `add_loss` become outputs too, so that their
+        # gradients flow through the recomputation like the call's results.
+        losses = [lst[i] for lst, i in loss_slots]
         state = adapter.state_variables(layer)
         start = []
         for v in state:
-            snapshot = pre.get(id(v), created.get(id(v)))
-            if snapshot is None:
-                raise RuntimeError(
-                    f"recompute_grad: cannot find the starting value of state variable "
-                    f"'{v.name}' of layer '{layer.name}'."
-                )
-            start.append(snapshot)
+            key = id(adapter.tf_variable(v))
+            start.append(pre[key] if key in pre else created[key])
 
         def grad_fn(*dys, variables=None):
             variables = list(variables or [])
             first_dy = next((d for d in dys if d is not None), None)
-            ready_inputs = _after(inputs, first_dy)
-            end = [v.read_value() for v in state]
-            for v, value in zip(state, start):
-                v.assign(value)
-            restore_python = adapter.save_python_state(layers)
-
-            def forbid_creation(next_creator, **kwargs):
-                raise VariableCreatedInRecomputationError(
-                    f"Layer '{layer.name}' tried to create a variable "
-                    f"('{kwargs.get('name')}') while its activations were being "
-                    "recomputed for the backward pass. Variables must exist before "
-                    "the recomputation: build the layer and every sublayer it calls "
-                    "first (for example by calling the model once on a sample "
-                    "batch, or with `layer.build(input_shape)`)."
+            with _tf.ordered_stateful_ops() as order:
+                ready = _after(inputs, first_dy)
+                with tf.GradientTape(watch_accessed_variables=False) as tape:
+                    tape.watch(ready)
+                    tape.watch(variables)
+                    with reenter(), _forbid_creation(layer), adapter.replay_state(
+                        layer, state, start
+                    ) as recomputed_losses:
+                        recomputed = run_call(ready)
+                if len(recomputed_losses) != len(losses):
+                    raise RuntimeError(
+                        f"recompute_grad: layer '{layer.name}' added {len(losses)} "
+                        f"losses in the forward pass but {len(recomputed_losses)} "
+                        "when recomputed; `call` must add the same losses each time."
+                    )
+                targets, seeds = [], []
+                flat_recomputed = tf.nest.flatten(recomputed) + list(recomputed_losses)
+                for out, dy in zip(flat_recomputed, dys):
+                    if dy is not None and _is_float_tensor(out):
+                        targets.append(out)
+                        seeds.append(dy)
+                grads = tape.gradient(
+                    targets, list(ready) + variables, output_gradients=seeds,
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
                 )
-
-            with tf.GradientTape(watch_accessed_variables=False) as tape:
-                tape.watch(ready_inputs)
-                tape.watch(variables)
-                re_args, re_kwargs = rebuild(ready_inputs)
-                with reenter(), tf.variable_creator_scope(forbid_creation):
-                    if legacy:
-                        with adapter.replay_legacy_rng(legacy, legacy_seed):
-                            recomputed = call(layer, *re_args, **re_kwargs)
-                    else:
-                        recomputed = call(layer, *re_args, **re_kwargs)
-            restore_python()
-            targets, seeds = [], []
-            for out, dy in zip(tf.nest.flatten(recomputed), dys):
-                if dy is not None and _is_float_tensor(out):
-                    targets.append(out)
-                    seeds.append(dy)
-            grads = tape.gradient(
-                targets, list(ready_inputs) + variables, output_gradients=seeds,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
-            for v, value in zip(state, end):
-                v.assign(value)
-            n = len(ready_inputs)
+                grads = [order.mark(g) for g in grads]
+            n = len(ready)
             return grads[:n], grads[n:]
 
-        return outputs, grad_fn
+        produced["outputs"], produced["loss_slots"] = outputs, loss_slots
+        return tf.nest.flatten(outputs) + losses, grad_fn
 
-    if not xs:
-        # Nothing differentiable comes in; only the variables can get gradients.
-        # custom_gradient needs at least one input, so pass a dummy scalar.
-        dummy = tf.zeros([])
-        slot_of[id(dummy)] = 0
-        return forward(dummy)
-    return forward(*xs)
-
-
-def _trainable(layer):
-    return [getattr(v, "_value", v) for v in layer.trainable_weights]
+    # custom_gradient needs at least one input tensor: with no differentiable
+    # input (only the weights get gradients), pass a dummy scalar.
+    flat_results = list(forward(*xs) if xs else forward(tf.zeros([])))
+    n_outputs = len(flat_results) - len(produced["loss_slots"])
+    for (lst, i), loss in zip(produced["loss_slots"], flat_results[n_outputs:]):
+        lst[i] = loss  # the copy connected to the tape replaces the one computed off it
+    return tf.nest.pack_sequence_as(produced["outputs"], flat_results[:n_outputs])

@@ -102,9 +102,11 @@ def recompute_grad(call):
                 "(`keras.layers.Layer` or `tf_keras.layers.Layer`). "
                 f"Received: a call on {_describe(layer)}"
             )
-        if not _config.is_enabled() or not _tf.tape_is_active():
+        if not _config.is_enabled():
             return fn(layer, *args, **kwargs)
         adapter.check_supported(layer)
+        if not _tf.tape_is_active():
+            return fn(layer, *args, **kwargs)
         return _core.recomputed_call(adapter, fn, layer, args, kwargs)
 
     if bound_to is not None:

@@ -8,6 +8,8 @@ all read here and nowhere else.
 
 import contextlib
 
+from ._errors import VariableCreatedInRecomputationError
+
 name = "Keras 3"
 
 
@@ -31,15 +33,16 @@ def sublayers(layer):
     return layer._flatten_layers(include_self=True, recursive=True)
 
 
-def _tf_variable(variable):
+def tf_variable(variable):
+    """The `tf.Variable` behind a Keras 3 variable."""
     return getattr(variable, "_value", variable)
 
 
 def state_variables(layer):
     """Variables a call may change: seeds, moving statistics, metric state.
 
-    Returned as the underlying `tf.Variable`s, de-duplicated, in a stable order.
-    Includes the global seed generator that unseeded `keras.random` calls use.
+    Returned as Keras variables, de-duplicated, in a stable order. Includes the
+    global seed generator that unseeded `keras.random` calls draw from.
     """
     from keras.src.backend.common import global_state
     from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
@@ -50,12 +53,58 @@ def state_variables(layer):
         found.append(global_gen.state)
     out, seen = [], set()
     for v in found:
-        tv = _tf_variable(v)
-        if tv is None or id(tv) in seen:
-            continue
-        seen.add(id(tv))
-        out.append(tv)
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
     return out
+
+
+@contextlib.contextmanager
+def replay_state(layer, state, start):
+    """Runs the recomputation on the start values of `state`, discarding its writes.
+
+    Yields a list that holds, once the block exits, the tensors the
+    recomputation passed to `add_loss` (in call order).
+
+    A `keras.StatelessScope` maps each state variable to the value it had when
+    the forward call began: seed generators draw the same seeds again, moving
+    statistics read as they were, and every assignment (seed increments,
+    BatchNormalization updates, metric updates) and `add_loss` stays inside the
+    scope -- nothing is written to the real variables.
+    """
+    from keras.src.backend.common import global_state
+
+    pending = global_state.get_global_attribute(
+        "uninitialized_variables", [], set_to_default=True
+    )
+    n_pending = len(pending)
+    mapping = [(v, value) for v, value in zip(state, start)]
+    losses = []
+    def created(what, cause=None):
+        raise VariableCreatedInRecomputationError(
+            f"Layer '{layer.name}' tried to create {what} while its activations "
+            "were being recomputed for the backward pass. Variables must exist "
+            "before the recomputation: build the layer and every sublayer it "
+            "calls first (for example by calling the model once on a sample "
+            "batch, or with `layer.build(input_shape)`)."
+        ) from cause
+
+    try:
+        with _keras().StatelessScope(
+            mapping, collect_losses=True, initialize_variables=False
+        ) as scope:
+            yield losses
+    except ValueError as e:
+        if "create a variable while in a stateless scope" in str(e):
+            created("a variable", e)
+        raise
+    losses.extend(scope.losses)
+    for lyr in sublayers(layer):
+        lyr._loss_ids.clear()
+    if len(pending) > n_pending:
+        names = [v.path for v in pending[n_pending:]]
+        del pending[n_pending:]
+        created(f"variables {names}")
 
 
 def capture_call_state(layer):
@@ -87,17 +136,14 @@ def capture_call_state(layer):
     return reenter
 
 
-def save_python_state(layers):
-    """Returns a function that undoes `add_loss` calls made after this point."""
-    saved = [(lyr, len(lyr._losses), set(lyr._loss_ids)) for lyr in layers]
+def track_losses(layers):
+    """Returns a function listing `(list, index)` of the losses added after this point."""
+    sizes = [(lyr._losses, len(lyr._losses)) for lyr in layers]
 
-    def restore():
-        for lyr, n_losses, loss_ids in saved:
-            del lyr._losses[n_losses:]
-            lyr._loss_ids.clear()
-            lyr._loss_ids.update(loss_ids)
+    def added():
+        return [(lst, i) for lst, n in sizes for i in range(n, len(lst))]
 
-    return restore
+    return added
 
 
 def legacy_random_generators(layers):
@@ -106,7 +152,3 @@ def legacy_random_generators(layers):
 
 def replay_legacy_rng(generators, seed):
     return contextlib.nullcontext()
-
-
-def is_variable(value):
-    return isinstance(value, _keras().Variable)

@@ -37,6 +37,11 @@ def _generators(layers):
             yield lyr, gen
 
 
+def tf_variable(variable):
+    """The `tf.Variable` behind a tf_keras weight (unwrapping `AutoCastVariable`)."""
+    return getattr(variable, "_variable", variable)
+
+
 def state_variables(layer):
     """Variables a call may change: RNG states, moving statistics, metric state."""
     layers = sublayers(layer)
@@ -50,7 +55,7 @@ def state_variables(layer):
             found.append(tf_gen.state)
     out, seen = [], set()
     for v in found:
-        v = getattr(v, "_variable", v)  # AutoCastVariable wraps the real one
+        v = tf_variable(v)
         if id(v) not in seen:
             seen.add(id(v))
             out.append(v)
@@ -83,16 +88,43 @@ def capture_call_state(layer):
     return reenter
 
 
-def save_python_state(layers):
+@contextlib.contextmanager
+def replay_state(layer, state, start):
+    """Runs the recomputation on the start values of `state`, then puts back the end values.
+
+    tf_keras has no stateless scope, so the variables are assigned: the values
+    the forward pass ended with are read, the start values written, the call
+    recomputed (its RNG draws and moving-statistic updates land on the start
+    values), and the end values written back. The caller orders these ops (see
+    `_tf.ordered_stateful_ops`). `add_loss`/`add_metric` bookkeeping done by the
+    recomputation is undone; the block yields a list that holds, once it
+    exits, the loss tensors the recomputation added (in call order).
+    """
+    end = [v.read_value() for v in state]
+    for v, value in zip(state, start):
+        v.assign(value)
+    layers = sublayers(layer)
+    restore_python = _save_python_state(layers)
+    added = track_losses(layers)
+    losses = []
+    try:
+        yield losses
+        losses.extend(lst[i] for lst, i in added())
+    finally:
+        restore_python()
+    for v, value in zip(state, end):
+        v.assign(value)
+
+
+_LOSS_LISTS = ("_losses", "_eager_losses")
+
+
+def _save_python_state(layers):
     """Returns a function that undoes `add_loss`/`add_metric` bookkeeping made after this point."""
-    names = ("_losses", "_eager_losses", "_callable_losses", "_metrics")
     saved = []
     for lyr in layers:
-        for attr in names:
-            try:
-                lst = getattr(lyr, attr)
-            except AttributeError:
-                continue
+        for attr in _LOSS_LISTS + ("_callable_losses", "_metrics"):
+            lst = lyr.__dict__.get(attr) if attr != "_eager_losses" else lyr._eager_losses
             if isinstance(lst, list):
                 saved.append((lst, len(lst)))
 
@@ -101,6 +133,23 @@ def save_python_state(layers):
             del lst[n:]
 
     return restore
+
+
+def track_losses(layers):
+    """Returns a function listing `(list, index)` of the loss tensors added after this point."""
+    sizes = []
+    for lyr in layers:
+        for attr in _LOSS_LISTS:
+            lst = lyr.__dict__.get(attr) if attr != "_eager_losses" else lyr._eager_losses
+            if isinstance(lst, list):
+                sizes.append((lst, len(lst)))
+
+    def added():
+        return [
+            (lst, i) for lst, n in sizes for i in range(n, len(lst)) if tf.is_tensor(lst[i])
+        ]
+
+    return added
 
 
 def legacy_random_generators(layers):
@@ -145,7 +194,3 @@ def replay_legacy_rng(generators, seed):
     finally:
         for lyr, gen in originals:
             object.__setattr__(lyr, "_random_generator", gen)
-
-
-def is_variable(value):
-    return isinstance(value, tf.Variable)
