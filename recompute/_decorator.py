@@ -12,17 +12,15 @@ def _describe(obj):
     return f"{obj!r} of type {type(obj).__name__}"
 
 
-def _autographed(fn):
-    """`fn` converted by AutoGraph when the caller is being converted (as Keras does).
+def _autographed(fn, status):
+    """`fn`, converted by AutoGraph in graph mode the way tf_keras converts `call`.
 
-    The wrapper itself is excluded from conversion, so the user's `call` gets
-    the conversion a plain `call` would get inside `tf.function`.
+    `status` is the AutoGraph status of the caller: a `call` that AutoGraph
+    would not convert without the decorator is not converted with it either.
     """
     if tf.executing_eagerly():
         return fn
-    return tf.__internal__.autograph.tf_convert(
-        fn, tf.__internal__.autograph.control_status_ctx()
-    )
+    return tf.__internal__.autograph.tf_convert(fn, status)
 
 
 def recompute_grad(call):
@@ -93,8 +91,8 @@ def recompute_grad(call):
     bound_to = call.__self__ if inspect.ismethod(call) else None
     unbound = call.__func__ if inspect.ismethod(call) else call
 
-    def run(layer, args, kwargs):
-        fn = _autographed(unbound)
+    @tf.autograph.experimental.do_not_convert
+    def run(layer, args, kwargs, autograph_status):
         adapter = _backends.adapter_for(layer)
         if adapter is None:
             raise TypeError(
@@ -102,6 +100,7 @@ def recompute_grad(call):
                 "(`keras.layers.Layer` or `tf_keras.layers.Layer`). "
                 f"Received: a call on {_describe(layer)}"
             )
+        fn = _autographed(unbound, autograph_status)
         if not _config.is_enabled():
             return fn(layer, *args, **kwargs)
         adapter.check_supported(layer)
@@ -109,16 +108,22 @@ def recompute_grad(call):
             return fn(layer, *args, **kwargs)
         return _core.recomputed_call(adapter, fn, layer, args, kwargs)
 
+    # The wrappers are two lines so that AutoGraph, which converts them when it
+    # converts the caller, passes its status on; `run` is never converted.
     if bound_to is not None:
-        @functools.wraps(call)
+
         def bound_wrapper(*args, **kwargs):
-            return run(bound_to, args, kwargs)
+            return run(bound_to, args, kwargs, tf.__internal__.autograph.control_status_ctx())
 
-        return tf.autograph.experimental.do_not_convert(bound_wrapper)
+        wrapper = bound_wrapper
+    else:
 
-    @functools.wraps(call)
-    def wrapper(self, *args, **kwargs):
-        return run(self, args, kwargs)
+        def wrapper(self, *args, **kwargs):
+            return run(self, args, kwargs, tf.__internal__.autograph.control_status_ctx())
 
-    wrapper.__recompute_grad_wrapped__ = call
-    return tf.autograph.experimental.do_not_convert(wrapper)
+    functools.update_wrapper(wrapper, call)
+    # The signature of `call` stays visible: tf_keras passes `training` and
+    # `mask` only to a `call` that declares them, Keras 3 reads it too.
+    wrapper.__signature__ = inspect.signature(call)
+    wrapper.__recompute_grad_wrapped__ = unbound
+    return wrapper

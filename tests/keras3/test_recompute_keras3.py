@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import recompute
 from recompute import recompute_grad
-from numerics import assert_all_close, to_numpy
+from numerics import assert_all_close, assert_state_equal, max_rel_err, to_numpy
 
 CALLS = {"n": 0}
 
@@ -92,8 +92,7 @@ def test_dropout_gradients_and_state_match(compile_mode):
     assert_all_close([l0], [l1], ["loss"])
     assert_all_close(g0, g1, names)
     # Seed generators end exactly where the plain run leaves them.
-    for a, b in zip(s0, s1):
-        np.testing.assert_array_equal(a, b)
+    assert_state_equal(s0, s1)
     # Recomputation really happened: every block ran twice per gradient.
     assert c1 == 2 * c0 and c0 > 0
 
@@ -366,13 +365,23 @@ def test_mixed_precision(policy):
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
-        r = run_both(lambda: build_model(head_dtype="float32"), inputs(), "function")
+        make = lambda: build_model(head_dtype="float32")
+        eager = run_both(make, inputs(), "eager")
+        graph = run_both(make, inputs(), "function")
     finally:
         keras.config.set_dtype_policy(previous)
-    (l0, g0, c0, _, m0), (l1, g1, c1, _, m1) = r[False], r[True]
-    assert m1.layers[1].compute_dtype != "float32"
-    assert_all_close([l0] + g0, [l1] + g1)
-    assert c1 == 2 * c0
+    assert eager[True][4].layers[1].compute_dtype == policy.split("_")[1]
+    # Eager: every op runs as written, so recomputation is exact in half precision too.
+    assert_all_close([eager[False][0]] + eager[False][1], [eager[True][0]] + eager[True][1])
+    assert eager[True][2] == 2 * eager[False][2]
+    # tf.function: grappler fuses the forward ops differently when their
+    # intermediates are not needed by a gradient, which changes half-precision
+    # rounding. The recomputed gradients must stay within the rounding that the
+    # graph optimizer introduces on its own (plain eager vs plain tf.function).
+    noise = max(max_rel_err(a, b) for a, b in zip(eager[False][1], graph[False][1]))
+    err = max(max_rel_err(a, b) for a, b in zip(graph[False][1], graph[True][1]))
+    assert noise < 0.05, noise
+    assert err <= 2 * noise, (err, noise)
 
 
 class LazyBlock(keras.layers.Layer):

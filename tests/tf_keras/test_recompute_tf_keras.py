@@ -1,0 +1,285 @@
+"""recompute_grad on tf_keras (Keras 2): numerics against the same model without it.
+
+Runs in its own pytest process (see README): tf_keras and Keras 3 keep separate
+global state, and bert4keras-style code replaces `sys.modules["keras"]`.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as K
+
+import recompute
+from recompute import _core, recompute_grad
+from numerics import assert_all_close, assert_state_equal, to_numpy
+
+CALLS = {"n": 0}
+
+
+@pytest.fixture(autouse=True)
+def tf_random_generator():
+    """Replayable RNG (tf.random.Generator) unless a test turns it off."""
+    K.backend.experimental.enable_tf_random_generator()
+    yield
+    K.backend.experimental.enable_tf_random_generator()
+
+
+class Block(K.layers.Layer):
+    def __init__(self, units, rate=0.3, **kwargs):
+        super().__init__(**kwargs)
+        self.d1 = K.layers.Dense(units * 2, activation="gelu")
+        self.drop = K.layers.Dropout(rate)
+        self.d2 = K.layers.Dense(units)
+        self.ln = K.layers.LayerNormalization()
+        self.bn = K.layers.BatchNormalization(momentum=0.5)
+
+    @recompute_grad
+    def call(self, x, training=None):
+        CALLS["n"] += 1
+        h = self.d2(self.drop(self.d1(x)))  # `training` reaches Dropout via the call context
+        return self.bn(self.ln(x + h))
+
+
+def build_model(depth=3, units=8, seed=0):
+    K.utils.set_random_seed(seed)
+    inp = K.Input((units,))
+    h = inp
+    for _ in range(depth):
+        h = Block(units)(h)
+    return K.Model(inp, K.layers.Dense(1)(h))
+
+
+def inputs(shape=(4, 8), seed=(1, 2)):
+    return tf.random.stateless_normal(shape, seed=seed)
+
+
+def state_values(model):
+    """Moving statistics and every RNG generator state."""
+    out = [np.asarray(v) for v in model.non_trainable_weights]
+    for layer in model._flatten_layers():
+        gen = getattr(getattr(layer, "_random_generator", None), "_generator", None)
+        if gen is not None:
+            out.append(gen.state.numpy())
+    return out
+
+
+def run_both(make_model, x, compile_mode, steps=2):
+    results = {}
+    for on in (False, True):
+        model = make_model()
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(tf.cast(model(x, training=True), tf.float32) ** 2)
+            return loss, tape.gradient(loss, [x] + model.trainable_weights)
+
+        if compile_mode == "function":
+            step = tf.function(step)
+        elif compile_mode == "jit":
+            step = tf.function(step, jit_compile=True)
+        CALLS["n"] = 0
+        with recompute.recompute_scope(on):
+            for _ in range(steps):
+                loss, grads = step(x)
+        results[on] = ([float(loss)] + to_numpy(grads), CALLS["n"], state_values(model), model)
+    return results
+
+
+@pytest.mark.parametrize("compile_mode", ["eager", "function", "jit"])
+def test_dropout_batchnorm_gradients_and_state_match(compile_mode):
+    r = run_both(build_model, inputs(), compile_mode)
+    (g0, c0, s0, m0), (g1, c1, s1, _) = r[False], r[True]
+    assert len(g0) == 2 + 3 * 8 + 2
+    assert_all_close(g0, g1)
+    assert len(s0) == 3 * 2 + 3  # moving mean/var per block + a generator per Dropout
+    assert_state_equal(s0, s1)
+    assert c1 == 2 * c0 and c0 > 0
+
+
+def test_function_under_outer_eager_tape():
+    x = inputs()
+    results = []
+    for on in (False, True):
+        model = build_model()
+        fn = tf.function(lambda x: model(x, training=True))
+        with recompute.recompute_scope(on):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(fn(x) ** 2)
+            grads = tape.gradient(loss, [x] + model.trainable_weights)
+        results.append(([float(loss)] + to_numpy(grads), state_values(model)))
+    assert_all_close(results[0][0], results[1][0])
+    assert_state_equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_fit_matches(jit_compile):
+    x = np.random.RandomState(0).randn(32, 8).astype("float32")
+    y = np.random.RandomState(1).randn(32, 1).astype("float32")
+    weights, calls = [], []
+    for on in (False, True):
+        model = build_model()
+        model.compile(K.optimizers.SGD(0.05), "mse", jit_compile=jit_compile)
+        CALLS["n"] = 0
+        with recompute.recompute_scope(on):
+            hist = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        assert np.all(np.isfinite(hist.history["loss"]))
+        weights.append([np.asarray(v) for v in model.weights] + state_values(model))
+        calls.append(CALLS["n"])
+    assert_all_close(weights[0], weights[1])
+    assert calls[1] > calls[0]
+
+
+class DropoutOnly(K.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = K.layers.Dropout(0.5)
+
+    @recompute_grad
+    def call(self, x, training=None):
+        return self.drop(x, training=training) * 3.0
+
+
+@pytest.mark.parametrize("compile_mode", ["eager", "function"])
+def test_legacy_rng_recomputation_sees_forward_masks(compile_mode, monkeypatch):
+    K.backend.experimental.disable_tf_random_generator()
+    monkeypatch.setattr(_core, "_legacy_rng_warned", False)
+    layer = DropoutOnly()
+    x = tf.random.stateless_uniform((64, 16), seed=(3, 4), minval=1.0, maxval=2.0)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+        return y, tape.gradient(y, x)
+
+    if compile_mode == "function":
+        step = tf.function(step)
+    with recompute.recompute_scope(True), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y1, g1 = step(x)
+        y2, g2 = step(x)
+    legacy = [w for w in caught if "legacy stateful" in str(w.message)]
+    assert len(legacy) == 1 and "enable_tf_random_generator" in str(legacy[0].message)
+    for y, g in ((y1, g1), (y2, g2)):
+        y, g = y.numpy(), g.numpy()
+        kept = y != 0
+        assert 0.3 < kept.mean() < 0.7  # dropout really dropped
+        # dy/dx = 3 * mask / (1 - rate): the backward pass used the forward pass's mask.
+        np.testing.assert_allclose(g, np.where(kept, 6.0, 0.0), rtol=1e-6)
+    assert not np.array_equal(y1.numpy() != 0, y2.numpy() != 0)  # new masks each step
+
+
+class AttentionBlock(K.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.mha = K.layers.MultiHeadAttention(num_heads=2, key_dim=4, dropout=0.2)
+        self.ln = K.layers.LayerNormalization()
+
+    @recompute_grad
+    def call(self, inputs, attention_mask=None, training=None):
+        q, k, v = inputs  # bert4keras passes [x, x, x]
+        return self.ln(q + self.mha(q, v, k, attention_mask=attention_mask, training=training))
+
+
+@pytest.mark.parametrize("compile_mode", ["eager", "function"])
+def test_self_attention_same_tensor_three_times(compile_mode):
+    x = inputs((2, 5, 8))
+    valid = tf.constant([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]) > 0
+    attention_mask = valid[:, None, :] & valid[:, :, None]
+    results = []
+    for on in (False, True):
+        K.utils.set_random_seed(0)
+        layer = AttentionBlock()
+        layer([x, x, x], attention_mask=attention_mask)
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer([x, x, x], attention_mask=attention_mask, training=True)
+                loss = tf.reduce_sum(y**2)
+            return loss, tape.gradient(loss, [x] + layer.trainable_weights)
+
+        if compile_mode == "function":
+            step = tf.function(step)
+        with recompute.recompute_scope(on):
+            step(x)
+            loss, grads = step(x)
+        results.append([float(loss)] + to_numpy(grads))
+    assert_all_close(results[0], results[1])
+
+
+class LossBlock(K.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = K.layers.Dense(4)
+
+    @recompute_grad
+    def call(self, x):
+        h = self.dense(x)
+        self.add_loss(0.1 * tf.reduce_sum(h**2))
+        return h
+
+
+def test_add_loss_applied_once_with_its_gradient():
+    results, n_losses = [], []
+    for on in (False, True):
+        K.utils.set_random_seed(0)
+        layer = LossBlock()
+        x = inputs((3, 4))
+        with recompute.recompute_scope(on):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(layer(x)) + tf.add_n(layer.losses)
+            g = tape.gradient(loss, [x] + layer.trainable_weights)
+        n_losses.append(len(layer.losses))
+        results.append([float(loss)] + to_numpy(g))
+    assert n_losses == [1, 1]
+    assert_all_close(results[0], results[1])
+
+
+def test_mixed_precision_eager_exact():
+    K.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        r = run_both(build_model, inputs(), "eager")
+        assert r[True][3].layers[1].compute_dtype == "float16"
+    finally:
+        K.mixed_precision.set_global_policy("float32")
+    assert_all_close(r[False][0], r[True][0])
+    assert r[True][1] == 2 * r[False][1]
+
+
+class LazyBlock(K.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = 0
+
+    @recompute_grad
+    def call(self, x):
+        self.calls += 1
+        if self.calls > 1:
+            return x * self.add_weight(name="late", shape=(), initializer="ones")
+        return x * 2.0
+
+
+def test_variable_created_in_recomputation_raises():
+    layer = LazyBlock()
+    x = inputs((2, 3))
+    with recompute.recompute_scope(True):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+        with pytest.raises(recompute.VariableCreatedInRecomputationError, match="build the layer"):
+            tape.gradient(y, x)
+
+
+def test_disabled_runs_the_original_call_once():
+    model = build_model()
+    with recompute.recompute_scope(False):
+        CALLS["n"] = 0
+        with tf.GradientTape():
+            model(inputs(), training=True)
+    assert CALLS["n"] == 3
