@@ -45,7 +45,10 @@ def tf_variable(variable):
 def state_variables(layer):
     """Variables a call may change: RNG states, moving statistics, metric state."""
     layers = sublayers(layer)
-    found = list(layer.non_trainable_weights)
+    # Weights created non-trainable (moving statistics), not weights merely
+    # frozen by `trainable=False`: those never change, and rewriting them in
+    # the backward pass would copy them for nothing.
+    found = [w for lyr in layers for w in lyr.__dict__.get("_non_trainable_weights", ())]
     for lyr in layers:
         for metric in lyr.__dict__.get("_metrics", ()):
             found.extend(metric.variables)

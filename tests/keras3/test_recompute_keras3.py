@@ -490,3 +490,38 @@ def test_non_tensorflow_backend_raises(monkeypatch):
             layer(x)
     with recompute.recompute_scope(False):
         layer(x)  # off: the original call runs, whatever the backend
+
+
+class BranchBlock(keras.layers.Layer):
+    """Python control flow on a tensor: needs AutoGraph inside tf.function."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4)
+
+    @recompute_grad
+    def call(self, x):
+        h = self.dense(x)
+        if tf.reduce_sum(h) > 0:
+            h = h * 2.0
+        else:
+            h = -h
+        return h
+
+
+def test_tensor_dependent_python_control_flow_in_graph():
+    results = []
+    for on in (False, True):
+        keras.utils.set_random_seed(0)
+        layer = BranchBlock()
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(layer(x) ** 2)
+            return loss, tape.gradient(loss, [x] + layer.trainable_variables)
+
+        with recompute.recompute_scope(on):
+            results.append([float(v) for v in [step(inputs((3, 4)))[0]]] + to_numpy(step(inputs((3, 4)))[1]))
+    assert_all_close(results[0], results[1])
