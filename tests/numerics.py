@@ -61,3 +61,51 @@ def assert_state_equal(reference, actual):
             np.testing.assert_array_equal(got, ref)
         else:
             assert max_rel_err(ref, got) <= RTOL, (ref, got)
+
+
+def worst_rel_err(reference, actual, names=None):
+    """(name, error) of the worst array: max |a - b| over that array's own max |a|."""
+    assert len(reference) == len(actual), (len(reference), len(actual))
+    names = names or [str(i) for i in range(len(reference))]
+    worst = ("", 0.0)
+    for name, ref, got in zip(names, reference, actual):
+        assert np.shape(ref) == np.shape(got), (name, np.shape(ref), np.shape(got))
+        err = max_rel_err(ref, got)
+        if not err <= worst[1]:
+            worst = (name, err)
+    return worst
+
+
+def assert_each_close(reference, actual, tol, names=None):
+    """Every array of `actual` equals its reference to `tol`, relative to its own scale.
+
+    Stricter than `assert_all_close`: a small array (an Adam second moment, say)
+    is judged against its own magnitude, not the largest array's.
+    """
+    name, err = worst_rel_err(reference, actual, names)
+    assert err <= tol, f"{name}: rel err {err:.3g} > {tol:g}"
+
+
+def assert_grouped_close(reference, actual, tol, names, group_of):
+    """Every array equals its reference to `tol`, relative to its own scale or, if
+    larger, a tenth of the largest scale in its group (`group_of(name)`).
+
+    Groups keep the floor meaningful for state of very different magnitudes
+    (weights, first moments, second moments): an array whose entries are all
+    near zero (a bias's momentum) is a sum of rounding errors in both runs and
+    is judged against its group, while an Adam second moment is not judged
+    against the weights.
+    """
+    assert len(reference) == len(actual) == len(names), (len(reference), len(actual), len(names))
+    scales = {}
+    for name, ref in zip(names, reference):
+        s = float(np.max(np.abs(np.asarray(ref, np.float64)))) if np.size(ref) else 0.0
+        g = group_of(name)
+        scales[g] = max(scales.get(g, 0.0), s)
+    bad = []
+    for name, ref, got in zip(names, reference, actual):
+        assert np.shape(ref) == np.shape(got), (name, np.shape(ref), np.shape(got))
+        err = max_rel_err(ref, got, 0.1 * scales[group_of(name)])
+        if not err <= tol:
+            bad.append(f"{name}: rel err {err:.3g}")
+    assert not bad, f"> {tol:g}: " + "; ".join(bad)

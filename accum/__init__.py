@@ -1,0 +1,17 @@
+"""Exact gradient accumulation for Keras 3 and tf_keras.
+
+```python
+from accum import AccumOptimizer
+
+model.compile(optimizer=AccumOptimizer(keras.optimizers.Adam(), steps_per_update=8), ...)
+model.fit(x, y, batch_size=4)       # trains like batch_size=32
+```
+
+The backend split (Keras 3 / tf_keras / tf_keras legacy) is in `accum._backends`.
+"""
+
+from ._base import AccumOptimizer
+from ._batchnorm import has_batch_normalization, warn_if_batch_normalization
+
+__all__ = ["AccumOptimizer", "has_batch_normalization", "warn_if_batch_normalization"]
+__version__ = "0.1.0"

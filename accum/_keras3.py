@@ -1,0 +1,280 @@
+"""`AccumOptimizer` for Keras 3 optimizers (TensorFlow backend)."""
+
+import warnings
+
+import keras
+import tensorflow as tf
+
+from . import _backends, _batchnorm, _validation
+from ._base import AccumOptimizer, check_optimizer
+
+_BASE_DEFAULTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+
+def _all_finite(grads):
+    """A scalar bool tensor: every gradient (dense or `IndexedSlices`) is finite."""
+    checks = []
+    for g in grads:
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        checks.append(tf.reduce_all(tf.math.is_finite(values)))
+    return tf.reduce_all(tf.stack(checks))
+
+
+@keras.saving.register_keras_serializable(package="accum", name="AccumOptimizer")
+class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
+    """`AccumOptimizer` wrapping a Keras 3 optimizer; see `accum.AccumOptimizer`."""
+
+    def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
+        if check_optimizer(optimizer) != _backends.KERAS3:
+            raise ValueError(
+                "This `AccumOptimizer` class wraps Keras 3 optimizers; build it "
+                "with `accum.AccumOptimizer(optimizer, steps_per_update)`. "
+                f"Received: optimizer={optimizer!r}"
+            )
+        steps_per_update = _validation.check_steps_per_update(steps_per_update)
+        mode = _validation.check_mode(mode)
+        for arg_name, default in _BASE_DEFAULTS.items():
+            if arg_name in kwargs and kwargs.pop(arg_name) != default:
+                raise ValueError(
+                    f"AccumOptimizer does not support `{arg_name}`. "
+                    f"Instead, set `{arg_name}` on the inner optimizer."
+                )
+        if kwargs:
+            raise ValueError(
+                f"AccumOptimizer does not support arguments: `{'`, `'.join(kwargs)}`."
+            )
+        rule = None
+        if mode == "momentum":
+            from ._momentum_keras3 import rule_for
+
+            rule = rule_for(optimizer)
+        super().__init__(learning_rate=0.0, name=name or "accum_optimizer")
+        self.inner_optimizer = optimizer
+        self.steps_per_update = steps_per_update
+        self.mode = mode
+        self._rule = rule
+        self._warned_pending = False
+        # Indices (into the built variable list) of the variables that got a
+        # gradient in the last `apply`: the ones a flush updates. Ints only, so
+        # nothing is tracked.
+        self._last_indices = None
+
+    # ------------------------------------------------------------------ state
+
+    def build(self, var_list):
+        """Creates the counters, the buffers (`mode="buffer"`) and the inner optimizer's slots."""
+        var_list = list(var_list)
+        self.window_steps = self.add_variable(
+            shape=(), dtype="int64", initializer="zeros", name="window_steps"
+        )
+        self.window_count = self.add_variable(
+            shape=(), dtype="int64", initializer="zeros", name="window_count"
+        )
+        self.inner_optimizer.build(var_list)
+        if self.mode == "buffer":
+            self.accumulators = [
+                self.add_variable_from_reference(v, name="accumulator") for v in var_list
+            ]
+        else:
+            self.accumulators = []
+            self._rule.check_built(self.inner_optimizer, var_list)
+        super().build(var_list)
+        _batchnorm.warn_for_training_model(self)
+
+    @property
+    def variables(self):
+        """The wrapper's variables (counters, buffers) followed by the inner optimizer's."""
+        return self._variables[:] + self.inner_optimizer.variables
+
+    def _micro_steps_variable(self):
+        return self._iterations
+
+    @property
+    def iterations(self):
+        """Applied updates: the inner optimizer's `iterations`."""
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        """The inner optimizer's learning rate (settable, for LR callbacks)."""
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def scale_loss(self, loss):
+        """Scales the loss as the inner optimizer does (loss scaling lives there)."""
+        return self.inner_optimizer.scale_loss(loss)
+
+    def _own_state(self):
+        """(key, variable) pairs of the wrapper's own state, keyed by name."""
+        pairs = [
+            ("micro_steps", self._iterations),
+            ("window_steps", self.window_steps),
+            ("window_count", self.window_count),
+        ]
+        seen = set()
+        for acc in self.accumulators:
+            key = f"accumulator:{acc.name}"
+            n = 1
+            while key in seen:
+                n += 1
+                key = f"accumulator:{acc.name}#{n}"
+            seen.add(key)
+            pairs.append((key, acc))
+        return pairs
+
+    def save_own_variables(self, store):
+        """Saves counters and buffers by name (the inner optimizer saves its own slots)."""
+        for key, variable in self._own_state():
+            store[key] = variable.numpy()
+
+    def load_own_variables(self, store):
+        """Restores counters and buffers by name; state absent from `store` keeps its value."""
+        keys = set(store.keys())
+        for key, variable in self._own_state():
+            if key in keys:
+                variable.assign(store[key])
+
+    # --------------------------------------------------------------- updates
+
+    def apply(self, grads, trainable_variables=None):
+        """One micro-step: accumulates `grads`; every `steps_per_update`-th call updates."""
+        grads = list(grads)
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "When passing `grads` without `variables`, the optimizer "
+                    "must already be built on a list of variables. "
+                    "Call `optimizer.build(trainable_variables)` first."
+                )
+            trainable_variables = self._trainable_variables
+        else:
+            trainable_variables = list(trainable_variables)
+            if not self.built:
+                with keras.name_scope(self.name, caller=self):
+                    self.build(trainable_variables)
+                self.built = True
+            self._check_variables_are_known(trainable_variables)
+        pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
+        if not pairs:
+            raise ValueError("No gradients provided for any variable.")
+        grads = [g for g, _ in pairs]
+        indices = tuple(self._get_variable_index(v) for _, v in pairs)
+        self._last_indices = indices
+        if self.steps_per_update == 1 and self.mode == "buffer":
+            # k=1: every micro-step is an update; the inner optimizer sees the
+            # gradients exactly as given (sparse ones stay sparse).
+            self.inner_optimizer.apply(grads, [self._trainable_variables[i] for i in indices])
+            self._iterations.assign_add(1)
+            return
+        with keras.name_scope(self.name, caller=self):
+            if self.mode == "buffer":
+                self._accumulate(grads, indices)
+            else:
+                self._rule.accumulate(self, grads, indices)
+            self._iterations.assign_add(1)
+            tf.cond(
+                self.window_steps >= self.steps_per_update,
+                lambda: self._end_window(indices),
+                lambda: None,
+            )
+
+    def _accumulate(self, grads, indices):
+        def add():
+            for g, i in zip(grads, indices):
+                self.assign_add(self.accumulators[i], g)
+            self.window_count.assign_add(1)
+
+        tf.cond(_all_finite(grads), add, lambda: None)
+        self.window_steps.assign_add(1)
+
+    def _end_window(self, indices):
+        """Applies the window (if it kept any micro-batch) and starts a new one."""
+        if self.mode == "buffer":
+            tf.cond(self.window_count > 0, lambda: self._apply_mean(indices), lambda: None)
+            for acc in self.accumulators:
+                acc.assign(tf.zeros(acc.shape, acc.dtype))
+        else:
+            tf.cond(
+                self.window_count > 0,
+                lambda: self._rule.finish(self, indices),
+                lambda: None,
+            )
+        self.window_steps.assign(0)
+        self.window_count.assign(0)
+
+    def _apply_mean(self, indices):
+        count = self.window_count.value
+        grads = [
+            self.accumulators[i].value / tf.cast(count, self.accumulators[i].dtype)
+            for i in indices
+        ]
+        self.inner_optimizer.apply(grads, [self._trainable_variables[i] for i in indices])
+
+    def flush(self):
+        """Applies the pending partial window now, normalized by the micro-batches it holds.
+
+        Does nothing if the window is empty or the optimizer is not built. The
+        variables updated are those that got a gradient in the last micro-step
+        (all of them after a restore). Works eagerly and inside `tf.function`.
+        """
+        if not self.built:
+            return
+        indices = self._last_indices
+        if indices is None:
+            indices = tuple(range(len(self._trainable_variables)))
+        tf.cond(self.window_steps > 0, lambda: self._end_window(indices), lambda: None)
+
+    def finalize_variable_values(self, var_list):
+        """Called at the end of `fit`: warns once about a pending partial window, then
+        lets the inner optimizer finalize (EMA overwrite)."""
+        if self.built and not self._warned_pending and tf.executing_eagerly():
+            pending = int(self.window_steps.numpy())
+            if pending:
+                self._warned_pending = True
+                warnings.warn(
+                    f"AccumOptimizer: {pending} micro-step(s) of an incomplete "
+                    f"window (steps_per_update={self.steps_per_update}) are pending "
+                    "at the end of training. They stay in the buffer and join the "
+                    "next window; call `optimizer.flush()` to apply them now, or "
+                    "pass `callbacks=[optimizer.flush_callback()]` to `fit`.",
+                    stacklevel=2,
+                )
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    # --------------------------------------------------------- serialization
+
+    def get_config(self):
+        """The wrapper's config, with the inner optimizer's nested under `inner_optimizer`."""
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "steps_per_update": self.steps_per_update,
+            "mode": self.mode,
+            "family": _backends.KERAS3,
+        }
+
+    @classmethod
+    def _from_config(cls, config, custom_objects=None):
+        config.pop("family", None)
+        inner = config.pop("inner_optimizer")
+        if isinstance(inner, dict):
+            inner = keras.saving.deserialize_keras_object(inner, custom_objects=custom_objects)
+        return cls(inner, **config)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Creates the optimizer from `get_config()` output."""
+        return cls._from_config(dict(config), custom_objects)

@@ -1,0 +1,33 @@
+"""Argument checks shared by every backend, with Keras-style error messages."""
+
+import numbers
+
+MODES = ("buffer", "momentum")
+
+
+def check_steps_per_update(steps_per_update):
+    """Returns `steps_per_update` as an `int`, or raises a Keras-style `ValueError`.
+
+    Accepts Python and NumPy integers >= 1. Rejects booleans, floats (even
+    integral ones such as `4.0`), strings and everything else.
+    """
+    if (
+        isinstance(steps_per_update, bool)
+        or not isinstance(steps_per_update, numbers.Integral)
+        or steps_per_update < 1
+    ):
+        raise ValueError(
+            "`steps_per_update` must be an integer >= 1. "
+            f"Received: steps_per_update={steps_per_update!r}"
+        )
+    return int(steps_per_update)
+
+
+def check_mode(mode):
+    """Returns `mode` if it is one of `MODES`, or raises a Keras-style `ValueError`."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(
+            f"`mode` must be one of {', '.join(repr(m) for m in MODES)}. "
+            f"Received: mode={mode!r}"
+        )
+    return mode
