@@ -1,5 +1,7 @@
 """`AccumOptimizer`: the public class, which picks the implementation for the wrapped optimizer."""
 
+import copy
+
 from . import _backends
 
 
@@ -99,7 +101,7 @@ class AccumOptimizer:
         if cls is AccumOptimizer:
             family = config.get("family", _backends.KERAS3)
             cls = _backends.implementation_for(family)
-        return cls._from_config(dict(config), custom_objects)
+        return cls._from_config(copy.deepcopy(config), custom_objects)
 
 
 def check_optimizer(optimizer):

@@ -1,5 +1,6 @@
 """`AccumOptimizer` for Keras 3 optimizers (TensorFlow backend)."""
 
+import copy
 import warnings
 
 import keras
@@ -28,6 +29,12 @@ def _all_finite(grads):
         values = g.values if isinstance(g, tf.IndexedSlices) else g
         checks.append(tf.reduce_all(tf.math.is_finite(values)))
     return tf.reduce_all(tf.stack(checks))
+
+
+def _divide(g, scale):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values / tf.cast(scale, g.values.dtype), g.indices, g.dense_shape)
+    return g / tf.cast(scale, g.dtype)
 
 
 @keras.saving.register_keras_serializable(package="accum", name="AccumOptimizer")
@@ -119,6 +126,8 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
 
     def _own_state(self):
         """(key, variable) pairs of the wrapper's own state, keyed by name."""
+        if not self.built:
+            return [("micro_steps", self._iterations)]
         pairs = [
             ("micro_steps", self._iterations),
             ("window_steps", self.window_steps),
@@ -191,13 +200,32 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
                 lambda: None,
             )
 
+    def _inner_loss_scale(self):
+        """The inner `LossScaleOptimizer`'s dynamic scale variable, or None."""
+        if isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            return self.inner_optimizer.dynamic_scale
+        return None
+
     def _accumulate(self, grads, indices):
+        scale = self._inner_loss_scale()
+
         def add():
             for g, i in zip(grads, indices):
+                if scale is not None:
+                    # Buffers hold unscaled gradients, so a scale change inside
+                    # a window does not mix scales (scales are powers of two:
+                    # dividing here and multiplying back at the update is exact).
+                    g = _divide(g, tf.cast(scale, self.accumulators[i].dtype))
                 self.assign_add(self.accumulators[i], g)
             self.window_count.assign_add(1)
 
-        tf.cond(_all_finite(grads), add, lambda: None)
+        def skip():
+            if scale is not None:
+                # What the inner LossScaleOptimizer does with a non-finite step.
+                self.inner_optimizer.step_counter.assign(0)
+                scale.assign(scale * 0.5)
+
+        tf.cond(_all_finite(grads), add, skip)
         self.window_steps.assign_add(1)
 
     def _end_window(self, indices):
@@ -221,6 +249,9 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             self.accumulators[i].value / tf.cast(count, self.accumulators[i].dtype)
             for i in indices
         ]
+        scale = self._inner_loss_scale()
+        if scale is not None:
+            grads = [g * tf.cast(scale, g.dtype) for g in grads]
         self.inner_optimizer.apply(grads, [self._trainable_variables[i] for i in indices])
 
     def flush(self):
@@ -277,4 +308,4 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         """Creates the optimizer from `get_config()` output."""
-        return cls._from_config(dict(config), custom_objects)
+        return cls._from_config(copy.deepcopy(config), custom_objects)

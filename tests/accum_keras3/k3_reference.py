@@ -86,3 +86,29 @@ def slot_values(optimizer):
     for i, v in enumerate(optimizer.variables):
         out[f"{i}:{v.name}"] = np.asarray(v.numpy() if hasattr(v, "numpy") else v)
     return out
+
+
+def make_dense_model(seed=0):
+    """A dense-only model (for Adam references through `fit`: no sparse gradients)."""
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((FEATURES,))
+    ids = keras.Input((TOKENS,), dtype="int32")
+    h = keras.layers.Concatenate()([x, keras.ops.cast(ids, "float32") / VOCAB])
+    h = keras.layers.Dense(8, activation="tanh")(h)
+    return keras.Model([x, ids], keras.layers.Dense(1)(h))
+
+
+def run_batches(model, optimizer, batch_list, dense=True):
+    """One reference step per batch of `batch_list` (batches may differ in size)."""
+    step = make_step(model, optimizer, None, dense)
+    for x, ids, y in batch_list:
+        step(tf.constant(x), tf.constant(ids), tf.constant(y))
+
+
+def concat(data, start, stop):
+    return tuple(a[start:stop] for a in data)
+
+
+def state(model, optimizer):
+    """All weights of `model` and all variables of `optimizer`, as NumPy arrays."""
+    return [np.array(w) for w in model.get_weights()] + [np.array(v.numpy()) for v in optimizer.variables]
