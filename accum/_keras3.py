@@ -6,7 +6,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from . import _backends, _batchnorm, _validation
+from . import _backends, _batchnorm, _validation, _window
 from ._base import AccumOptimizer, check_optimizer
 
 _BASE_DEFAULTS = {
@@ -20,21 +20,6 @@ _BASE_DEFAULTS = {
     "loss_scale_factor": None,
     "gradient_accumulation_steps": None,
 }
-
-
-def _all_finite(grads):
-    """A scalar bool tensor: every gradient (dense or `IndexedSlices`) is finite."""
-    checks = []
-    for g in grads:
-        values = g.values if isinstance(g, tf.IndexedSlices) else g
-        checks.append(tf.reduce_all(tf.math.is_finite(values)))
-    return tf.reduce_all(tf.stack(checks))
-
-
-def _divide(g, scale):
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(g.values / tf.cast(scale, g.values.dtype), g.indices, g.dense_shape)
-    return g / tf.cast(scale, g.dtype)
 
 
 @keras.saving.register_keras_serializable(package="accum", name="AccumOptimizer")
@@ -194,10 +179,8 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             else:
                 self._rule.accumulate(self, grads, indices)
             self._iterations.assign_add(1)
-            tf.cond(
-                self.window_steps >= self.steps_per_update,
-                lambda: self._end_window(indices),
-                lambda: None,
+            _window.maybe_end_window(
+                self.steps_per_update, self.window_steps.value, lambda: self._end_window(indices)
             )
 
     def _inner_loss_scale(self):
@@ -209,49 +192,42 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     def _accumulate(self, grads, indices):
         scale = self._inner_loss_scale()
 
-        def add():
-            for g, i in zip(grads, indices):
-                if scale is not None:
-                    # Buffers hold unscaled gradients, so a scale change inside
-                    # a window does not mix scales (scales are powers of two:
-                    # dividing here and multiplying back at the update is exact).
-                    g = _divide(g, tf.cast(scale, self.accumulators[i].dtype))
-                self.assign_add(self.accumulators[i], g)
-            self.window_count.assign_add(1)
+        def on_skip():
+            # What the inner LossScaleOptimizer does with a non-finite step.
+            self.inner_optimizer.step_counter.assign(0)
+            scale.assign(scale * 0.5)
 
-        def skip():
-            if scale is not None:
-                # What the inner LossScaleOptimizer does with a non-finite step.
-                self.inner_optimizer.step_counter.assign(0)
-                scale.assign(scale * 0.5)
-
-        tf.cond(_all_finite(grads), add, skip)
-        self.window_steps.assign_add(1)
+        _window.accumulate(
+            [self.accumulators[i].value for i in indices],
+            grads,
+            self.window_steps.value,
+            self.window_count.value,
+            loss_scale=None if scale is None else scale.value,
+            on_skip=None if scale is None else on_skip,
+        )
 
     def _end_window(self, indices):
         """Applies the window (if it kept any micro-batch) and starts a new one."""
         if self.mode == "buffer":
-            tf.cond(self.window_count > 0, lambda: self._apply_mean(indices), lambda: None)
-            for acc in self.accumulators:
-                acc.assign(tf.zeros(acc.shape, acc.dtype))
-        else:
-            tf.cond(
-                self.window_count > 0,
-                lambda: self._rule.finish(self, indices),
-                lambda: None,
+            _window.end_window(
+                [a.value for a in self.accumulators],
+                self.window_steps.value,
+                self.window_count.value,
+                lambda: self._apply_mean(indices),
             )
-        self.window_steps.assign(0)
-        self.window_count.assign(0)
+        else:
+            _window.end_window(
+                [], self.window_steps.value, self.window_count.value,
+                lambda: self._rule.finish(self, indices),
+            )
 
     def _apply_mean(self, indices):
-        count = self.window_count.value
-        grads = [
-            self.accumulators[i].value / tf.cast(count, self.accumulators[i].dtype)
-            for i in indices
-        ]
         scale = self._inner_loss_scale()
-        if scale is not None:
-            grads = [g * tf.cast(scale, g.dtype) for g in grads]
+        grads = _window.mean_gradients(
+            [self.accumulators[i].value for i in indices],
+            self.window_count.value,
+            loss_scale=None if scale is None else scale.value,
+        )
         self.inner_optimizer.apply(grads, [self._trainable_variables[i] for i in indices])
 
     def flush(self):
@@ -266,7 +242,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         indices = self._last_indices
         if indices is None:
             indices = tuple(range(len(self._trainable_variables)))
-        tf.cond(self.window_steps > 0, lambda: self._end_window(indices), lambda: None)
+        _window.flush(self.window_steps.value, lambda: self._end_window(indices))
 
     def finalize_variable_values(self, var_list):
         """Called at the end of `fit`: warns once about a pending partial window, then
