@@ -86,9 +86,9 @@ def assert_each_close(reference, actual, tol, names=None):
     assert err <= tol, f"{name}: rel err {err:.3g} > {tol:g}"
 
 
-def assert_grouped_close(reference, actual, tol, names, group_of):
+def assert_grouped_close(reference, actual, tol, names, group_of, floor_fraction=0.1):
     """Every array equals its reference to `tol`, relative to its own scale or, if
-    larger, a tenth of the largest scale in its group (`group_of(name)`).
+    larger, `floor_fraction` of the largest scale in its group (`group_of(name)`).
 
     Groups keep the floor meaningful for state of very different magnitudes
     (weights, first moments, second moments): an array whose entries are all
@@ -105,7 +105,7 @@ def assert_grouped_close(reference, actual, tol, names, group_of):
     bad = []
     for name, ref, got in zip(names, reference, actual):
         assert np.shape(ref) == np.shape(got), (name, np.shape(ref), np.shape(got))
-        err = max_rel_err(ref, got, 0.1 * scales[group_of(name)])
+        err = max_rel_err(ref, got, floor_fraction * scales[group_of(name)])
         if not err <= tol:
             bad.append(f"{name}: rel err {err:.3g}")
     assert not bad, f"> {tol:g}: " + "; ".join(bad)

@@ -73,6 +73,7 @@ def compare(make_inner, dtype, k=K, compile=None, updates=UPDATES):
         TOL[dtype],
         names,
         slot_kind,
+        floor_fraction=1.0,
     )
     # Training moved the weights: the comparison is not between two untouched models.
     assert not np.allclose(make_model(dtype).get_weights()[2], model.get_weights()[2])

@@ -1,0 +1,306 @@
+"""`AccumOptimizer` for tf_keras new-style optimizers (`tf_keras.optimizers.*`)."""
+
+import copy
+import warnings
+
+import tensorflow as tf
+import tf_keras
+
+from . import _backends, _batchnorm, _validation, _window
+from ._base import AccumOptimizer, check_optimizer
+
+
+def inner_loss_scale_state(optimizer):
+    """The dynamic loss-scale state of a tf_keras `LossScaleOptimizer`, or None.
+
+    tf_keras exposes the current scale only as a tensor (`loss_scale`); the
+    variables live in the optimizer's `_loss_scale` state object.
+    """
+    if getattr(optimizer, "dynamic", False) and hasattr(optimizer, "get_unscaled_gradients"):
+        return optimizer._loss_scale
+    return None
+
+
+def warn_pending(optimizer):
+    """Warns once (per optimizer) about micro-steps pending at the end of `fit`."""
+    if not optimizer._built_accum or optimizer._warned_pending or not tf.executing_eagerly():
+        return
+    pending = int(optimizer.window_steps.numpy())
+    if pending:
+        optimizer._warned_pending = True
+        warnings.warn(
+            f"AccumOptimizer: {pending} micro-step(s) of an incomplete window "
+            f"(steps_per_update={optimizer.steps_per_update}) are pending at the end "
+            "of training. They stay in the buffer and join the next window; call "
+            "`optimizer.flush()` to apply them now, or pass "
+            "`callbacks=[optimizer.flush_callback()]` to `fit`.",
+            stacklevel=3,
+        )
+
+
+@tf_keras.saving.register_keras_serializable(package="accum", name="AccumOptimizer")
+class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
+    """`AccumOptimizer` wrapping a tf_keras optimizer; see `accum.AccumOptimizer`."""
+
+    _FAMILY = _backends.TF_KERAS
+
+    def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
+        if check_optimizer(optimizer) != self._FAMILY:
+            raise ValueError(
+                "This `AccumOptimizer` class wraps tf_keras (new-style) optimizers; "
+                "build it with `accum.AccumOptimizer(optimizer, steps_per_update)`. "
+                f"Received: optimizer={optimizer!r}"
+            )
+        steps_per_update = _validation.check_steps_per_update(steps_per_update)
+        mode = _validation.check_mode(mode)
+        kwargs.pop("is_legacy_optimizer", None)
+        if kwargs:
+            raise ValueError(
+                f"AccumOptimizer does not support arguments: `{'`, `'.join(kwargs)}`. "
+                "Set them on the inner optimizer."
+            )
+        rule = None
+        if mode == "momentum":
+            from ._momentum_tf_keras import rule_for
+
+            rule = rule_for(optimizer)
+        super().__init__(name=name or "AccumOptimizer")
+        self.inner_optimizer = optimizer
+        self.steps_per_update = steps_per_update
+        self.mode = mode
+        self._rule = rule
+        self._warned_pending = False
+        self._built_accum = False
+        self._last_indices = None
+        # Created here, not in `build`: tf_keras caches an optimizer's checkpoint
+        # children the first time they are listed (a restore before the first
+        # step), so containers must exist from the start. `build` fills them.
+        with tf.init_scope():
+            self.window_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="window_steps")
+            self.window_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="window_count")
+        self._variables += [self.window_steps, self.window_count]
+        self.accumulators = []
+        self._model_variables = self._no_dependency([])
+
+    # ------------------------------------------------------------------ state
+
+    def build(self, var_list):
+        """Creates counters, buffers (`mode="buffer"`) and the inner optimizer's slots."""
+        if self._built_accum:
+            return
+        var_list = list(var_list)
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+        self._model_variables.extend(var_list)
+        if self.mode == "buffer":
+            self.accumulators.extend(
+                self.add_variable_from_reference(v, "accumulator") for v in var_list
+            )
+        else:
+            self._rule.check_built(self.inner_optimizer, var_list)
+        self._built = True
+        self._built_accum = True
+        _batchnorm.warn_for_training_model(self)
+
+    @property
+    def variables(self):
+        """The wrapper's variables (counters, buffers) followed by the inner optimizer's."""
+        return list(self._variables) + list(self.inner_optimizer.variables)
+
+    def _micro_steps_variable(self):
+        return self._iterations
+
+    @property
+    def iterations(self):
+        """Applied updates: the inner optimizer's `iterations`."""
+        return self.inner_optimizer.iterations
+
+    @iterations.setter
+    def iterations(self, variable):
+        self.inner_optimizer.iterations = variable
+
+    @property
+    def learning_rate(self):
+        """The inner optimizer's learning rate (settable, for LR callbacks)."""
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def lr(self):
+        """Alias of `learning_rate` (tf_keras LR callbacks use it)."""
+        return self.inner_optimizer.learning_rate
+
+    @lr.setter
+    def lr(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        """The inner optimizer's gradients (a `LossScaleOptimizer` scales and unscales)."""
+        return self.inner_optimizer.compute_gradients(loss, var_list, tape=tape)
+
+    def get_scaled_loss(self, loss):
+        """The inner `LossScaleOptimizer`'s scaled loss (`loss` if there is none)."""
+        scale = getattr(self.inner_optimizer, "get_scaled_loss", None)
+        return scale(loss) if scale else loss
+
+    def get_unscaled_gradients(self, grads):
+        """The inner `LossScaleOptimizer`'s unscaled gradients (`grads` if there is none)."""
+        unscale = getattr(self.inner_optimizer, "get_unscaled_gradients", None)
+        return unscale(grads) if unscale else grads
+
+    # --------------------------------------------------------------- updates
+
+    def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):
+        """One micro-step: accumulates the gradients; every `steps_per_update`-th call updates."""
+        grads_and_vars = [(g, v) for g, v in grads_and_vars]
+        if not grads_and_vars:
+            return self._iterations
+        with tf.init_scope():
+            self.build([v for _, v in grads_and_vars])
+        grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not grads_and_vars:
+            raise ValueError("No gradients provided for any variable.")
+        aggregate = kwargs.pop("experimental_aggregate_gradients", True)
+        if not skip_gradients_aggregation and aggregate:
+            grads_and_vars = self.aggregate_gradients(grads_and_vars)
+        grads = [g for g, _ in grads_and_vars]
+        variables = [v for _, v in grads_and_vars]
+        indices = tuple(self._variable_index(v) for v in variables)
+        self._last_indices = indices
+        with tf.name_scope(name or self.name):
+            if self.steps_per_update == 1 and self.mode == "buffer":
+                self.inner_optimizer.apply_gradients(
+                    list(zip(grads, variables)), skip_gradients_aggregation=True
+                )
+            else:
+                if self.mode == "buffer":
+                    self._accumulate(grads, indices)
+                else:
+                    self._rule.accumulate(self, grads, indices)
+                _window.maybe_end_window(
+                    self.steps_per_update, self.window_steps, lambda: self._end_window(indices)
+                )
+            return self._iterations.assign_add(1)
+
+    def _variable_index(self, variable):
+        key = self._var_key(variable)
+        if key not in self._index_dict:
+            raise ValueError(
+                f"Unknown variable: {variable.name}. This optimizer can only be called "
+                "for the variables it was originally built with."
+            )
+        return self._index_dict[key]
+
+    def _accumulate(self, grads, indices):
+        state = inner_loss_scale_state(self.inner_optimizer)
+
+        def on_skip():
+            # What the inner LossScaleOptimizer does with a non-finite step.
+            state.counter.assign(0)
+            state.current_loss_scale.assign(
+                tf.maximum(state.current_loss_scale * 0.5, 1.0)
+            )
+
+        _window.accumulate(
+            [self.accumulators[i] for i in indices],
+            grads,
+            self.window_steps,
+            self.window_count,
+            on_skip=None if state is None else on_skip,
+        )
+
+    def _end_window(self, indices):
+        if self.mode == "buffer":
+            _window.end_window(
+                self.accumulators, self.window_steps, self.window_count,
+                lambda: self._apply_mean(indices),
+            )
+        else:
+            _window.end_window(
+                [], self.window_steps, self.window_count, lambda: self._rule.finish(self, indices)
+            )
+
+    def _apply_mean(self, indices):
+        grads = _window.mean_gradients([self.accumulators[i] for i in indices], self.window_count)
+        variables = [self._model_variables[i] for i in indices]
+        self.inner_optimizer.apply_gradients(list(zip(grads, variables)), skip_gradients_aggregation=True)
+
+    def flush(self):
+        """Applies the pending partial window now, normalized by the micro-batches it holds.
+
+        Does nothing if the window is empty or the optimizer is not built. The
+        variables updated are those that got a gradient in the last micro-step
+        (all of them after a restore). Works eagerly and inside `tf.function`.
+        """
+        if not self._built_accum:
+            return
+        indices = self._last_indices
+        if indices is None:
+            indices = tuple(range(len(self._model_variables)))
+        _window.flush(self.window_steps, lambda: self._end_window(indices))
+
+    def finalize_variable_values(self, var_list):
+        """End of `fit`: warns once about a pending partial window; the inner optimizer finalizes (EMA)."""
+        warn_pending(self)
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def _own_state(self):
+        pairs = [
+            ("micro_steps", self._iterations),
+            ("window_steps", self.window_steps),
+            ("window_count", self.window_count),
+        ]
+        seen = set()
+        for acc in self.accumulators:
+            key = f"accumulator:{acc.name.split(':')[0].replace('/', '_')}"
+            n = 1
+            while key in seen:
+                n += 1
+                key = f"{key}#{n}"
+            seen.add(key)
+            pairs.append((key, acc))
+        return pairs
+
+    def save_own_variables(self, store):
+        """Saves counters and buffers by name (the inner optimizer saves its own slots)."""
+        for key, variable in self._own_state():
+            store[key] = variable.numpy()
+
+    def load_own_variables(self, store):
+        """Restores counters and buffers by name; state absent from `store` keeps its value."""
+        keys = set(store.keys())
+        for key, variable in self._own_state():
+            if key in keys:
+                variable.assign(store[key])
+
+    # --------------------------------------------------------- serialization
+
+    def get_config(self):
+        """The wrapper's config, with the inner optimizer's nested under `inner_optimizer`."""
+        return {
+            "name": self.name,
+            "inner_optimizer": tf_keras.optimizers.serialize(self.inner_optimizer),
+            "steps_per_update": self.steps_per_update,
+            "mode": self.mode,
+            "family": self._FAMILY,
+        }
+
+    @classmethod
+    def _from_config(cls, config, custom_objects=None):
+        config.pop("family", None)
+        inner = config.pop("inner_optimizer")
+        if isinstance(inner, dict):
+            inner = tf_keras.optimizers.deserialize(
+                inner,
+                custom_objects=custom_objects,
+                use_legacy_optimizer=cls._FAMILY == _backends.TF_KERAS_LEGACY,
+            )
+        return cls(inner, **config)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Creates the optimizer from `get_config()` output."""
+        return cls._from_config(copy.deepcopy(config), custom_objects)

@@ -1,0 +1,251 @@
+"""`AccumOptimizer` for tf_keras legacy optimizers (`tf_keras.optimizers.legacy.*`, OptimizerV2)."""
+
+import copy
+
+import tensorflow as tf
+import tf_keras
+
+from . import _backends, _batchnorm, _validation, _window
+from ._base import AccumOptimizer, check_optimizer
+from ._tf_keras import inner_loss_scale_state, warn_pending
+
+
+@tf_keras.saving.register_keras_serializable(package="accum", name="LegacyAccumOptimizer")
+class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer):
+    """`AccumOptimizer` wrapping a tf_keras legacy optimizer; see `accum.AccumOptimizer`.
+
+    Counters are optimizer weights and buffers are slots (`get_slot(var,
+    "accumulator")`), so checkpoints restore them by name and by variable.
+    tf_keras's `fit` does not finalize legacy optimizers, so the pending-window
+    warning at the end of `fit` is not issued: use `flush_callback()`.
+    """
+
+    _FAMILY = _backends.TF_KERAS_LEGACY
+
+    def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
+        if check_optimizer(optimizer) != self._FAMILY:
+            raise ValueError(
+                "This `AccumOptimizer` class wraps tf_keras legacy optimizers; build it "
+                "with `accum.AccumOptimizer(optimizer, steps_per_update)`. "
+                f"Received: optimizer={optimizer!r}"
+            )
+        steps_per_update = _validation.check_steps_per_update(steps_per_update)
+        mode = _validation.check_mode(mode)
+        if kwargs:
+            raise ValueError(
+                f"AccumOptimizer does not support arguments: `{'`, `'.join(kwargs)}`. "
+                "Set them on the inner optimizer."
+            )
+        rule = None
+        if mode == "momentum":
+            from ._momentum_tf_keras import rule_for
+
+            rule = rule_for(optimizer)
+        super().__init__(name or "AccumOptimizer")
+        self._inner = optimizer
+        self._track_trackable(optimizer, name="inner_optimizer")
+        self.steps_per_update = steps_per_update
+        self.mode = mode
+        self._rule = rule
+        self._warned_pending = False
+        self._built_accum = False
+        self._last_indices = None
+        self._model_variables = []
+        self._index = {}
+        self.accumulators = []
+
+    @property
+    def inner_optimizer(self):
+        """The wrapped optimizer."""
+        return self._inner
+
+    # ------------------------------------------------------------------ state
+
+    def build(self, var_list):
+        """Creates counters, buffers (`mode="buffer"`) and the inner optimizer's slots."""
+        if self._built_accum:
+            return
+        var_list = list(var_list)
+        with tf.init_scope():
+            # OptimizerV2 has no public `build`; this is what its
+            # `apply_gradients` calls first.
+            self._inner._create_all_weights(var_list)
+            weight = dict(
+                shape=[], dtype=tf.int64, trainable=False,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+            self._micro_steps = self.add_weight("micro_steps", **weight)
+            self.window_steps = self.add_weight("window_steps", **weight)
+            self.window_count = self.add_weight("window_count", **weight)
+            for i, v in enumerate(var_list):
+                self._index[v.ref()] = i
+                if self.mode == "buffer":
+                    self.accumulators.append(self.add_slot(v, "accumulator"))
+        self._model_variables = var_list
+        if self.mode == "momentum":
+            self._rule.check_built(self._inner, var_list)
+        self._built_accum = True
+        _batchnorm.warn_for_training_model(self)
+
+    def _create_all_weights(self, var_list):
+        self.build(var_list)
+
+    def variables(self):
+        """The wrapper's weights (counters), buffers, then the inner optimizer's variables."""
+        return list(self._weights) + list(self.accumulators) + list(self._inner.variables())
+
+    @property
+    def weights(self):
+        """Same as `variables()`."""
+        return self.variables()
+
+    def _micro_steps_variable(self):
+        return self._micro_steps
+
+    @property
+    def iterations(self):
+        """Applied updates: the inner optimizer's `iterations`."""
+        return self._inner.iterations
+
+    @iterations.setter
+    def iterations(self, variable):
+        self._inner.iterations = variable
+
+    @property
+    def learning_rate(self):
+        """The inner optimizer's learning rate (settable, for LR callbacks)."""
+        return self._inner.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self._inner.learning_rate = learning_rate
+
+    @property
+    def lr(self):
+        """Alias of `learning_rate`."""
+        return self._inner.learning_rate
+
+    @lr.setter
+    def lr(self, learning_rate):
+        self._inner.learning_rate = learning_rate
+
+    def get_scaled_loss(self, loss):
+        """The inner `LossScaleOptimizer`'s scaled loss (`loss` if there is none)."""
+        scale = getattr(self._inner, "get_scaled_loss", None)
+        return scale(loss) if scale else loss
+
+    def get_unscaled_gradients(self, grads):
+        """The inner `LossScaleOptimizer`'s unscaled gradients (`grads` if there is none)."""
+        unscale = getattr(self._inner, "get_unscaled_gradients", None)
+        return unscale(grads) if unscale else grads
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        return self._inner._compute_gradients(loss, var_list, grad_loss=grad_loss, tape=tape)
+
+    # --------------------------------------------------------------- updates
+
+    def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
+        """One micro-step: accumulates the gradients; every `steps_per_update`-th call updates."""
+        grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not grads_and_vars:
+            raise ValueError("No gradients provided for any variable.")
+        self.build([v for _, v in grads_and_vars])
+        if experimental_aggregate_gradients:
+            grads_and_vars = self.gradient_aggregator(grads_and_vars)
+        grads = [g for g, _ in grads_and_vars]
+        variables = [v for _, v in grads_and_vars]
+        indices = tuple(self._variable_index(v) for v in variables)
+        self._last_indices = indices
+        with tf.name_scope(name or self._name):
+            if self.steps_per_update == 1 and self.mode == "buffer":
+                self._inner.apply_gradients(
+                    list(zip(grads, variables)), experimental_aggregate_gradients=False
+                )
+            else:
+                if self.mode == "buffer":
+                    self._accumulate(grads, indices)
+                else:
+                    self._rule.accumulate(self, grads, indices)
+                _window.maybe_end_window(
+                    self.steps_per_update, self.window_steps, lambda: self._end_window(indices)
+                )
+            return self._micro_steps.assign_add(1)
+
+    def _variable_index(self, variable):
+        if variable.ref() not in self._index:
+            raise ValueError(
+                f"Unknown variable: {variable.name}. This optimizer can only be called "
+                "for the variables it was originally built with."
+            )
+        return self._index[variable.ref()]
+
+    def _accumulate(self, grads, indices):
+        state = inner_loss_scale_state(self._inner)
+
+        def on_skip():
+            state.counter.assign(0)
+            state.current_loss_scale.assign(tf.maximum(state.current_loss_scale * 0.5, 1.0))
+
+        _window.accumulate(
+            [self.accumulators[i] for i in indices], grads, self.window_steps, self.window_count,
+            on_skip=None if state is None else on_skip,
+        )
+
+    def _end_window(self, indices):
+        if self.mode == "buffer":
+            _window.end_window(
+                self.accumulators, self.window_steps, self.window_count,
+                lambda: self._apply_mean(indices),
+            )
+        else:
+            _window.end_window(
+                [], self.window_steps, self.window_count, lambda: self._rule.finish(self, indices)
+            )
+
+    def _apply_mean(self, indices):
+        grads = _window.mean_gradients([self.accumulators[i] for i in indices], self.window_count)
+        variables = [self._model_variables[i] for i in indices]
+        self._inner.apply_gradients(list(zip(grads, variables)), experimental_aggregate_gradients=False)
+
+    def flush(self):
+        """Applies the pending partial window now, normalized by the micro-batches it holds.
+
+        Does nothing if the window is empty or the optimizer is not built.
+        """
+        if not self._built_accum:
+            return
+        indices = self._last_indices
+        if indices is None:
+            indices = tuple(range(len(self._model_variables)))
+        _window.flush(self.window_steps, lambda: self._end_window(indices))
+
+    def finalize_variable_values(self, var_list):
+        """Warns once about a pending partial window (call it at the end of training)."""
+        warn_pending(self)
+
+    # --------------------------------------------------------- serialization
+
+    def get_config(self):
+        """The wrapper's config, with the inner optimizer's nested under `inner_optimizer`."""
+        return {
+            "name": self._name,
+            "inner_optimizer": tf_keras.optimizers.serialize(self._inner),
+            "steps_per_update": self.steps_per_update,
+            "mode": self.mode,
+            "family": self._FAMILY,
+        }
+
+    @classmethod
+    def _from_config(cls, config, custom_objects=None):
+        config.pop("family", None)
+        inner = config.pop("inner_optimizer")
+        if isinstance(inner, dict):
+            inner = tf_keras.optimizers.deserialize(
+                inner, custom_objects=custom_objects, use_legacy_optimizer=True
+            )
+        return cls(inner, **config)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Creates the optimizer from `get_config()` output."""
+        return cls._from_config(copy.deepcopy(config), custom_objects)
