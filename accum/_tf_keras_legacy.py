@@ -91,8 +91,9 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
         self.build(var_list)
 
     def variables(self):
-        """The wrapper's weights (counters), buffers, then the inner optimizer's variables."""
-        return list(self._weights) + list(self.accumulators) + list(self._inner.variables())
+        """The wrapper's counters and buffers, then the inner optimizer's variables."""
+        own = [self._micro_steps, self.window_steps, self.window_count] if self._built_accum else []
+        return own + list(self._weights) + list(self._inner.variables())
 
     @property
     def weights(self):

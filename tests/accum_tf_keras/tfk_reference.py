@@ -84,3 +84,22 @@ def state(model, optimizer):
     return [np.array(w) for w in model.get_weights()] + [
         np.array(v.numpy()) for v in optimizer_variables(optimizer)
     ]
+
+
+def state_by_variable(model, optimizer):
+    """Like `state`, but optimizer state listed per model variable and slot name, so the
+    order does not depend on creation order (legacy optimizers restored from a
+    checkpoint create their slots in restore order)."""
+    out = [np.array(w) for w in model.get_weights()]
+    opts = [optimizer]
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        opts.append(inner)
+        out += [np.array(int(optimizer.micro_steps)), np.array(int(optimizer.window_steps)),
+                np.array(int(optimizer.window_count))]
+    for opt in opts:
+        out.append(np.array(int(opt.iterations)))
+        for var in model.trainable_variables:
+            for slot in opt.get_slot_names():
+                out.append(opt.get_slot(var, slot).numpy())
+    return out
