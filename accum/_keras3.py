@@ -91,6 +91,9 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     def _micro_steps_variable(self):
         return self._iterations
 
+    def _model_variables_list(self):
+        return self._trainable_variables
+
     @property
     def iterations(self):
         """Applied updates: the inner optimizer's `iterations`."""

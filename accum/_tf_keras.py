@@ -107,6 +107,9 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
         """The wrapper's variables (counters, buffers) followed by the inner optimizer's."""
         return list(self._variables) + list(self.inner_optimizer.variables)
 
+    def _model_variables_list(self):
+        return self._model_variables
+
     def _micro_steps_variable(self):
         return self._iterations
 

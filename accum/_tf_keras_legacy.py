@@ -100,6 +100,9 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
         """Same as `variables()`."""
         return self.variables()
 
+    def _model_variables_list(self):
+        return self._model_variables
+
     def _micro_steps_variable(self):
         return self._micro_steps
 

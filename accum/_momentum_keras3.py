@@ -1,0 +1,61 @@
+"""`mode="momentum"` for Keras 3: access to the slots of `keras.optimizers.SGD`, `Adam` and `AdamW`."""
+
+import keras
+import tensorflow as tf
+
+from . import _momentum
+
+
+class _Keras3Slots:
+    """The `MomentumRule` adapter for a built Keras 3 optimizer."""
+
+    def __init__(self, optimizer, kind):
+        self.optimizer = optimizer
+        self.kind = kind
+        if kind == _momentum.SGD:
+            self.hyper = {"momentum": optimizer.momentum}
+        else:
+            self.hyper = {
+                "beta_1": optimizer.beta_1,
+                "beta_2": optimizer.beta_2,
+                "epsilon": optimizer.epsilon,
+            }
+
+    def slots(self, variable):
+        opt = self.optimizer
+        i = opt._get_variable_index(variable)
+        if self.kind == _momentum.SGD:
+            slots = (opt.momentums[i],)
+        else:
+            slots = (opt._momentums[i], opt._velocities[i])
+        return tuple(None if s is None else s.value for s in slots)
+
+    def learning_rate(self, dtype):
+        return tf.cast(self.optimizer.learning_rate, dtype)
+
+    def iterations(self):
+        return self.optimizer.iterations
+
+    def increment_iterations(self):
+        self.optimizer.iterations.assign_add(1)
+
+    def apply_weight_decay(self, variables):
+        self.optimizer._apply_weight_decay(variables)
+
+
+def rule_for(optimizer):
+    """The `MomentumRule` for a Keras 3 optimizer, or a Keras-style `ValueError`."""
+    _momentum.check_common(optimizer)
+    if type(optimizer) is keras.optimizers.SGD:
+        if not optimizer.momentum:
+            raise _momentum.unsupported(optimizer, "`momentum=0` has no moment slot")
+        if optimizer.nesterov:
+            raise _momentum.unsupported(optimizer, "`nesterov=True` needs the old momentum at the end")
+        kind = _momentum.SGD
+    elif type(optimizer) in (keras.optimizers.Adam, keras.optimizers.AdamW):
+        if optimizer.amsgrad:
+            raise _momentum.unsupported(optimizer, "`amsgrad=True`")
+        kind = _momentum.ADAM
+    else:
+        raise _momentum.unsupported(optimizer, "it is not SGD, Adam or AdamW")
+    return _momentum.MomentumRule(kind, _Keras3Slots(optimizer, kind))
