@@ -330,3 +330,18 @@ def test_sparse_gradients_are_scatter_added_not_densified():
     micro_step(values, indices)
     acc = opt.accumulators[0].numpy()
     assert acc[7].tolist() == [2.0] * dim and acc[3].tolist() == [1.0] * dim and acc[0].sum() == 0
+
+
+def test_public_signature_and_copy():
+    import copy
+    import inspect
+
+    params = inspect.signature(AccumOptimizer).parameters
+    assert list(params)[:3] == ["optimizer", "steps_per_update", "mode"]
+    assert params["mode"].default == "buffer"
+    opt = AccumOptimizer(keras.optimizers.Adam(0.01), 4, mode="buffer")
+    clone = copy.deepcopy(opt)
+    assert type(clone) is type(opt) and clone.steps_per_update == 4
+    assert AccumOptimizer.__doc__
+    for name in ("flush", "flush_callback", "micro_steps", "iterations", "learning_rate", "get_config"):
+        assert getattr(type(opt), name).__doc__, name
