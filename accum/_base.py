@@ -57,6 +57,10 @@ class AccumOptimizer:
       `tf.train.Checkpoint`), so resuming mid-window is bit-exact. The `.keras`
       state is stored by name, so a different `k` at load time keeps the
       inner optimizer's slots.
+    - Keras 3 under a `tf.distribute` strategy (`MirroredStrategy`): the
+      window logic runs in the cross-replica context (no `merge_call` inside a
+      `tf.cond`, what breaks Keras's built-in accumulation), and clipping acts
+      on the window's global mean, as on one device. (`mode="buffer"` only.)
     - BatchNormalization cannot be accumulated (each micro-batch is normalized
       with its own statistics): a warning is issued when the optimizer is built
       for a model that contains one.

@@ -177,6 +177,9 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             self._iterations.assign_add(1)
             return
         with keras.name_scope(self.name, caller=self):
+            if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+                self._replica_micro_step(grads, indices)
+                return
             if self.mode == "buffer":
                 self._accumulate(grads, indices)
             else:
@@ -185,6 +188,66 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             _window.maybe_end_window(
                 self.steps_per_update, self.window_steps.value, lambda: self._end_window(indices)
             )
+
+    # ---------------------------------------------------- tf.distribute path
+
+    def _replica_micro_step(self, grads, indices):
+        """A micro-step under a `tf.distribute` strategy (e.g. `MirroredStrategy`).
+
+        A strategy synchronizes replicas with `merge_call`, which cannot run
+        inside a `tf.cond` branch (what breaks Keras's built-in accumulation,
+        keras-team/keras#20582). So, as Keras's `LossScaleOptimizer` does, the
+        window logic runs in the cross-replica context: the gradients are
+        summed over replicas, accumulated into the mirrored buffers, and a
+        full window calls the inner optimizer back in each replica.
+        """
+        if self.mode != "buffer":
+            raise ValueError(
+                '`mode="momentum"` does not support `tf.distribute` strategies yet; '
+                'use `mode="buffer"`.'
+            )
+        tf.distribute.get_replica_context().merge_call(
+            self._cross_replica_micro_step, args=(grads, indices)
+        )
+
+    def _cross_replica_micro_step(self, distribution, grads, indices):
+        variables = [self._trainable_variables[i].value for i in indices]
+        reduced = distribution.extended.batch_reduce_to(
+            tf.distribute.ReduceOp.SUM, list(zip(grads, variables))
+        )
+        self._accumulate(reduced, indices)
+        self._iterations.assign_add(1)
+
+        def end():
+            def apply_fn():
+                distribution.extended.call_for_each_replica(
+                    self._replica_apply_mean, args=(indices,)
+                )
+
+            _window.end_window(
+                [a.value for a in self.accumulators],
+                self.window_steps.value,
+                self.window_count.value,
+                apply_fn,
+            )
+
+        _window.maybe_end_window(self.steps_per_update, self.window_steps.value, end)
+
+    def _replica_apply_mean(self, indices):
+        # The buffers hold the mean over replicas, and the inner optimizer sums
+        # its gradients over replicas (after clipping them): the first replica
+        # passes the mean and the others zeros, so clipping acts on the mean
+        # of the whole window (as on one device) and the sum is exact.
+        context = tf.distribute.get_replica_context()
+        first = tf.cast(tf.equal(context.replica_id_in_sync_group, 0), tf.float32)
+        scale = self._inner_loss_scale()
+        grads = _window.mean_gradients(
+            [self.accumulators[i].value for i in indices],
+            self.window_count.value,
+            loss_scale=None if scale is None else scale.value,
+        )
+        grads = [g * tf.cast(first, g.dtype) for g in grads]
+        self.inner_optimizer.apply(grads, [self._trainable_variables[i] for i in indices])
 
     def _inner_loss_scale(self):
         """The inner `LossScaleOptimizer`'s dynamic scale variable, or None."""
