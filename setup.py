@@ -4,18 +4,19 @@ setup(
     name="keras-train-memory",
     version="0.1.0",
     description=(
-        "Exact-gradient activation recomputation (@recompute_grad) for Keras 3 "
-        "and tf_keras, so BERT-size models fit larger batches in memory."
+        "Exact-gradient activation recomputation (@recompute_grad) and gradient "
+        "accumulation (AccumOptimizer) for Keras 3 and tf_keras: larger batches "
+        "in memory and larger effective batches per update."
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11,<3.12",
-    packages=find_packages(include=["recompute", "recompute.*"]),
+    packages=find_packages(include=["recompute", "recompute.*", "accum", "accum.*"]),
     install_requires=[
         "tensorflow==2.21.*",
         "keras>=3.15,<4",
         "tf-keras==2.21.*",
         "numpy",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={"test": ["pytest>=8", "scikit-learn"]},
 )
