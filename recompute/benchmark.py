@@ -9,10 +9,11 @@ subprocess (`python -m recompute.benchmark --worker ...`), which builds the
 model, traces and warms up one compiled training step (`tf.function` with a
 `GradientTape` and `optimizer.apply`), and then measures:
 
-- activation memory: TensorFlow's CPU allocator peak during one step minus the
-  allocator's `current` bytes just before it (stats reset before the step);
+- activation memory: TensorFlow's CPU allocator peak during a step minus the
+  allocator's `current` bytes just before it (stats reset before the step),
+  the median over `--steps` steps after two warm-up steps;
 - peak RSS of the process (VmHWM);
-- CPU seconds per step (`time.process_time`, all threads) over `--steps` steps.
+- CPU seconds per step (`time.process_time`, all threads), mean of those steps.
 
 Per-sample activation memory is the slope between the batch sizes (fixed costs
 such as gradients and optimizer temporaries cancel). The parent prints a table
@@ -33,7 +34,7 @@ MiB = 1024.0 * 1024.0
 
 FULL = dict(layers=12, hidden=768, heads=12, ffn=3072, seq=512, vocab=30522,
             batch_sizes=(2, 6), steps=3, dropout=0.1)
-QUICK = dict(layers=2, hidden=64, heads=4, ffn=256, seq=64, vocab=1000,
+QUICK = dict(layers=3, hidden=256, heads=4, ffn=1024, seq=128, vocab=1000,
              batch_sizes=(2, 6), steps=2, dropout=0.1)
 SHAPE_KEYS = ("layers", "hidden", "heads", "ffn", "seq", "vocab", "dropout")
 PREFIX = "[recompute.benchmark]"
@@ -44,7 +45,7 @@ def _progress(message):
 
 
 # --------------------------------------------------------------------------
-# The model (built in the worker only: the parent never imports TensorFlow).
+# The model (built in the worker processes only).
 
 
 def build_model(cfg):
@@ -58,48 +59,61 @@ def build_model(cfg):
     seq, vocab, rate = cfg["seq"], cfg["vocab"], cfg["dropout"]
     head_dim = hidden // heads
 
-    class AttentionCore(keras.layers.Layer):
-        """softmax(q k^T / sqrt(d)) with dropout, times v; lean on memory.
+    @tf.custom_gradient
+    def gelu(x):
+        """Exact (erf) GELU that keeps one [batch, seq, ffn] tensor for its gradient.
 
-        Scores and probabilities are one [batch, heads, seq, seq] buffer each,
-        used once: only the probabilities (needed by the softmax gradient)
-        and the 1-byte keep mask stay alive for the backward pass; the
-        dropped-out probabilities are rebuilt from them in the gradient.
+        Autodiff through `keras.activations.gelu` (a composite of TensorFlow
+        ops) keeps several of its intermediates per block, and its derivative
+        ops that need no incoming gradient run during the forward pass and wait
+        there. This keeps what a fused GELU kernel keeps, one tensor (here the
+        derivative, so that the gradient is a single in-place multiply), and
+        orders the forward ops so that at most three such tensors are alive.
+        """
+        slope = x * (tf.exp(-0.5 * tf.square(x)) * (1.0 / math.sqrt(2.0 * math.pi)))
+        with tf.control_dependencies([slope]):
+            cdf = 0.5 * (1.0 + tf.math.erf(x * (1.0 / math.sqrt(2.0))))
+        derivative = cdf + slope
+        with tf.control_dependencies([derivative]):
+            y = x * cdf
+
+        def grad(dy):
+            return dy * derivative
+
+        return y, grad
+
+    class Dropout(keras.layers.Layer):
+        """Inverted dropout like `keras.layers.Dropout`, drawing 16 random bits per element.
+
+        `keras.layers.Dropout` draws a float32 per element with TensorFlow's
+        single-threaded Philox kernel, a quarter to a third of this model's
+        forward pass on CPU (the [seq, seq] attention masks) -- paid again by
+        every recomputation. Here each 32-bit draw gives two elements their
+        16-bit keep test (the rate is rounded to a multiple of 1/65536): half
+        the random numbers. The seed comes from a `SeedGenerator`, as in Keras
+        (seeded by `keras.utils.set_random_seed`), so a recomputation replays
+        the mask.
         """
 
         def __init__(self, rate, **kwargs):
             super().__init__(**kwargs)
             self.rate = rate
-            self.seed_generator = keras.random.SeedGenerator(1337)
+            self.threshold = min(int(round(rate * 65536)), 65535)
+            self.seed_generator = keras.random.SeedGenerator()
 
-        def call(self, q, k, v, training=None):
-            # q, k, v: [batch, heads, seq, head_dim]; q already scaled.
-            dropout = bool(training) and self.rate > 0.0
-            if not dropout:
-                probs = tf.nn.softmax(tf.matmul(q, k, transpose_b=True), axis=-1)
-                return tf.matmul(probs, v)
-            seed = tf.cast(self.seed_generator.next(), tf.int32)
-            return _attention_with_dropout(q, k, v, seed)
-
-    @tf.custom_gradient
-    def _attention_with_dropout(q, k, v, seed):
-        probs = tf.nn.softmax(tf.matmul(q, k, transpose_b=True), axis=-1)
-        keep = tf.random.stateless_uniform(tf.shape(probs), seed=seed) >= rate
-        scale = 1.0 / (1.0 - rate)
-        dropped = tf.where(keep, probs * scale, tf.zeros_like(probs))
-        out = tf.matmul(dropped, v)
-
-        def grad(dout):
-            dropped_b = tf.where(keep, probs * scale, tf.zeros_like(probs))
-            dv = tf.matmul(dropped_b, dout, transpose_a=True)
-            ddropped = tf.matmul(dout, v, transpose_b=True)
-            dprobs = tf.where(keep, ddropped * scale, tf.zeros_like(ddropped))
-            dscores = probs * (dprobs - tf.reduce_sum(dprobs * probs, -1, keepdims=True))
-            dq = tf.matmul(dscores, k)
-            dk = tf.matmul(dscores, q, transpose_a=True)
-            return dq, dk, dv, None
-
-        return out, grad
+        def call(self, x, training=None):
+            if not training or self.rate == 0.0:
+                return x
+            seed = tf.cast(self.seed_generator.next() % (2**31 - 1), tf.int32)
+            if x.shape[-1] is not None and x.shape[-1] % 2 == 0:
+                shape = tf.concat([tf.shape(x)[:-1], [tf.shape(x)[-1] // 2]], 0)
+                bits = tf.random.stateless_uniform(
+                    shape, seed, minval=None, maxval=None, dtype=tf.uint32
+                )
+                keep = tf.reshape(tf.bitcast(bits, tf.uint16), tf.shape(x)) >= self.threshold
+            else:
+                keep = tf.random.stateless_uniform(tf.shape(x), seed) >= self.rate
+            return tf.where(keep, x * (1.0 / (1.0 - self.rate)), 0.0)
 
     class Block(keras.layers.Layer):
         """Post-LN transformer block: self-attention + FFN, 2 LayerNorms, residuals, dropout."""
@@ -108,12 +122,12 @@ def build_model(cfg):
             super().__init__(**kwargs)
             self.qkv = keras.layers.Dense(3 * hidden, name="qkv")
             self.attn_out = keras.layers.Dense(hidden, name="attn_out")
-            self.core = AttentionCore(rate, name="core")
-            self.drop1 = keras.layers.Dropout(rate, seed=1)
+            self.attn_drop = Dropout(rate)
+            self.drop1 = Dropout(rate)
             self.norm1 = keras.layers.LayerNormalization(epsilon=1e-12, name="norm1")
-            self.ffn_in = keras.layers.Dense(ffn, activation="gelu", name="ffn_in")
+            self.ffn_in = keras.layers.Dense(ffn, activation=gelu, name="ffn_in")
             self.ffn_out = keras.layers.Dense(hidden, name="ffn_out")
-            self.drop2 = keras.layers.Dropout(rate, seed=2)
+            self.drop2 = Dropout(rate)
             self.norm2 = keras.layers.LayerNormalization(epsilon=1e-12, name="norm2")
 
         def build(self, input_shape):
@@ -128,9 +142,17 @@ def build_model(cfg):
         def call(self, x, training=None):
             batch, length = tf.shape(x)[0], tf.shape(x)[1]
             qkv = tf.reshape(self.qkv(x), [batch, length, 3, heads, head_dim])
-            qkv = tf.transpose(qkv, [2, 0, 3, 1, 4])  # [3, batch, heads, seq, d]
-            q = qkv[0] * (1.0 / math.sqrt(head_dim))
-            context = self.core(q, qkv[1], qkv[2], training=training)
+            # [batch, heads, seq, d] each; unstack (not qkv[i]) so that the
+            # gradient is one stack, not three zero-padded full-size tensors.
+            q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))
+            # Keeps what any framework keeps: the softmax output, the 1-byte
+            # dropout mask and the dropped-out probabilities, one of each. (The
+            # scale goes on q: on the scores, TensorFlow's gradient of the
+            # multiply would keep the [seq, seq] scores too.)
+            q = q * (1.0 / math.sqrt(head_dim))
+            probs = tf.nn.softmax(tf.matmul(q, k, transpose_b=True), axis=-1)
+            probs = self.attn_drop(probs, training=training)
+            context = tf.matmul(probs, v)  # [batch, heads, seq, d]
             context = tf.reshape(tf.transpose(context, [0, 2, 1, 3]), [batch, length, hidden])
             x = self.norm1(x + self.drop1(self.attn_out(context), training=training))
             y = self.ffn_out(self.ffn_in(x))
@@ -142,10 +164,10 @@ def build_model(cfg):
             self.tokens = keras.layers.Embedding(vocab, hidden, name="tokens")
             self.positions = keras.layers.Embedding(seq, hidden, name="positions")
             self.norm = keras.layers.LayerNormalization(epsilon=1e-12, name="emb_norm")
-            self.drop = keras.layers.Dropout(rate, seed=3)
+            self.drop = Dropout(rate)
             self.blocks = [Block(name=f"block_{i}") for i in range(cfg["layers"])]
             self.pool = keras.layers.Dense(hidden, activation="tanh", name="pool")
-            self.head_drop = keras.layers.Dropout(rate, seed=4)
+            self.head_drop = Dropout(rate)
             self.classifier = keras.layers.Dense(2, name="classifier")
 
         def call(self, ids, training=None):
@@ -238,7 +260,7 @@ def run_worker(cfg, batch, steps, out_path):
     batches = [
         (rng.uniform([batch, cfg["seq"]], 0, cfg["vocab"], dtype=tf.int32),
          rng.uniform([batch], 0, 2, dtype=tf.int32))
-        for _ in range(steps + 3)
+        for _ in range(steps + 2)
     ]
 
     t0 = time.process_time()
@@ -246,29 +268,34 @@ def run_worker(cfg, batch, steps, out_path):
     _progress(f"{tag}: traced and ran the first step in "
               f"{time.process_time() - t0:.1f} CPU s; warming up")
     train_step(*batches[1]).numpy()
+    _progress(f"{tag}: measuring {steps} step(s)")
 
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    loss = float(train_step(*batches[2]).numpy())
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-    activation = peak - before
-    _progress(f"{tag}: activation memory {activation / MiB:.1f} MiB; "
-              f"timing {steps} step(s)")
-
-    t0 = time.process_time()
-    w0 = time.perf_counter()
-    for ids, labels in batches[3:]:
-        train_step(ids, labels).numpy()
-    cpu = (time.process_time() - t0) / steps
-    wall = (time.perf_counter() - w0) / steps
+    # Each measured step: allocator stats reset just before it; its activation
+    # memory is the allocator's peak during the step minus what was in use
+    # before it. It varies from step to step by a few percent (the executor's
+    # op order and the allocator's reuse of free chunks vary): the median is
+    # reported, every step's value is in the JSON.
+    activations, cpu, wall, losses = [], [], [], []
+    for ids, labels in batches[2:]:
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        c0, w0 = time.process_time(), time.perf_counter()
+        losses.append(float(train_step(ids, labels).numpy()))
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+        activations.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+    activation = sorted(activations)[(len(activations) - 1) // 2]  # median (lower)
+    cpu_step = sum(cpu) / len(cpu)
+    wall_step = sum(wall) / len(wall)
     result = dict(
         recompute=mode, recompute_enabled=recompute.is_enabled(), batch=batch,
-        activation_bytes=int(activation), peak_bytes=int(peak), current_before=int(before),
-        rss_hwm_bytes=_vm_hwm_kib() * 1024, cpu_s_per_step=cpu, wall_s_per_step=wall,
-        loss=loss, params=n_params,
-        onednn=os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default"),
+        activation_bytes=int(activation), activation_bytes_per_step=[int(a) for a in activations],
+        rss_hwm_bytes=_vm_hwm_kib() * 1024, cpu_s_per_step=cpu_step,
+        cpu_s_per_step_each=cpu, wall_s_per_step=wall_step, loss=losses[0], params=n_params,
     )
-    _progress(f"{tag}: {cpu:.2f} CPU s/step ({wall:.2f} s wall)")
+    _progress(f"{tag}: activation memory {activation / MiB:.1f} MiB "
+              f"(median of steps: {', '.join(f'{a / MiB:.1f}' for a in activations)}); "
+              f"{cpu_step:.2f} CPU s/step ({wall_step:.2f} s wall)")
     with open(out_path, "w") as f:
         json.dump(result, f)
 
@@ -469,6 +496,14 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    try:
+        return _main(argv)
+    except RuntimeError as e:  # a worker failed: its stderr tail is printed already
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _main(argv=None):
     args = parse_args(argv)
     cfg = {key: getattr(args, key) for key in SHAPE_KEYS}
     if args.worker:
@@ -478,9 +513,12 @@ def main(argv=None):
     batch_sizes = sorted(args.batch_sizes)
     runs = []
     start = time.perf_counter()
-    for mode in args.modes:
-        for batch in batch_sizes:
+    # Interleaved (off, on at each batch size) so that a change in the load of
+    # the machine during the run does not bias the time ratio.
+    for batch in batch_sizes:
+        for mode in args.modes:
             runs.append(_spawn(cfg, mode, batch, args.steps))
+    runs.sort(key=lambda r: (args.modes.index(r["recompute"]), r["batch"]))
     summary, ratios = summarize(runs, args.modes, batch_sizes)
     _progress(f"done in {time.perf_counter() - start:.0f} s wall")
     print_report(cfg, runs, summary, ratios)
