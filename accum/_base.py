@@ -128,6 +128,44 @@ class AccumOptimizer:
 
         return make_flush_callback(self, at)
 
+    # ------------------------------------------------- state saved by name
+    # Keras saves an optimizer's variables by position; the wrapper's own
+    # counters and buffers are saved by name instead, so that a different `k`
+    # (or a different wrapper) at load time keeps the inner optimizer's slots.
+
+    def _has_window_state(self):
+        """Whether the window counters and buffers exist yet (overridden per family)."""
+        return True
+
+    def _own_state(self):
+        """(key, variable) pairs of the wrapper's own state, keyed by name."""
+        pairs = [("micro_steps", self._micro_steps_variable())]
+        if not self._has_window_state():
+            return pairs
+        pairs += [("window_steps", self.window_steps), ("window_count", self.window_count)]
+        seen = set()
+        for acc in self.accumulators:
+            base = f"accumulator:{acc.name.split(':')[0].replace('/', '_')}"
+            key, n = base, 1
+            while key in seen:
+                n += 1
+                key = f"{base}#{n}"
+            seen.add(key)
+            pairs.append((key, acc))
+        return pairs
+
+    def save_own_variables(self, store):
+        """Saves counters and buffers by name (the inner optimizer saves its own slots)."""
+        for key, variable in self._own_state():
+            store[key] = variable.numpy()
+
+    def load_own_variables(self, store):
+        """Restores counters and buffers by name; state absent from `store` keeps its value."""
+        keys = set(store.keys())
+        for key, variable in self._own_state():
+            if key in keys:
+                variable.assign(store[key])
+
     @classmethod
     def from_config(cls, config, custom_objects=None):
         """Creates an `AccumOptimizer` from `get_config()` output (inner optimizer nested)."""

@@ -112,37 +112,8 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         """Scales the loss as the inner optimizer does (loss scaling lives there)."""
         return self.inner_optimizer.scale_loss(loss)
 
-    def _own_state(self):
-        """(key, variable) pairs of the wrapper's own state, keyed by name."""
-        if not self.built:
-            return [("micro_steps", self._iterations)]
-        pairs = [
-            ("micro_steps", self._iterations),
-            ("window_steps", self.window_steps),
-            ("window_count", self.window_count),
-        ]
-        seen = set()
-        for acc in self.accumulators:
-            key = f"accumulator:{acc.name}"
-            n = 1
-            while key in seen:
-                n += 1
-                key = f"accumulator:{acc.name}#{n}"
-            seen.add(key)
-            pairs.append((key, acc))
-        return pairs
-
-    def save_own_variables(self, store):
-        """Saves counters and buffers by name (the inner optimizer saves its own slots)."""
-        for key, variable in self._own_state():
-            store[key] = variable.numpy()
-
-    def load_own_variables(self, store):
-        """Restores counters and buffers by name; state absent from `store` keeps its value."""
-        keys = set(store.keys())
-        for key, variable in self._own_state():
-            if key in keys:
-                variable.assign(store[key])
+    def _has_window_state(self):
+        return self.built
 
     # --------------------------------------------------------------- updates
 

@@ -107,6 +107,9 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
         """The wrapper's variables (counters, buffers) followed by the inner optimizer's."""
         return list(self._variables) + list(self.inner_optimizer.variables)
 
+    def _has_window_state(self):
+        return self._built_accum
+
     def _model_variables_list(self):
         return self._model_variables
 
@@ -249,35 +252,6 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
         """End of `fit`: warns once about a pending partial window; the inner optimizer finalizes (EMA)."""
         warn_pending(self)
         self.inner_optimizer.finalize_variable_values(var_list)
-
-    def _own_state(self):
-        pairs = [
-            ("micro_steps", self._iterations),
-            ("window_steps", self.window_steps),
-            ("window_count", self.window_count),
-        ]
-        seen = set()
-        for acc in self.accumulators:
-            key = f"accumulator:{acc.name.split(':')[0].replace('/', '_')}"
-            n = 1
-            while key in seen:
-                n += 1
-                key = f"{key}#{n}"
-            seen.add(key)
-            pairs.append((key, acc))
-        return pairs
-
-    def save_own_variables(self, store):
-        """Saves counters and buffers by name (the inner optimizer saves its own slots)."""
-        for key, variable in self._own_state():
-            store[key] = variable.numpy()
-
-    def load_own_variables(self, store):
-        """Restores counters and buffers by name; state absent from `store` keeps its value."""
-        keys = set(store.keys())
-        for key, variable in self._own_state():
-            if key in keys:
-                variable.assign(store[key])
 
     # --------------------------------------------------------- serialization
 

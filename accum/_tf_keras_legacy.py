@@ -100,6 +100,9 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
         """Same as `variables()`."""
         return self.variables()
 
+    def _has_window_state(self):
+        return self._built_accum
+
     def _model_variables_list(self):
         return self._model_variables
 
