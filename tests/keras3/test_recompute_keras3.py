@@ -580,3 +580,42 @@ def test_recomputed_random_ops_wait_for_the_gradient():
 
     for op in recomputed:
         assert any(name.startswith("gradient_tape/") for name in ancestors(op)), op.name
+
+
+class EmbeddingBlock(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.emb = keras.layers.Embedding(50, 8)
+        self.dense = keras.layers.Dense(8)
+        self.drop = keras.layers.Dropout(0.2)
+
+    @recompute_grad
+    def call(self, ids, x, training=None):
+        return self.drop(self.dense(self.emb(ids) + x), training=training)
+
+
+@pytest.mark.parametrize("compile_mode", ["eager", "function", "jit"])
+def test_embedding_inside_keeps_sparse_gradient(compile_mode):
+    ids = tf.constant([[1, 2, 3], [3, 4, 1]])
+    x = inputs((2, 3, 8))
+    results = []
+    for on in (False, True):
+        keras.utils.set_random_seed(0)
+        layer = EmbeddingBlock()
+        layer(ids, x)
+
+        def step(ids, x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(layer(ids, x, training=True) ** 2)
+            return loss, tape.gradient(loss, [x] + layer.trainable_variables)
+
+        if compile_mode == "function":
+            step = tf.function(step)
+        elif compile_mode == "jit":
+            step = tf.function(step, jit_compile=True)
+        with recompute.recompute_scope(on):
+            loss, grads = step(ids, x)
+        assert isinstance(grads[1], tf.IndexedSlices)  # the embedding table's gradient
+        results.append([float(loss)] + to_numpy(grads))
+    assert_all_close(results[0], results[1])
