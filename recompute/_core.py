@@ -119,11 +119,8 @@ def recomputed_call(adapter, call, layer, args, kwargs):
     before = adapter.state_variables(layer)
     pre = {id(adapter.tf_variable(v)): adapter.tf_variable(v).read_value() for v in before}
     layers = adapter.sublayers(layer)
-    legacy = adapter.legacy_random_generators(layers)
-    legacy_seed = None
-    if legacy:
-        _warn_legacy_rng(layer)
-        legacy_seed = adapter.draw_legacy_seed(legacy)
+    legacy = adapter.legacy_rng_in_use(layers)
+    legacy_seed = adapter.draw_legacy_seed() if legacy else None
 
     created = {}  # variables the forward call creates (first call): their initial values
 
@@ -135,8 +132,11 @@ def recomputed_call(adapter, call, layer, args, kwargs):
     def run_call(inputs):
         call_args, call_kwargs = rebuild(inputs)
         if legacy:
-            with adapter.replay_legacy_rng(legacy, legacy_seed):
-                return call(layer, *call_args, **call_kwargs)
+            with adapter.replay_legacy_rng(legacy_seed) as replay:
+                outputs = call(layer, *call_args, **call_kwargs)
+            if replay.draws:
+                _warn_legacy_rng(layer)
+            return outputs
         return call(layer, *call_args, **call_kwargs)
 
     produced = {}  # what the forward call returned: structure and loss slots

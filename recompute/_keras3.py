@@ -146,9 +146,13 @@ def track_losses(layers):
     return added
 
 
-def legacy_random_generators(layers):
-    return []  # Keras 3 draws every random number from a SeedGenerator
+def legacy_rng_in_use(layers):
+    return False  # Keras 3 draws every random number from a SeedGenerator
 
 
-def replay_legacy_rng(generators, seed):
-    return contextlib.nullcontext()
+def draw_legacy_seed():
+    raise AssertionError("Keras 3 has no legacy RNG")
+
+
+def replay_legacy_rng(seed):
+    raise AssertionError("Keras 3 has no legacy RNG")

@@ -7,15 +7,18 @@ has no public API for them; they are all read here and nowhere else.
 Random numbers. With `tf_keras.backend.experimental.enable_tf_random_generator()`
 each layer draws from a `tf.random.Generator` whose state is a variable: it is
 replayed exactly like any other state. By default, though, tf_keras uses legacy
-stateful random ops, whose hidden kernel state cannot be saved or rewound. For
-those layers, each decorated call draws one seed from the legacy generator and
-makes the layers' random ops stateless functions of it, in the forward pass and
-again in the recomputation: the masks of both passes are identical (gradients
-are exact for the forward pass that ran), but they are not the masks a run
-without recomputation would have drawn.
+stateful random ops, whose hidden kernel state cannot be saved or rewound. Then
+each decorated call draws one seed from the legacy generator and, while the
+call runs (forward pass, and again in the recomputation), every legacy draw of
+a tf_keras `RandomGenerator` in this thread -- including those of `Dropout`
+layers created inside `call`, as bert4keras's attention does -- becomes a
+stateless function of that seed and of its position in the call: the masks of
+both passes are identical (gradients are exact for the forward pass that ran),
+but they are not the masks a run without recomputation would have drawn.
 """
 
 import contextlib
+import threading
 
 import tensorflow as tf
 
@@ -155,45 +158,106 @@ def track_losses(layers):
     return added
 
 
-def legacy_random_generators(layers):
-    """The `RandomGenerator`s among `layers` that use legacy stateful ops."""
-    out = []
-    for lyr, gen in _generators(layers):
-        if gen._rng_type == gen.RNG_LEGACY_STATEFUL:
-            out.append((lyr, gen))
-    return out
+def legacy_rng_in_use(layers):
+    """True if random numbers drawn in the call may come from legacy stateful ops.
+
+    That is the case whenever tf_keras's replayable RNG is off (its default):
+    a layer may also create its `Dropout` inside `call` (bert4keras's attention
+    does), so looking at the existing sublayers is not enough.
+    """
+    from tf_keras.src import backend
+
+    if not backend.is_tf_random_generator_enabled():
+        return True
+    return any(gen._rng_type == gen.RNG_LEGACY_STATEFUL for _, gen in _generators(layers))
 
 
-def draw_legacy_seed(generators):
-    """One int64 seed pair from the legacy stateful RNG (advances it like a random op)."""
-    _, gen = generators[0]
-    return tf.random.uniform(
-        [2], minval=-(2**31), maxval=2**31 - 1, dtype=tf.int64,
-        seed=gen.make_legacy_seed(),
-    )
+class _LegacyReplay:
+    """The seeds one decorated call hands out to legacy random ops, in draw order."""
+
+    def __init__(self, seed):
+        self.seed = seed
+        self.draws = 0
+
+    def next_seed(self):
+        self.draws += 1
+        return tf.random.experimental.stateless_fold_in(self.seed, self.draws)
+
+
+_replays = threading.local()  # .stack: the active `_LegacyReplay`s of this thread
+_redirect_lock = threading.Lock()
+_redirect_users = 0
+_REDIRECTED = ("dropout", "random_uniform", "random_normal", "truncated_normal")
+_saved_methods = {}
+
+
+def _active_replay():
+    stack = getattr(_replays, "stack", None)
+    return stack[-1] if stack else None
+
+
+def draw_legacy_seed():
+    """The seed of one decorated call's legacy random draws.
+
+    Outermost call: one int64 pair from the legacy stateful RNG (so it follows
+    `tf.random.set_seed` like any random op). Inside another decorated call:
+    the next seed of the enclosing replay, so that it is replayed as well.
+    """
+    outer = _active_replay()
+    if outer is not None:
+        return outer.next_seed()
+    return tf.random.uniform([2], minval=-(2**31), maxval=2**31 - 1, dtype=tf.int64)
+
+
+def _redirecting(original):
+    def method(self, *args, **kwargs):
+        replay = _active_replay()
+        self._maybe_init()
+        if replay is None or self._rng_type != self.RNG_LEGACY_STATEFUL:
+            return original(self, *args, **kwargs)
+        # For this draw only, a stateless generator seeded by the replay.
+        object.__setattr__(self, "_rng_type", self.RNG_STATELESS)
+        object.__setattr__(self, "make_seed_for_stateless_op", replay.next_seed)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            object.__setattr__(self, "_rng_type", self.RNG_LEGACY_STATEFUL)
+            object.__delattr__(self, "make_seed_for_stateless_op")
+
+    method.__name__ = original.__name__
+    method.__doc__ = original.__doc__
+    return method
 
 
 @contextlib.contextmanager
-def replay_legacy_rng(generators, seed):
-    """Makes the layers' legacy generators stateless functions of `seed` for a call."""
+def replay_legacy_rng(seed):
+    """Makes every legacy-RNG draw of tf_keras in this thread a stateless function of `seed`.
+
+    Yields the `_LegacyReplay`, whose `draws` counts the draws redirected.
+    The redirect is installed on tf_keras's `RandomGenerator` class while at
+    least one decorated call is inside this context (in any thread), acts only
+    in threads that are inside it, and is removed when the last one leaves.
+    """
+    global _redirect_users
     from tf_keras.src.backend import RandomGenerator
 
-    class _Replay(RandomGenerator):
-        def __init__(self, index):
-            super().__init__(seed=None, rng_type=RandomGenerator.RNG_STATELESS)
-            self._built = True
-            self._base = tf.random.experimental.stateless_fold_in(seed, index)
-            self._draws = 0
-
-        def make_seed_for_stateless_op(self):
-            self._draws += 1
-            return tf.random.experimental.stateless_fold_in(self._base, self._draws)
-
-    originals = [(lyr, lyr.__dict__["_random_generator"]) for lyr, _ in generators]
+    replay = _LegacyReplay(seed)
+    with _redirect_lock:
+        if _redirect_users == 0:
+            for name in _REDIRECTED:
+                _saved_methods[name] = RandomGenerator.__dict__[name]
+                setattr(RandomGenerator, name, _redirecting(_saved_methods[name]))
+        _redirect_users += 1
+    stack = getattr(_replays, "stack", None)
+    if stack is None:
+        stack = _replays.stack = []
+    stack.append(replay)
     try:
-        for index, (lyr, _) in enumerate(originals):
-            object.__setattr__(lyr, "_random_generator", _Replay(index))
-        yield
+        yield replay
     finally:
-        for lyr, gen in originals:
-            object.__setattr__(lyr, "_random_generator", gen)
+        stack.pop()
+        with _redirect_lock:
+            _redirect_users -= 1
+            if _redirect_users == 0:
+                for name in _REDIRECTED:
+                    setattr(RandomGenerator, name, _saved_methods.pop(name))

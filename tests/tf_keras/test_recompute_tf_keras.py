@@ -283,3 +283,39 @@ def test_disabled_runs_the_original_call_once():
         with tf.GradientTape():
             model(inputs(), training=True)
     assert CALLS["n"] == 3
+
+
+class InlineDropout(K.layers.Layer):
+    """Creates its Dropout inside `call`, as bert4keras's attention does."""
+
+    @recompute_grad
+    def call(self, x, training=None):
+        return K.layers.Dropout(0.5)(x, training=training) * 3.0
+
+
+@pytest.mark.parametrize("compile_mode", ["eager", "function"])
+def test_legacy_rng_dropout_created_inside_call(compile_mode):
+    from tf_keras.src.backend import RandomGenerator
+
+    K.backend.experimental.disable_tf_random_generator()
+    original = RandomGenerator.__dict__["dropout"]
+    layer = InlineDropout()
+    x = tf.random.stateless_uniform((64, 16), seed=(3, 4), minval=1.0, maxval=2.0)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+        return y, tape.gradient(y, x)
+
+    if compile_mode == "function":
+        step = tf.function(step)
+    with recompute.recompute_scope(True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y, g = step(x)
+    y, g = y.numpy(), g.numpy()
+    kept = y != 0
+    assert 0.3 < kept.mean() < 0.7
+    np.testing.assert_allclose(g, np.where(kept, 6.0, 0.0), rtol=1e-6)
+    # The redirect lives only while a decorated call runs.
+    assert RandomGenerator.__dict__["dropout"] is original

@@ -1,0 +1,112 @@
+"""recompute.bert4keras: bert4keras models recompute exactly (own process: TF_KERAS=1 TF_USE_LEGACY_KERAS=1)."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") != "1":
+    pytest.skip("run with TF_KERAS=1 TF_USE_LEGACY_KERAS=1 (see README)", allow_module_level=True)
+
+import recompute  # noqa: E402
+import recompute.bert4keras as rb  # noqa: E402
+from recompute import _core  # noqa: E402
+
+# The import hook must patch a bert4keras imported after `patch()`.
+assert "bert4keras.layers" not in sys.modules
+rb.patch()
+rb.patch()  # idempotent
+
+import tensorflow as tf  # noqa: E402
+import bert4keras.layers as B  # noqa: E402
+from bert4keras.models import build_transformer_model  # noqa: E402
+
+from numerics import assert_all_close, to_numpy  # noqa: E402
+
+
+
+def test_marked_layers_are_patched_and_unpatch_restores():
+    names = {cls.__name__ for cls in rb.marked_classes(B)}
+    assert {"MultiHeadAttention", "FeedForward", "LayerNormalization"} <= names
+    for cls in rb.marked_classes(B):
+        assert hasattr(cls.call, "__recompute_grad_wrapped__"), cls
+    before = {cls: cls.__dict__["call"] for cls in rb.marked_classes(B)}
+    rb.unpatch()
+    assert not rb.is_patched()
+    for cls in before:
+        assert not hasattr(cls.call, "__recompute_grad_wrapped__")
+    rb.patch()  # bert4keras is imported now: patched directly
+    for cls in rb.marked_classes(B):
+        assert hasattr(cls.call, "__recompute_grad_wrapped__")
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bert") / "bert_config.json"
+    path.write_text(json.dumps(dict(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, hidden_act="gelu", hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, max_position_embeddings=64, type_vocab_size=2,
+    )))
+    return str(path)
+
+
+def batch():
+    rng = np.random.RandomState(0)
+    token_ids = rng.randint(1, 100, size=(4, 12))
+    token_ids[1, 7:] = 0  # padding: bert4keras masks it
+    token_ids[3, 4:] = 0
+    return token_ids, np.zeros_like(token_ids), np.array([0, 1, 1, 0])
+
+
+def build(config_path):
+    tf.keras.utils.set_random_seed(0)
+    bert = build_transformer_model(config_path)
+    out = tf.keras.layers.Dense(2)(tf.keras.layers.Lambda(lambda x: x[:, 0])(bert.output))
+    return tf.keras.Model(bert.inputs, out)
+
+
+# Dropout off: bert4keras creates its attention Dropout inside `call`, which
+# tf_keras's replayable RNG cannot support in `fit` (a variable per call), so
+# with dropout on, runs with and without recomputation draw different masks.
+# (That the recomputation replays the forward pass's masks under the legacy
+# RNG is tested in tests/tf_keras.)
+def test_gradients_match_with_padding(config_path, monkeypatch):
+    calls = {"n": 0}
+    real = _core.recomputed_call
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_core, "recomputed_call", counting)
+    token_ids, segment_ids, labels = batch()
+    results = []
+    for on in (False, True):
+        model = build(config_path)
+        with recompute.recompute_scope(on):
+            for _ in range(2):
+                with tf.GradientTape() as tape:
+                    logits = model([token_ids, segment_ids], training=True)
+                    loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+                grads = tape.gradient(loss, model.trainable_weights)
+        results.append([float(loss)] + to_numpy(grads))
+    assert len(results[0]) == 1 + len(model.trainable_weights)
+    assert_all_close(results[0], results[1])
+    assert calls["n"] > 0  # the recomputation really ran
+
+
+def test_fit_matches(config_path):
+    token_ids, segment_ids, labels = batch()
+    x = [np.tile(token_ids, (4, 1)), np.tile(segment_ids, (4, 1))]
+    y = np.tile(labels, 4)
+    weights = []
+    for on in (False, True):
+        model = build(config_path)
+        model.compile(tf.keras.optimizers.SGD(0.05), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with recompute.recompute_scope(on):
+            model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        weights.append([np.asarray(w) for w in model.weights])
+    assert_all_close(weights[0], weights[1])
