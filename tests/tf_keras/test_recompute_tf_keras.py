@@ -143,12 +143,8 @@ class DropoutOnly(K.layers.Layer):
         return self.drop(x, training=training) * 3.0
 
 
-@pytest.mark.parametrize("compile_mode", ["eager", "function"])
-def test_legacy_rng_recomputation_sees_forward_masks(compile_mode, monkeypatch):
-    K.backend.experimental.disable_tf_random_generator()
-    monkeypatch.setattr(_core, "_legacy_rng_warned", False)
-    layer = DropoutOnly()
-    x = tf.random.stateless_uniform((64, 16), seed=(3, 4), minval=1.0, maxval=2.0)
+def _dropout_step(layer, compile_mode):
+    """A step returning (output, d output / d input) of a `x * 3` dropout layer."""
 
     def step(x):
         with tf.GradientTape() as tape:
@@ -156,20 +152,33 @@ def test_legacy_rng_recomputation_sees_forward_masks(compile_mode, monkeypatch):
             y = layer(x, training=True)
         return y, tape.gradient(y, x)
 
-    if compile_mode == "function":
-        step = tf.function(step)
+    return tf.function(step) if compile_mode == "function" else step
+
+
+def _assert_backward_used_forward_mask(y, g):
+    y, g = y.numpy(), g.numpy()
+    kept = y != 0
+    assert 0.3 < kept.mean() < 0.7  # dropout really dropped
+    # dy/dx = 3 * mask / (1 - rate): the backward pass used the forward pass's mask.
+    np.testing.assert_allclose(g, np.where(kept, 6.0, 0.0), rtol=1e-6)
+
+
+LEGACY_INPUT = tf.random.stateless_uniform((64, 16), seed=(3, 4), minval=1.0, maxval=2.0)
+
+
+@pytest.mark.parametrize("compile_mode", ["eager", "function"])
+def test_legacy_rng_recomputation_sees_forward_masks(compile_mode, monkeypatch):
+    K.backend.experimental.disable_tf_random_generator()
+    monkeypatch.setattr(_core, "_legacy_rng_warned", False)
+    step = _dropout_step(DropoutOnly(), compile_mode)
     with recompute.recompute_scope(True), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        y1, g1 = step(x)
-        y2, g2 = step(x)
+        y1, g1 = step(LEGACY_INPUT)
+        y2, g2 = step(LEGACY_INPUT)
     legacy = [w for w in caught if "legacy stateful" in str(w.message)]
     assert len(legacy) == 1 and "enable_tf_random_generator" in str(legacy[0].message)
-    for y, g in ((y1, g1), (y2, g2)):
-        y, g = y.numpy(), g.numpy()
-        kept = y != 0
-        assert 0.3 < kept.mean() < 0.7  # dropout really dropped
-        # dy/dx = 3 * mask / (1 - rate): the backward pass used the forward pass's mask.
-        np.testing.assert_allclose(g, np.where(kept, 6.0, 0.0), rtol=1e-6)
+    _assert_backward_used_forward_mask(y1, g1)
+    _assert_backward_used_forward_mask(y2, g2)
     assert not np.array_equal(y1.numpy() != 0, y2.numpy() != 0)  # new masks each step
 
 
@@ -299,23 +308,10 @@ def test_legacy_rng_dropout_created_inside_call(compile_mode):
 
     K.backend.experimental.disable_tf_random_generator()
     original = RandomGenerator.__dict__["dropout"]
-    layer = InlineDropout()
-    x = tf.random.stateless_uniform((64, 16), seed=(3, 4), minval=1.0, maxval=2.0)
-
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x, training=True)
-        return y, tape.gradient(y, x)
-
-    if compile_mode == "function":
-        step = tf.function(step)
+    step = _dropout_step(InlineDropout(), compile_mode)
     with recompute.recompute_scope(True), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        y, g = step(x)
-    y, g = y.numpy(), g.numpy()
-    kept = y != 0
-    assert 0.3 < kept.mean() < 0.7
-    np.testing.assert_allclose(g, np.where(kept, 6.0, 0.0), rtol=1e-6)
+        y, g = step(LEGACY_INPUT)
+    _assert_backward_used_forward_mask(y, g)
     # The redirect lives only while a decorated call runs.
     assert RandomGenerator.__dict__["dropout"] is original
