@@ -166,6 +166,31 @@ class AccumOptimizer:
             if key in keys:
                 variable.assign(store[key])
 
+    # ------------------------------------------------------------- config
+    # Each family provides `_FAMILY`, `_serialize_inner()` and
+    # `_deserialize_inner(config, custom_objects)`.
+
+    def get_config(self):
+        """The wrapper's config, with the inner optimizer's nested under `inner_optimizer`."""
+        return {
+            "name": self._config_name(),
+            "inner_optimizer": self._serialize_inner(),
+            "steps_per_update": self.steps_per_update,
+            "mode": self.mode,
+            "family": self._FAMILY,
+        }
+
+    def _config_name(self):
+        return self.name
+
+    @classmethod
+    def _from_config(cls, config, custom_objects=None):
+        config.pop("family", None)
+        inner = config.pop("inner_optimizer")
+        if isinstance(inner, dict):
+            inner = cls._deserialize_inner(inner, custom_objects)
+        return cls(inner, **config)
+
     @classmethod
     def from_config(cls, config, custom_objects=None):
         """Creates an `AccumOptimizer` from `get_config()` output (inner optimizer nested)."""

@@ -1,6 +1,5 @@
 """`AccumOptimizer` for Keras 3 optimizers (TensorFlow backend)."""
 
-import copy
 import warnings
 
 import keras
@@ -26,8 +25,10 @@ _BASE_DEFAULTS = {
 class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     """`AccumOptimizer` wrapping a Keras 3 optimizer; see `accum.AccumOptimizer`."""
 
+    _FAMILY = _backends.KERAS3
+
     def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
-        if check_optimizer(optimizer) != _backends.KERAS3:
+        if check_optimizer(optimizer) != self._FAMILY:
             raise ValueError(
                 "This `AccumOptimizer` class wraps Keras 3 optimizers; build it "
                 "with `accum.AccumOptimizer(optimizer, steps_per_update)`. "
@@ -300,25 +301,9 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
 
     # --------------------------------------------------------- serialization
 
-    def get_config(self):
-        """The wrapper's config, with the inner optimizer's nested under `inner_optimizer`."""
-        return {
-            "name": self.name,
-            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "steps_per_update": self.steps_per_update,
-            "mode": self.mode,
-            "family": _backends.KERAS3,
-        }
-
     @classmethod
-    def _from_config(cls, config, custom_objects=None):
-        config.pop("family", None)
-        inner = config.pop("inner_optimizer")
-        if isinstance(inner, dict):
-            inner = keras.saving.deserialize_keras_object(inner, custom_objects=custom_objects)
-        return cls(inner, **config)
+    def _deserialize_inner(cls, config, custom_objects):
+        return keras.saving.deserialize_keras_object(config, custom_objects=custom_objects)
 
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        """Creates the optimizer from `get_config()` output."""
-        return cls._from_config(copy.deepcopy(config), custom_objects)
+    def _serialize_inner(self):
+        return keras.saving.serialize_keras_object(self.inner_optimizer)

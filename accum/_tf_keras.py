@@ -1,6 +1,5 @@
 """`AccumOptimizer` for tf_keras new-style optimizers (`tf_keras.optimizers.*`)."""
 
-import copy
 import warnings
 
 import tensorflow as tf
@@ -255,29 +254,11 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
 
     # --------------------------------------------------------- serialization
 
-    def get_config(self):
-        """The wrapper's config, with the inner optimizer's nested under `inner_optimizer`."""
-        return {
-            "name": self.name,
-            "inner_optimizer": tf_keras.optimizers.serialize(self.inner_optimizer),
-            "steps_per_update": self.steps_per_update,
-            "mode": self.mode,
-            "family": self._FAMILY,
-        }
-
     @classmethod
-    def _from_config(cls, config, custom_objects=None):
-        config.pop("family", None)
-        inner = config.pop("inner_optimizer")
-        if isinstance(inner, dict):
-            inner = tf_keras.optimizers.deserialize(
-                inner,
-                custom_objects=custom_objects,
-                use_legacy_optimizer=cls._FAMILY == _backends.TF_KERAS_LEGACY,
-            )
-        return cls(inner, **config)
+    def _deserialize_inner(cls, config, custom_objects):
+        return tf_keras.optimizers.deserialize(
+            config, custom_objects=custom_objects, use_legacy_optimizer=cls._FAMILY == _backends.TF_KERAS_LEGACY
+        )
 
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        """Creates the optimizer from `get_config()` output."""
-        return cls._from_config(copy.deepcopy(config), custom_objects)
+    def _serialize_inner(self):
+        return tf_keras.optimizers.serialize(self.inner_optimizer)

@@ -1,6 +1,5 @@
 """`AccumOptimizer` for tf_keras legacy optimizers (`tf_keras.optimizers.legacy.*`, OptimizerV2)."""
 
-import copy
 
 import tensorflow as tf
 import tf_keras
@@ -232,27 +231,14 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
 
     # --------------------------------------------------------- serialization
 
-    def get_config(self):
-        """The wrapper's config, with the inner optimizer's nested under `inner_optimizer`."""
-        return {
-            "name": self._name,
-            "inner_optimizer": tf_keras.optimizers.serialize(self._inner),
-            "steps_per_update": self.steps_per_update,
-            "mode": self.mode,
-            "family": self._FAMILY,
-        }
-
     @classmethod
-    def _from_config(cls, config, custom_objects=None):
-        config.pop("family", None)
-        inner = config.pop("inner_optimizer")
-        if isinstance(inner, dict):
-            inner = tf_keras.optimizers.deserialize(
-                inner, custom_objects=custom_objects, use_legacy_optimizer=True
-            )
-        return cls(inner, **config)
+    def _deserialize_inner(cls, config, custom_objects):
+        return tf_keras.optimizers.deserialize(
+            config, custom_objects=custom_objects, use_legacy_optimizer=True
+        )
 
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        """Creates the optimizer from `get_config()` output."""
-        return cls._from_config(copy.deepcopy(config), custom_objects)
+    def _serialize_inner(self):
+        return tf_keras.optimizers.serialize(self._inner)
+
+    def _config_name(self):
+        return self._name
