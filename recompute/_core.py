@@ -10,6 +10,8 @@ behind (moving statistics, seeds, metrics and `add_loss` are updated once, by
 the forward pass). Turning recomputation on changes only memory and time.
 """
 
+import contextlib
+import threading
 import warnings
 
 import tensorflow as tf
@@ -18,6 +20,30 @@ from . import _tf
 from ._errors import VariableCreatedInRecomputationError
 
 _legacy_rng_warned = False
+_running = threading.local()  # .layers: ids of the layers whose call runs under `run_call`
+
+
+def inside_own_call(layer):
+    """True if `layer`'s decorated call is already running in this thread.
+
+    That is the case when a decorated `call` calls `super().call(...)` and the
+    parent's `call` is decorated too (bert4keras's LayerNormalization over
+    ScaleOffset): the inner call is part of the outer one's recomputation and
+    runs plainly.
+    """
+    return id(layer) in getattr(_running, "layers", ())
+
+
+@contextlib.contextmanager
+def _running_call(layer):
+    layers = getattr(_running, "layers", None)
+    if layers is None:
+        layers = _running.layers = []
+    layers.append(id(layer))
+    try:
+        yield
+    finally:
+        layers.pop()
 
 
 def _is_float_tensor(value):
@@ -131,13 +157,14 @@ def recomputed_call(adapter, call, layer, args, kwargs):
 
     def run_call(inputs):
         call_args, call_kwargs = rebuild(inputs)
-        if legacy:
-            with adapter.replay_legacy_rng(legacy_seed) as replay:
-                outputs = call(layer, *call_args, **call_kwargs)
-            if replay.draws:
-                _warn_legacy_rng(layer)
-            return outputs
-        return call(layer, *call_args, **call_kwargs)
+        with _running_call(layer):
+            if legacy:
+                with adapter.replay_legacy_rng(legacy_seed) as replay:
+                    outputs = call(layer, *call_args, **call_kwargs)
+                if replay.draws:
+                    _warn_legacy_rng(layer)
+                return outputs
+            return call(layer, *call_args, **call_kwargs)
 
     produced = {}  # what the forward call returned: structure and loss slots
 

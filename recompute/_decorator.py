@@ -104,7 +104,7 @@ def recompute_grad(call):
         if not _config.is_enabled():
             return fn(layer, *args, **kwargs)
         adapter.check_supported(layer)
-        if not _tf.tape_is_active():
+        if not _tf.tape_is_active() or _core.inside_own_call(layer):
             return fn(layer, *args, **kwargs)
         return _core.recomputed_call(adapter, fn, layer, args, kwargs)
 

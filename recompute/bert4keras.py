@@ -21,22 +21,45 @@ installed with `pip install --no-deps bert4keras==0.11.5` (it pins an ancient
 Keras). Which layers are patched is read from bert4keras's own source: every
 class of `bert4keras.layers` whose `call` is decorated with `@recompute_grad`.
 
+Dropout. bert4keras creates the attention-probability `Dropout` inside the
+attention's `call`, a new layer on every call. While patched, that `Dropout`
+is created once per attention layer and kept as its sublayer
+(`recompute_attention_dropout`), so its random state can be replayed. For
+dropout masks -- hence losses and gradients -- identical to `RECOMPUTE=0`, use
+tf_keras's replayable RNG before building the model:
+
+```python
+import tf_keras
+tf_keras.backend.experimental.enable_tf_random_generator()
+tf_keras.utils.set_random_seed(seed)
+```
+
+Without it (tf_keras's default legacy RNG) the gradients are still exact --
+the recomputation sees the forward pass's masks -- but the masks are not the
+ones a run without recomputation would draw, and a warning says so.
+
 `patch()` is idempotent and `unpatch()` undoes it. If `bert4keras.layers` is
 not imported yet, `patch()` installs an import hook (a `sys.meta_path` finder,
-removed by `unpatch()`) that patches the module right after it loads; nothing
-else in the process changes.
+removed by `unpatch()`) that patches the module right after it loads. What
+changes is bert4keras's: the `call` of the marked classes, the
+`pay_attention_to` of its attention classes and the `Dropout` name in
+`bert4keras.layers`; nothing else in the process.
 """
 
 import importlib.abc
 import inspect
 import sys
+import threading
 
 from ._decorator import recompute_grad
 
 MODULE = "bert4keras.layers"
 
-_replaced = {}  # class -> the `call` it had before `patch()`
+_replaced = {}  # (class, method name) -> the method it had before `patch()`
+_module_dropout = {}  # module -> the `Dropout` it had before `patch()`
 _hook = None
+_attending = threading.local()  # .stack: the layers inside `pay_attention_to`, this thread
+ATTENTION_DROPOUT_ATTR = "recompute_attention_dropout"
 
 
 def _undecorated(fn):
@@ -66,13 +89,72 @@ def marked_classes(module):
     return found
 
 
+def _attention_classes(module):
+    return [
+        obj for obj in vars(module).values()
+        if isinstance(obj, type) and obj.__module__ == module.__name__
+        and "pay_attention_to" in obj.__dict__
+    ]
+
+
+def _owned_dropout(dropout_cls):
+    """bert4keras's `Dropout(rate)` inside `pay_attention_to`, made one sublayer per layer.
+
+    bert4keras creates a new `Dropout` layer on every attention call. With
+    tf_keras's replayable RNG (`enable_tf_random_generator()`) each new layer
+    would create a new random-generator variable per call -- `fit` then fails
+    ("tf.function only supports singleton tf.Variables") and no seed could be
+    replayed. Inside `pay_attention_to`, the first `Dropout(rate)` of a layer
+    is kept as its sublayer `recompute_attention_dropout` and reused by every
+    later call; everywhere else `Dropout` is tf_keras's own.
+    """
+
+    def Dropout(rate, *args, **kwargs):
+        stack = getattr(_attending, "stack", None)
+        if not stack or args or kwargs:
+            return dropout_cls(rate, *args, **kwargs)
+        owner = stack[-1]
+        cached = getattr(owner, ATTENTION_DROPOUT_ATTR, None)
+        if cached is None or cached.rate != rate:
+            cached = dropout_cls(rate, name=f"{owner.name}-{ATTENTION_DROPOUT_ATTR}")
+            setattr(owner, ATTENTION_DROPOUT_ATTR, cached)  # tracked as a sublayer
+        return cached
+
+    Dropout.__wrapped__ = dropout_cls
+    return Dropout
+
+
+def _attending_to(pay_attention_to):
+    def wrapper(self, *args, **kwargs):
+        stack = getattr(_attending, "stack", None)
+        if stack is None:
+            stack = _attending.stack = []
+        stack.append(self)
+        try:
+            return pay_attention_to(self, *args, **kwargs)
+        finally:
+            stack.pop()
+
+    wrapper.__name__ = pay_attention_to.__name__
+    wrapper.__doc__ = pay_attention_to.__doc__
+    wrapper.__wrapped__ = pay_attention_to
+    return wrapper
+
+
 def _patch_module(module):
     for cls in marked_classes(module):
-        if cls in _replaced:
-            continue
-        current = cls.__dict__["call"]
-        _replaced[cls] = current
-        cls.call = recompute_grad(_undecorated(current))
+        if (cls, "call") not in _replaced:
+            current = cls.__dict__["call"]
+            _replaced[cls, "call"] = current
+            cls.call = recompute_grad(_undecorated(current))
+    for cls in _attention_classes(module):
+        if (cls, "pay_attention_to") not in _replaced:
+            current = cls.__dict__["pay_attention_to"]
+            _replaced[cls, "pay_attention_to"] = current
+            cls.pay_attention_to = _attending_to(current)
+    if module not in _module_dropout and hasattr(module, "Dropout"):
+        _module_dropout[module] = module.Dropout
+        module.Dropout = _owned_dropout(module.Dropout)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -127,9 +209,12 @@ def unpatch():
         if _hook in sys.meta_path:
             sys.meta_path.remove(_hook)
         _hook = None
-    for cls, original in list(_replaced.items()):
-        cls.call = original
-        del _replaced[cls]
+    for (cls, name), original in list(_replaced.items()):
+        setattr(cls, name, original)
+        del _replaced[cls, name]
+    for module, dropout in list(_module_dropout.items()):
+        module.Dropout = dropout
+        del _module_dropout[module]
 
 
 def is_patched():

@@ -33,13 +33,18 @@ def test_marked_layers_are_patched_and_unpatch_restores():
     for cls in rb.marked_classes(B):
         assert hasattr(cls.call, "__recompute_grad_wrapped__"), cls
     before = {cls: cls.__dict__["call"] for cls in rb.marked_classes(B)}
+    assert hasattr(B.MultiHeadAttention.pay_attention_to, "__wrapped__")
+    assert hasattr(B.Dropout, "__wrapped__")
     rb.unpatch()
     assert not rb.is_patched()
     for cls in before:
         assert not hasattr(cls.call, "__recompute_grad_wrapped__")
+    assert not hasattr(B.MultiHeadAttention.pay_attention_to, "__wrapped__")
+    assert B.Dropout is tf.keras.layers.Dropout
     rb.patch()  # bert4keras is imported now: patched directly
     for cls in rb.marked_classes(B):
         assert hasattr(cls.call, "__recompute_grad_wrapped__")
+    assert hasattr(B.MultiHeadAttention.pay_attention_to, "__wrapped__")
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +68,12 @@ def batch():
 
 def build(config_path):
     tf.keras.utils.set_random_seed(0)
-    bert = build_transformer_model(config_path)
+    bert = build_transformer_model(str(config_path))
     out = tf.keras.layers.Dense(2)(tf.keras.layers.Lambda(lambda x: x[:, 0])(bert.output))
     return tf.keras.Model(bert.inputs, out)
 
 
-# Dropout off: bert4keras creates its attention Dropout inside `call`, which
-# tf_keras's replayable RNG cannot support in `fit` (a variable per call), so
-# with dropout on, runs with and without recomputation draw different masks.
-# (That the recomputation replays the forward pass's masks under the legacy
-# RNG is tested in tests/tf_keras.)
+# Dropout off here; with dropout on, see the tests at the end (replayable RNG).
 def test_gradients_match_with_padding(config_path, monkeypatch):
     calls = {"n": 0}
     real = _core.recomputed_call
@@ -109,4 +110,84 @@ def test_fit_matches(config_path):
         with recompute.recompute_scope(on):
             model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
         weights.append([np.asarray(w) for w in model.weights])
+    assert_all_close(weights[0], weights[1])
+
+
+@pytest.fixture
+def dropout_config_path(tmp_path):
+    path = tmp_path / "bert_config.json"
+    path.write_text(json.dumps(dict(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, hidden_act="gelu", hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1, max_position_embeddings=64, type_vocab_size=2,
+    )))
+    return path
+
+
+@pytest.fixture
+def replayable_rng():
+    """tf_keras's replayable RNG, the documented route to RECOMPUTE=0-identical dropout."""
+    tf.keras.backend.experimental.enable_tf_random_generator()
+    yield
+    tf.keras.backend.experimental.disable_tf_random_generator()
+
+
+def attention_layers(model):
+    return [l for l in model.submodules if isinstance(l, B.MultiHeadAttention)]
+
+
+def test_attention_dropout_is_one_sublayer_per_layer(dropout_config_path, replayable_rng):
+    token_ids, segment_ids, _ = batch()
+    model = build(dropout_config_path)
+    layers = attention_layers(model)
+    assert len(layers) == 2
+    first = [getattr(l, rb.ATTENTION_DROPOUT_ATTR) for l in layers]
+    assert all(isinstance(d, tf.keras.layers.Dropout) and d.rate == 0.1 for d in first)
+    a = model([token_ids, segment_ids], training=True)
+    b = model([token_ids, segment_ids], training=True)
+    assert [getattr(l, rb.ATTENTION_DROPOUT_ATTR) for l in layers] == first
+    assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-4  # dropout is on
+    np.testing.assert_array_equal(model([token_ids, segment_ids]), model([token_ids, segment_ids]))
+
+
+def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, monkeypatch):
+    calls = {"n": 0}
+    real = _core.recomputed_call
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_core, "recomputed_call", counting)
+    token_ids, segment_ids, labels = batch()
+    results = []
+    for on in (False, True):
+        model = build(dropout_config_path)
+        with recompute.recompute_scope(on):
+            for _ in range(2):  # the second step draws new masks in both runs
+                with tf.GradientTape() as tape:
+                    tape.watch(model.trainable_weights)
+                    logits = model([token_ids, segment_ids], training=True)
+                    loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+                grads = tape.gradient(loss, model.trainable_weights)
+        results.append([float(loss)] + to_numpy(grads))
+    assert all(g is not None for g in results[1])
+    assert_all_close(results[0], results[1])
+    # Attention, feed-forward and layer norms of both blocks, twice.
+    assert calls["n"] >= 2 * 2 * 4
+
+
+def test_dropout_on_fit_matches(dropout_config_path, replayable_rng):
+    token_ids, segment_ids, labels = batch()
+    x = [np.tile(token_ids, (4, 1)), np.tile(segment_ids, (4, 1))]
+    y = np.tile(labels, 4)
+    weights, losses = [], []
+    for on in (False, True):
+        model = build(dropout_config_path)
+        model.compile(tf.keras.optimizers.Adam(1e-3), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with recompute.recompute_scope(on):
+            history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        losses.append(history.history["loss"])
+        weights.append([np.asarray(w) for w in model.weights])
+    assert losses[0] == losses[1]
     assert_all_close(weights[0], weights[1])

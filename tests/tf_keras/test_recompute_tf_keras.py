@@ -315,3 +315,49 @@ def test_legacy_rng_dropout_created_inside_call(compile_mode):
     _assert_backward_used_forward_mask(y, g)
     # The redirect lives only while a decorated call runs.
     assert RandomGenerator.__dict__["dropout"] is original
+
+
+class Affine(K.layers.Layer):
+    def build(self, input_shape):
+        self.w = self.add_weight(name="w", shape=input_shape[-1:], initializer="ones")
+
+    @recompute_grad
+    def call(self, x):
+        return x * self.w
+
+
+class SquaredAffine(Affine):
+    @recompute_grad
+    def call(self, x):  # the parent's decorated call runs inside this one
+        return super().call(x) ** 2
+
+
+@pytest.mark.parametrize("compile_mode", ["eager", "function"])
+def test_decorated_super_call_is_recomputed_once(compile_mode, monkeypatch):
+    calls = {"n": 0}
+    real = _core.recomputed_call
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_core, "recomputed_call", counting)
+    layer = SquaredAffine()
+    x = inputs()
+    layer(x)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+            loss = tf.reduce_sum(y * tf.range(8, dtype=y.dtype))
+        return [loss] + tape.gradient(loss, [x, layer.w])
+
+    wrap = tf.function if compile_mode == "function" else (lambda f: f)
+    plain = to_numpy(wrap(step)(x))  # a new trace each time: RECOMPUTE is read when tracing
+    with recompute.recompute_scope(True):
+        recomputed = to_numpy(wrap(step)(x))
+    assert_all_close(plain, recomputed)
+    # One recomputation: the inner (parent's) call runs plainly inside it,
+    # in the forward pass and in the recomputation alike.
+    assert calls["n"] == 1
