@@ -1,11 +1,12 @@
 """`AccumOptimizer` for Keras 3 optimizers (TensorFlow backend)."""
 
+import contextlib
 import warnings
 
 import keras
 import tensorflow as tf
 
-from . import _backends, _batchnorm, _validation, _window
+from . import _backends, _batchnorm, _distributed, _validation, _window
 from ._base import AccumOptimizer, check_optimizer
 
 _BASE_DEFAULTS = {
@@ -67,17 +68,24 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     def build(self, var_list):
         """Creates the counters, the buffers (`mode="buffer"`) and the inner optimizer's slots."""
         var_list = list(var_list)
+        # Under a strategy, the window count and the buffers are replica-local
+        # (see `accum._distributed`).
+        self._accum_strategy = _distributed.current_strategy()
+        if self._accum_strategy is not None and self.mode != "buffer":
+            raise _distributed.momentum_not_supported()
         self.window_steps = self.add_variable(
             shape=(), dtype="int64", initializer="zeros", name="window_steps"
         )
-        self.window_count = self.add_variable(
-            shape=(), dtype="int64", initializer="zeros", name="window_count"
-        )
+        with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
+            self.window_count = self.add_variable(
+                shape=(), dtype="int64", initializer="zeros", name="window_count"
+            )
         self.inner_optimizer.build(var_list)
         if self.mode == "buffer":
-            self.accumulators = [
-                self.add_variable_from_reference(v, name="accumulator") for v in var_list
-            ]
+            with _distributed.replica_local_variables():
+                self.accumulators = [
+                    self.add_variable_from_reference(v, name="accumulator") for v in var_list
+                ]
         else:
             self.accumulators = []
             self._rule.check_built(self.inner_optimizer, var_list)
@@ -149,8 +157,10 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             self._iterations.assign_add(1)
             return
         with keras.name_scope(self.name, caller=self):
-            if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
-                self._replica_micro_step(grads, indices)
+            if _distributed.in_replica_context():
+                if self.mode != "buffer":
+                    raise _distributed.momentum_not_supported()
+                self._distributed_window().micro_step(grads, indices)
                 return
             if self.mode == "buffer":
                 self._accumulate(grads, indices)
@@ -163,63 +173,38 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
 
     # ---------------------------------------------------- tf.distribute path
 
-    def _replica_micro_step(self, grads, indices):
-        """A micro-step under a `tf.distribute` strategy (e.g. `MirroredStrategy`).
-
-        A strategy synchronizes replicas with `merge_call`, which cannot run
-        inside a `tf.cond` branch (what breaks Keras's built-in accumulation,
-        keras-team/keras#20582). So, as Keras's `LossScaleOptimizer` does, the
-        window logic runs in the cross-replica context: the gradients are
-        summed over replicas, accumulated into the mirrored buffers, and a
-        full window calls the inner optimizer back in each replica.
-        """
-        if self.mode != "buffer":
-            raise ValueError(
-                '`mode="momentum"` does not support `tf.distribute` strategies yet; '
-                'use `mode="buffer"`.'
-            )
-        tf.distribute.get_replica_context().merge_call(
-            self._cross_replica_micro_step, args=(grads, indices)
+    def _distributed_window(self):
+        """The `accum._distributed.Window` of this optimizer (see there)."""
+        variables = self._trainable_variables
+        return _distributed.Window(
+            self,
+            buffers=lambda indices: [self.accumulators[i].value for i in indices],
+            all_buffers=lambda: [a.value for a in self.accumulators],
+            destinations=lambda indices: [variables[i].value for i in indices],
+            window_steps=lambda: self.window_steps.value,
+            window_count=lambda: self.window_count.value,
+            micro_steps=lambda: self._iterations.value,
+            apply_inner=lambda grads, indices: self.inner_optimizer.apply(
+                grads, [variables[i] for i in indices]
+            ),
+            inner_scope=self._inner_aggregation_off,
+            loss_scale=lambda: None if self._inner_loss_scale() is None else self._inner_loss_scale().value,
+            on_skip=self._on_skip,
         )
 
-    def _cross_replica_micro_step(self, distribution, grads, indices):
-        variables = [self._trainable_variables[i].value for i in indices]
-        reduced = distribution.extended.batch_reduce_to(
-            tf.distribute.ReduceOp.SUM, list(zip(grads, variables))
-        )
-        self._accumulate(reduced, indices)
-        self._iterations.assign_add(1)
-
-        def end():
-            def apply_fn():
-                distribution.extended.call_for_each_replica(
-                    self._replica_apply_mean, args=(indices,)
-                )
-
-            _window.end_window(
-                [a.value for a in self.accumulators],
-                self.window_steps.value,
-                self.window_count.value,
-                apply_fn,
-            )
-
-        _window.maybe_end_window(self.steps_per_update, self.window_steps.value, end)
-
-    def _replica_apply_mean(self, indices):
-        # The buffers hold the mean over replicas, and the inner optimizer sums
-        # its gradients over replicas (after clipping them): the first replica
-        # passes the mean and the others zeros, so clipping acts on the mean
-        # of the whole window (as on one device) and the sum is exact.
-        context = tf.distribute.get_replica_context()
-        first = tf.cast(tf.equal(context.replica_id_in_sync_group, 0), tf.float32)
-        scale = self._inner_loss_scale()
-        grads = _window.mean_gradients(
-            [self.accumulators[i].value for i in indices],
-            self.window_count.value,
-            loss_scale=None if scale is None else scale.value,
-        )
-        grads = [g * tf.cast(first, g.dtype) for g in grads]
-        self.inner_optimizer.apply(grads, [self._trainable_variables[i] for i in indices])
+    @contextlib.contextmanager
+    def _inner_aggregation_off(self):
+        """Keras 3 optimizers all-reduce their gradients inside `apply` (TensorFlow
+        backend, `_all_reduce_sum_gradients`) and have no argument to skip it: the
+        innermost optimizer's is replaced by the identity while the update is traced."""
+        innermost = self.inner_optimizer
+        while isinstance(innermost, keras.optimizers.LossScaleOptimizer):
+            innermost = innermost.inner_optimizer
+        object.__setattr__(innermost, "_all_reduce_sum_gradients", list)
+        try:
+            yield
+        finally:
+            object.__delattr__(innermost, "_all_reduce_sum_gradients")
 
     def _inner_loss_scale(self):
         """The inner `LossScaleOptimizer`'s dynamic scale variable, or None."""
@@ -227,21 +212,23 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             return self.inner_optimizer.dynamic_scale
         return None
 
+    def _on_skip(self):
+        """What the inner LossScaleOptimizer does with a non-finite step (None without one)."""
+        scale = self._inner_loss_scale()
+        if scale is None:
+            return None
+        self.inner_optimizer.step_counter.assign(0)
+        scale.assign(scale * 0.5)
+
     def _accumulate(self, grads, indices):
         scale = self._inner_loss_scale()
-
-        def on_skip():
-            # What the inner LossScaleOptimizer does with a non-finite step.
-            self.inner_optimizer.step_counter.assign(0)
-            scale.assign(scale * 0.5)
-
         _window.accumulate(
             [self.accumulators[i].value for i in indices],
             grads,
             self.window_steps.value,
             self.window_count.value,
             loss_scale=None if scale is None else scale.value,
-            on_skip=None if scale is None else on_skip,
+            on_skip=None if scale is None else self._on_skip,
         )
 
     def _end_window(self, indices):
@@ -280,6 +267,9 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         indices = self._last_indices
         if indices is None:
             indices = tuple(range(len(self._trainable_variables)))
+        if getattr(self, "_accum_strategy", None) is not None:
+            self._distributed_window().flush(self._accum_strategy, indices)
+            return
         _window.flush(self.window_steps.value, lambda: self._end_window(indices))
 
     def finalize_variable_values(self, var_list):
