@@ -5,7 +5,7 @@ import warnings
 import tensorflow as tf
 import tf_keras
 
-from . import _backends, _batchnorm, _validation, _window
+from . import _backends, _batchnorm, _distributed, _validation, _window
 from ._base import AccumOptimizer, check_optimizer
 
 
@@ -76,7 +76,11 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
         # step), so containers must exist from the start. `build` fills them.
         with tf.init_scope():
             self.window_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="window_steps")
-            self.window_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="window_count")
+            # Replica-local under a strategy (see `accum._distributed`).
+            with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
+                self.window_count = tf.Variable(
+                    0, dtype=tf.int64, trainable=False, name="window_count"
+                )
         self._variables += [self.window_steps, self.window_count]
         self.accumulators = []
         self._model_variables = self._no_dependency([])
@@ -88,13 +92,17 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
         if self._built_accum:
             return
         var_list = list(var_list)
+        self._accum_strategy = _distributed.current_strategy()
+        if self._accum_strategy is not None and self.mode != "buffer":
+            raise _distributed.momentum_not_supported()
         self.inner_optimizer.build(var_list)
         super().build(var_list)
         self._model_variables.extend(var_list)
         if self.mode == "buffer":
-            self.accumulators.extend(
-                self.add_variable_from_reference(v, "accumulator") for v in var_list
-            )
+            with _distributed.replica_local_variables():
+                self.accumulators.extend(
+                    self.add_variable_from_reference(v, "accumulator") for v in var_list
+                )
         else:
             self._rule.check_built(self.inner_optimizer, var_list)
         self._built = True
@@ -168,14 +176,24 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
         if not grads_and_vars:
             raise ValueError("No gradients provided for any variable.")
-        aggregate = kwargs.pop("experimental_aggregate_gradients", True)
-        if not skip_gradients_aggregation and aggregate:
+        aggregate = kwargs.pop("experimental_aggregate_gradients", True) and not skip_gradients_aggregation
+        accumulate_locally = self._accumulates_locally()
+        if aggregate and not accumulate_locally:
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
+        if accumulate_locally and not aggregate:
+            grads_and_vars = _distributed.local_share(self, grads_and_vars)
         grads = [g for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
         indices = tuple(self._variable_index(v) for v in variables)
         self._last_indices = indices
         with tf.name_scope(name or self.name):
+            if accumulate_locally:
+                # Each replica accumulates its own gradients; one all-reduce per
+                # update (`accum._distributed`). `skip_gradients_aggregation`
+                # (gradients already reduced by the caller) is not supported here.
+                if self.mode != "buffer":
+                    raise _distributed.momentum_not_supported()
+                return self._distributed_window().micro_step(grads, indices)
             if self.steps_per_update == 1 and self.mode == "buffer":
                 self.inner_optimizer.apply_gradients(
                     list(zip(grads, variables)), skip_gradients_aggregation=True
@@ -188,7 +206,46 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
                 _window.maybe_end_window(
                     self.steps_per_update, self.window_steps, lambda: self._end_window(indices)
                 )
+            if _distributed.in_replica_context():
+                # A mirrored counter is written in the cross-replica context.
+                return tf.distribute.get_replica_context().merge_call(
+                    lambda _: self._iterations.assign_add(1)
+                )
             return self._iterations.assign_add(1)
+
+    def _accumulates_locally(self):
+        """Under a strategy (replica context), gradients are accumulated unreduced."""
+        return _distributed.in_replica_context() and not (
+            self.steps_per_update == 1 and self.mode == "buffer"
+        )
+
+    def aggregate_gradients(self, grads_and_vars):
+        """All-reduces gradients, except when they are accumulated locally under a strategy
+        (the reduction then happens once per update: `accum._distributed`)."""
+        if self._accumulates_locally():
+            return list(grads_and_vars)
+        return super().aggregate_gradients(grads_and_vars)
+
+    def _distributed_window(self):
+        """The `accum._distributed.Window` of this optimizer (see there)."""
+        state = inner_loss_scale_state(self.inner_optimizer)
+
+        def on_skip():
+            # What the inner LossScaleOptimizer does with a non-finite step.
+            state.counter.assign(0)
+            state.current_loss_scale.assign(tf.maximum(state.current_loss_scale * 0.5, 1.0))
+
+        return _distributed.Window(
+            self,
+            buffers=lambda indices: [self.accumulators[i] for i in indices],
+            all_buffers=lambda: self.accumulators,
+            destinations=lambda indices: [self._model_variables[i] for i in indices],
+            window_steps=lambda: self.window_steps,
+            window_count=lambda: self.window_count,
+            micro_steps=lambda: self._iterations,
+            apply_inner=self._apply_mean_gradients,
+            on_skip=None if state is None else on_skip,
+        )
 
     def _variable_index(self, variable):
         key = self._var_key(variable)
@@ -230,6 +287,9 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
 
     def _apply_mean(self, indices):
         grads = _window.mean_gradients([self.accumulators[i] for i in indices], self.window_count)
+        self._apply_mean_gradients(grads, indices)
+
+    def _apply_mean_gradients(self, grads, indices):
         variables = [self._model_variables[i] for i in indices]
         self.inner_optimizer.apply_gradients(list(zip(grads, variables)), skip_gradients_aggregation=True)
 
@@ -245,6 +305,9 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
         indices = self._last_indices
         if indices is None:
             indices = tuple(range(len(self._model_variables)))
+        if getattr(self, "_accum_strategy", None) is not None:
+            self._distributed_window().flush(self._accum_strategy, indices)
+            return
         _window.flush(self.window_steps, lambda: self._end_window(indices))
 
     def finalize_variable_values(self, var_list):

@@ -4,7 +4,7 @@
 import tensorflow as tf
 import tf_keras
 
-from . import _backends, _batchnorm, _validation, _window
+from . import _backends, _batchnorm, _distributed, _validation, _window
 from ._base import AccumOptimizer, check_optimizer
 from ._tf_keras import inner_loss_scale_state, warn_pending
 
@@ -66,6 +66,9 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
             return
         var_list = list(var_list)
         with tf.init_scope():
+            self._accum_strategy = _distributed.current_strategy()
+            if self._accum_strategy is not None and self.mode != "buffer":
+                raise _distributed.momentum_not_supported()
             # OptimizerV2 has no public `build`; this is what its
             # `apply_gradients` calls first.
             self._inner._create_all_weights(var_list)
@@ -75,11 +78,14 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
             )
             self._micro_steps = self.add_weight("micro_steps", **weight)
             self.window_steps = self.add_weight("window_steps", **weight)
-            self.window_count = self.add_weight("window_count", **weight)
+            # Replica-local under a strategy (see `accum._distributed`).
+            with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
+                self.window_count = self.add_weight("window_count", **weight)
             for i, v in enumerate(var_list):
                 self._index[v.ref()] = i
                 if self.mode == "buffer":
-                    self.accumulators.append(self.add_slot(v, "accumulator"))
+                    with _distributed.replica_local_variables():
+                        self.accumulators.append(self.add_slot(v, "accumulator"))
         self._model_variables = var_list
         if self.mode == "momentum":
             self._rule.check_built(self._inner, var_list)
@@ -156,13 +162,22 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
         if not grads_and_vars:
             raise ValueError("No gradients provided for any variable.")
         self.build([v for _, v in grads_and_vars])
-        if experimental_aggregate_gradients:
+        accumulate_locally = self._accumulates_locally()
+        if experimental_aggregate_gradients and not accumulate_locally:
             grads_and_vars = self.gradient_aggregator(grads_and_vars)
+        if accumulate_locally and not experimental_aggregate_gradients:
+            grads_and_vars = _distributed.local_share(self, grads_and_vars)
         grads = [g for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
         indices = tuple(self._variable_index(v) for v in variables)
         self._last_indices = indices
         with tf.name_scope(name or self._name):
+            if accumulate_locally:
+                # Each replica accumulates its own gradients; one all-reduce per
+                # update (`accum._distributed`).
+                if self.mode != "buffer":
+                    raise _distributed.momentum_not_supported()
+                return self._distributed_window().micro_step(grads, indices)
             if self.steps_per_update == 1 and self.mode == "buffer":
                 self._inner.apply_gradients(
                     list(zip(grads, variables)), experimental_aggregate_gradients=False
@@ -176,6 +191,19 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
                     self.steps_per_update, self.window_steps, lambda: self._end_window(indices)
                 )
             return self._micro_steps.assign_add(1)
+
+    def _accumulates_locally(self):
+        """Under a strategy (replica context), gradients are accumulated unreduced."""
+        return _distributed.in_replica_context() and not (
+            self.steps_per_update == 1 and self.mode == "buffer"
+        )
+
+    def _aggregate_gradients(self, grads_and_vars):
+        """All-reduces gradients, except when they are accumulated locally under a strategy
+        (the reduction then happens once per update: `accum._distributed`)."""
+        if self._accumulates_locally():
+            return list(grads_and_vars)
+        return super()._aggregate_gradients(grads_and_vars)
 
     def _variable_index(self, variable):
         if variable.ref() not in self._index:
@@ -210,8 +238,31 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
 
     def _apply_mean(self, indices):
         grads = _window.mean_gradients([self.accumulators[i] for i in indices], self.window_count)
+        self._apply_mean_gradients(grads, indices)
+
+    def _apply_mean_gradients(self, grads, indices):
         variables = [self._model_variables[i] for i in indices]
         self._inner.apply_gradients(list(zip(grads, variables)), experimental_aggregate_gradients=False)
+
+    def _distributed_window(self):
+        """The `accum._distributed.Window` of this optimizer (see there)."""
+        state = inner_loss_scale_state(self._inner)
+
+        def on_skip():
+            state.counter.assign(0)
+            state.current_loss_scale.assign(tf.maximum(state.current_loss_scale * 0.5, 1.0))
+
+        return _distributed.Window(
+            self,
+            buffers=lambda indices: [self.accumulators[i] for i in indices],
+            all_buffers=lambda: self.accumulators,
+            destinations=lambda indices: [self._model_variables[i] for i in indices],
+            window_steps=lambda: self.window_steps,
+            window_count=lambda: self.window_count,
+            micro_steps=lambda: self._micro_steps,
+            apply_inner=self._apply_mean_gradients,
+            on_skip=None if state is None else on_skip,
+        )
 
     def flush(self):
         """Applies the pending partial window now, normalized by the micro-batches it holds.
@@ -223,6 +274,9 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
         indices = self._last_indices
         if indices is None:
             indices = tuple(range(len(self._model_variables)))
+        if getattr(self, "_accum_strategy", None) is not None:
+            self._distributed_window().flush(self._accum_strategy, indices)
+            return
         _window.flush(self.window_steps, lambda: self._end_window(indices))
 
     def finalize_variable_values(self, var_list):
