@@ -23,15 +23,17 @@ _legacy_rng_warned = False
 _running = threading.local()  # .layers: ids of the layers whose call runs under `run_call`
 
 
-def inside_own_call(layer):
-    """True if `layer`'s decorated call is already running in this thread.
+def inside_recomputed_call():
+    """True if a decorated call is running under `recomputed_call` in this thread.
 
-    That is the case when a decorated `call` calls `super().call(...)` and the
-    parent's `call` is decorated too (bert4keras's LayerNormalization over
-    ScaleOffset): the inner call is part of the outer one's recomputation and
-    runs plainly.
+    The outermost decorated call is the unit of recomputation: a decorated
+    call inside it (a decorated sublayer, or `super().call(...)` when the
+    parent's `call` is decorated too, as bert4keras's LayerNormalization over
+    ScaleOffset) runs plainly -- in the forward pass, where no tape records
+    anyway, and in the recomputation, which would otherwise recompute it a
+    second time.
     """
-    return id(layer) in getattr(_running, "layers", ())
+    return bool(getattr(_running, "layers", None))
 
 
 @contextlib.contextmanager
@@ -225,4 +227,6 @@ def recomputed_call(adapter, call, layer, args, kwargs):
     n_outputs = len(flat_results) - len(produced["loss_slots"])
     for (lst, i), loss in zip(produced["loss_slots"], flat_results[n_outputs:]):
         lst[i] = loss  # the copy connected to the tape replaces the one computed off it
+    for source, target in zip(tf.nest.flatten(produced["outputs"]), flat_results[:n_outputs]):
+        adapter.copy_output_mask(source, target)
     return tf.nest.pack_sequence_as(produced["outputs"], flat_results[:n_outputs])

@@ -58,6 +58,13 @@ def recompute_grad(call):
     tensors are differentiated; a tensor passed several times gets its gradient
     once.
 
+    Nesting: the outermost decorated call is the unit of recomputation. A
+    decorated call inside it (a decorated sublayer, or `super().call(...)`
+    reaching a decorated parent `call`) runs plainly, so nothing is recomputed
+    twice. A functional model can be made one unit by decorating an instance's
+    bound call (`block.call = recompute_grad(block.call)`); Keras masks its
+    outputs carry are kept.
+
     Limitations: variables must exist before the recomputation (sublayers are
     built by the forward pass, which always runs first); forward-mode autodiff
     (`tf.autodiff.ForwardAccumulator`) is not supported; tf_keras's default
@@ -104,7 +111,7 @@ def recompute_grad(call):
         if not _config.is_enabled():
             return fn(layer, *args, **kwargs)
         adapter.check_supported(layer)
-        if not _tf.tape_is_active() or _core.inside_own_call(layer):
+        if not _tf.tape_is_active() or _core.inside_recomputed_call():
             return fn(layer, *args, **kwargs)
         return _core.recomputed_call(adapter, fn, layer, args, kwargs)
 

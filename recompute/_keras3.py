@@ -136,6 +136,20 @@ def capture_call_state(layer):
     return reenter
 
 
+def copy_output_mask(source, target):
+    """Gives `target` the Keras mask Keras 3 attached to `source` (a call output), if any.
+
+    A call that sets its outputs' masks itself (a functional model does) would
+    otherwise lose them: the tensors `recompute_grad` returns are new ones.
+    """
+    mask = getattr(source, "_keras_mask", None)
+    if mask is not None:
+        try:
+            target._keras_mask = mask
+        except AttributeError:  # tensors that take no attributes carry no mask
+            pass
+
+
 def track_losses(layers):
     """Returns a function listing `(list, index)` of the losses added after this point."""
     sizes = [(lyr._losses, len(lyr._losses)) for lyr in layers]

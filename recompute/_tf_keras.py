@@ -141,6 +141,20 @@ def _save_python_state(layers):
     return restore
 
 
+def copy_output_mask(source, target):
+    """Gives `target` the Keras mask tf_keras attached to `source` (a call output), if any.
+
+    A call that sets its outputs' masks itself (a functional model does) would
+    otherwise lose them: the tensors `recompute_grad` returns are new ones.
+    """
+    mask = getattr(source, "_keras_mask", None)
+    if mask is not None:
+        try:
+            target._keras_mask = mask
+        except AttributeError:  # tensors that take no attributes carry no mask
+            pass
+
+
 def track_losses(layers):
     """Returns a function listing `(list, index)` of the loss tensors added after this point."""
     sizes = []

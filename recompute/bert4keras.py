@@ -50,10 +50,12 @@ import importlib.abc
 import inspect
 import sys
 import threading
+import warnings
 
 from ._decorator import recompute_grad
 
 MODULE = "bert4keras.layers"
+MODELS_MODULE = "bert4keras.models"
 
 _replaced = {}  # (class, method name) -> the method it had before `patch()`
 _module_dropout = {}  # module -> the `Dropout` it had before `patch()`
@@ -157,11 +159,82 @@ def _patch_module(module):
         module.Dropout = _owned_dropout(module.Dropout)
 
 
+_block_warned = set()  # model classes warned about per-layer recomputation
+
+
+def _block_inputs_ok(model, inputs, index):
+    """Why a BERT block of `model` cannot be one recomputed unit, or None if it can."""
+    if isinstance(inputs, (list, tuple)):
+        return "its blocks take several inputs"
+    if model.compute_attention_bias(index) is not None:
+        return "its blocks take an attention bias computed outside them"
+    if model.layer_norm_conds[0] is not None:
+        return "it uses conditional layer normalization"
+    if model.attention_caches:
+        return "it uses attention caches"
+    if model.residual_attention_scores:
+        return "it passes attention scores from block to block"
+    return None
+
+
+def _recomputed_blocks(apply_main_layers, keras):
+    """BERT's `apply_main_layers`, building each Transformer block as one recomputed unit.
+
+    bert4keras builds a block as separate layers: attention, dropout, residual
+    add, layer norm, feed-forward, dropout, add, layer norm. Recomputing each
+    marked layer alone keeps every tensor that passes between them (about
+    4.5x a block's input per block). Here the block becomes a nested
+    functional model named `Transformer-<i>` whose `call` is decorated with
+    `recompute_grad`: the forward pass keeps only the block's input. The
+    layers inside are the same objects under the same names (bert4keras's
+    weight loading finds them in `model.layers`), the padding mask reaches
+    them as before, and the marked layers inside run plainly within the
+    block's recomputation (the outermost decorated call is the unit).
+    """
+
+    def wrapper(self, inputs, index):
+        reason = _block_inputs_ok(self, inputs, index)
+        if reason is not None:
+            if type(self) not in _block_warned:
+                _block_warned.add(type(self))
+                warnings.warn(
+                    f"recompute.bert4keras: {type(self).__name__} blocks are recomputed "
+                    f"layer by layer, not as whole blocks, because {reason}; this saves "
+                    "less memory.",
+                    stacklevel=2,
+                )
+            return apply_main_layers(self, inputs, index)
+        block_input = keras.layers.Input(
+            shape=tuple(inputs.shape[1:]), dtype=inputs.dtype,
+            name=self.prefixed(f"Transformer-{index}-Input"),
+        )
+        outputs = apply_main_layers(self, block_input, index)
+        block = keras.models.Model(block_input, outputs, name=self.prefixed(f"Transformer-{index}"))
+        block.call = recompute_grad(block.call)
+        return block(inputs)
+
+    wrapper.__name__ = apply_main_layers.__name__
+    wrapper.__doc__ = apply_main_layers.__doc__
+    wrapper.__wrapped__ = apply_main_layers
+    return wrapper
+
+
+def _patch_models_module(module):
+    bert = getattr(module, "BERT", None)
+    if bert is not None and (bert, "apply_main_layers") not in _replaced:
+        current = bert.__dict__["apply_main_layers"]
+        _replaced[bert, "apply_main_layers"] = current
+        bert.apply_main_layers = _recomputed_blocks(current, module.keras)
+
+
+_PATCHERS = {MODULE: _patch_module, MODELS_MODULE: _patch_models_module}
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Import hook: patches `bert4keras.layers` as soon as it has been executed."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != MODULE:
+        if fullname not in _PATCHERS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -183,27 +256,36 @@ class _PatchingLoader(importlib.abc.Loader):
     def exec_module(self, module):
         self._loader.exec_module(module)
         if _hook is not None:
-            _patch_module(module)
+            _PATCHERS[module.__name__](module)
 
 
 def patch():
-    """Makes bert4keras's recomputed layers use `recompute_grad` (idempotent).
+    """Makes bert4keras recompute with `recompute_grad` (idempotent).
 
-    Models must be built after the call (existing layer instances are patched
-    too, since the methods are replaced on the classes). Turn recomputation on
-    with `RECOMPUTE=1` or `recompute.recompute_scope(True)`.
+    Models must be built after the call: BERT's Transformer blocks are built
+    as recomputed units (existing layer instances get the per-layer patch too,
+    since the methods are replaced on the classes). Turn recomputation on with
+    `RECOMPUTE=1` or `recompute.recompute_scope(True)`.
     """
     global _hook
-    module = sys.modules.get(MODULE)
-    if module is not None:
-        _patch_module(module)
-    elif _hook is None:
+    waiting = False
+    for name, patch_module in _PATCHERS.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch_module(module)
+        else:
+            waiting = True
+    if waiting and _hook is None:
         _hook = _PatchOnImport()
         sys.meta_path.insert(0, _hook)
 
 
 def unpatch():
-    """Restores bert4keras's own `call` methods and removes the import hook (idempotent)."""
+    """Restores bert4keras's own methods and removes the import hook (idempotent).
+
+    Models built while patched keep their structure (blocks as nested models)
+    and still recompute when `RECOMPUTE` is on.
+    """
     global _hook
     if _hook is not None:
         if _hook in sys.meta_path:

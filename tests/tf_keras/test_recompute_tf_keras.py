@@ -361,3 +361,75 @@ def test_decorated_super_call_is_recomputed_once(compile_mode, monkeypatch):
     # One recomputation: the inner (parent's) call runs plainly inside it,
     # in the forward pass and in the recomputation alike.
     assert calls["n"] == 1
+
+
+class Outer(K.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = SquaredAffine()
+        self.dense = K.layers.Dense(8, activation="tanh")
+
+    @recompute_grad
+    def call(self, x):  # a decorated sublayer runs inside this one
+        return self.inner(self.dense(x))
+
+
+def test_outermost_decorated_call_is_the_unit(monkeypatch):
+    calls = {"n": 0}
+    real = _core.recomputed_call
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_core, "recomputed_call", counting)
+    K.utils.set_random_seed(0)
+    layer = Outer()
+    x = inputs()
+    layer(x)
+
+    def step():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(layer(x) * tf.range(8, dtype=tf.float32))
+        return [loss] + tape.gradient(loss, [x] + layer.trainable_weights)
+
+    plain = to_numpy(step())
+    with recompute.recompute_scope(True):
+        recomputed = to_numpy(step())
+    assert_all_close(plain, recomputed)
+    assert calls["n"] == 1
+
+
+def masked_model(decorate):
+    """Embedding(mask_zero) -> a functional block (decorated or not) -> a mask-consuming pooling."""
+    K.utils.set_random_seed(0)
+    block_in = K.Input((None, 8))
+    block_out = K.layers.Dense(8, activation="tanh")(K.layers.Dense(16, activation="relu")(block_in))
+    block = K.Model(block_in, block_out)
+    if decorate:
+        block.call = recompute_grad(block.call)
+    tokens = K.Input((None,), dtype="int32")
+    h = K.layers.Embedding(20, 8, mask_zero=True)(tokens)
+    h = block(h)
+    h = block(h)  # the mask must survive the first block's recomputation wrapper
+    return K.Model(tokens, K.layers.Dense(1)(K.layers.GlobalAveragePooling1D()(h)))
+
+
+@pytest.mark.parametrize("compile_mode", ["eager", "function"])
+def test_functional_block_keeps_the_padding_mask(compile_mode):
+    tokens = np.array([[3, 4, 5, 0, 0], [6, 7, 8, 9, 1]])
+    results = []
+    for decorate in (False, True):
+        model = masked_model(decorate)
+
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(tokens, training=True) ** 2)
+            return [loss] + tape.gradient(loss, model.trainable_weights)
+
+        if compile_mode == "function":
+            step = tf.function(step)
+        with recompute.recompute_scope(True):
+            results.append(to_numpy(step()))
+    assert_all_close(results[0], results[1])
