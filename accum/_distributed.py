@@ -37,14 +37,27 @@ A micro-step (one `apply_gradients` per replica):
 
 So the bytes all-reduced per update are those of one gradient (plus one
 scalar), k times less than all-reducing each micro-batch; between updates the
-replicas do not communicate at all.
+replicas do not communicate at all. (`python -m accum.distribute_benchmark`,
+2 workers on loopback, a 1.6M-parameter MLP, k=8: 1 round and 6.0 MiB per
+effective batch, against 9 rounds and 54.1 MiB when the gradients are
+all-reduced at every micro-step.)
+
+Gradients that arrive already reduced: tf_keras callers say so with
+`skip_gradients_aggregation=True` (legacy: `experimental_aggregate_gradients=False`);
+each replica then adds `1 / replicas` of them, so the update counts them once.
+tf_keras's `LossScaleOptimizer` outside the wrapper (what `compile` builds
+under `mixed_float16`) passes that flag after "aggregating" with the
+wrapper's own `aggregate_gradients`, which under a strategy leaves them local:
+its gradients are accumulated locally like any others.
 
 Why the decision is taken in the cross-replica context: on CPUs (and on GPUs
 outside XLA) both strategies implement a replica-context
 `ReplicaContext.all_reduce` with `merge_call`, and `merge_call` inside a
 `tf.cond` branch built in replica context fails in graph mode ("`merge_call`
 called while defining a new graph or a tf.function", keras-team/keras#20582;
-checked with TF 2.21 for `MirroredStrategy`). The window counter is a mirrored
+`ReplicaContext.all_reduce` inside a replica-context `tf.cond` fails so with
+both strategies, checked with TF 2.21: 2 logical CPUs, and 2 worker
+processes). The window counter is a mirrored
 variable, so the predicate is the same on every replica and worker, and the
 collective inside the branch is run by all of them or by none: this was
 checked with `MultiWorkerMirroredStrategy` on two processes (collectives
