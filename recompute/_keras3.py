@@ -70,7 +70,10 @@ def replay_state(layer, state, start):
     the forward call began: seed generators draw the same seeds again, moving
     statistics read as they were, and every assignment (seed increments,
     BatchNormalization updates, metric updates) and `add_loss` stays inside the
-    scope -- nothing is written to the real variables.
+    scope -- nothing is written to the real variables. Under `tf.distribute`
+    the start values are this replica's (read in replica context), and an
+    assignment to an aggregated variable is combined across replicas as the
+    forward pass's was (see `_replay_scope_class`).
     """
     from keras.src.backend.common import global_state
 
@@ -90,7 +93,7 @@ def replay_state(layer, state, start):
         ) from cause
 
     try:
-        with _keras().StatelessScope(
+        with _replay_scope_class()(
             mapping, collect_losses=True, initialize_variables=False
         ) as scope:
             yield losses
@@ -105,6 +108,56 @@ def replay_state(layer, state, start):
         names = [v.path for v in pending[n_pending:]]
         del pending[n_pending:]
         created(f"variables {names}")
+
+
+_REPLAY_SCOPE = []
+
+
+def _replay_scope_class():
+    """`keras.StatelessScope` whose recorded assignments behave like real ones.
+
+    A variable read after an assignment has no gradient path to the assigned
+    value (TensorFlow does not differentiate through `assign`), so recorded
+    values are cut off the tape: a call that updates a state variable and reads
+    it back (say, a running total added from `x`) gets no extra gradient term
+    in the recomputation.
+
+    And an aggregated distributed variable gets the value its assignment would
+    have given it. Under `tf.distribute`, assigning a `MirroredVariable` whose aggregation is
+    `SUM`, `MEAN` or `ONLY_FIRST_REPLICA` in replica context (as the forward
+    pass did) combines the values of all replicas; a plain `StatelessScope`
+    would record this replica's value alone, and a call that reads the
+    variable after updating it would compute something else in the
+    recomputation. The combination (an all-reduce) is done when the value is
+    read, so an update that is never read back (a metric) costs nothing.
+    """
+    if not _REPLAY_SCOPE:
+        import tensorflow as tf
+
+        from . import _tf
+
+        class ReplayScope(_keras().StatelessScope):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self._unaggregated = {}  # id(variable) -> its tf.Variable
+
+            def add_update(self, update):
+                variable, value = update
+                # A variable read after an assignment has no gradient path to
+                # the assigned value; the recorded value must not have one either.
+                super().add_update((variable, tf.stop_gradient(value)))
+                self._unaggregated[id(variable)] = tf_variable(variable)
+
+            def get_current_value(self, variable):
+                target = self._unaggregated.pop(id(variable), None)
+                if target is not None:
+                    self.state_mapping[id(variable)] = _tf.replica_assigned_value(
+                        target, self.state_mapping[id(variable)]
+                    )
+                return super().get_current_value(variable)
+
+        _REPLAY_SCOPE.append(ReplayScope)
+    return _REPLAY_SCOPE[0]
 
 
 def capture_call_state(layer):

@@ -1,17 +1,30 @@
 """The only module that touches TensorFlow internals.
 
-TensorFlow has no public API for three things recomputation needs:
+TensorFlow has no public API for these things recomputation needs:
 - pausing every active `GradientTape` on this thread while the forward pass
   runs (so the tapes do not keep the block's activations alive) -- the same
   call `tf.recompute_grad` makes internally;
 - asking whether any tape is recording at all (so that a call outside training
   costs nothing);
 - asking whether a forward-mode accumulator (`tf.autodiff.ForwardAccumulator`)
-  watches a tensor (recomputation only defines reverse-mode gradients).
+  watches a tensor (recomputation only defines reverse-mode gradients);
+- ordering the stateful ops of a backward function (`ordered_stateful_ops`);
+- under `tf.distribute`: telling a replica thread of `MirroredStrategy` /
+  `MultiWorkerMirroredStrategy` (`strategy.run` calls the replica function in
+  threads of its own) from other threads, and reaching the copy of a
+  distributed variable that the current replica owns, so that state replayed
+  in the backward pass is written to that copy only, with no cross-replica
+  aggregation (`replica_local`). Next to it, with public APIs only, what an
+  aggregated assignment in replica context leaves in that copy
+  (`replica_assigned_value`).
 """
 
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import record
+
+import threading
+
+import tensorflow as tf
 
 stop_recording = record.stop_recording
 
@@ -70,3 +83,59 @@ def context_executing_eagerly():
     from tensorflow.python.eager import context
 
     return context.executing_eagerly()
+
+
+def in_replica_thread():
+    """True in a thread that `MirroredStrategy`/`MultiWorkerMirroredStrategy` started
+    to run a replica (`strategy.run`)."""
+    from tensorflow.python.distribute import mirrored_run
+
+    return isinstance(threading.current_thread(), mirrored_run._MirroredReplicaThread)
+
+
+def replica_local(variable):
+    """In replica context, the component of a distributed `variable` that this replica owns.
+
+    Assigning a `MirroredVariable` in replica context aggregates across the
+    replicas (its `SUM`/`MEAN` aggregation: an all-reduce, and with `SUM` a
+    restored value would come back multiplied by the number of replicas);
+    assigning the component writes this replica's copy only, as an update
+    with aggregation `NONE` or a `SyncOnReadVariable` does. Anything else
+    (a plain variable, cross-replica context) is returned unchanged.
+    """
+    if not isinstance(variable, tf.distribute.DistributedValues):
+        return variable
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return variable
+    return variable._get_on_device_or_primary()
+
+
+def replica_assigned_value(variable, value):
+    """What `variable.assign(value)` in replica context leaves in this replica's copy.
+
+    A `MirroredVariable` with aggregation `SUM` or `MEAN` all-reduces the
+    values the replicas assign, one with `ONLY_FIRST_REPLICA` takes the first
+    replica's (the same collective, so that every replica reads the same
+    number); anything else -- aggregation `NONE`, a `SyncOnReadVariable`, a
+    plain variable, cross-replica context -- keeps `value`. Used where an
+    assignment is recorded instead of executed (a Keras 3 `StatelessScope`).
+    """
+    if not isinstance(variable, tf.distribute.DistributedValues):
+        return value
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return value
+    aggregation = variable.aggregation
+    if (
+        variable.synchronization == tf.VariableSynchronization.ON_READ
+        or aggregation == tf.VariableAggregation.NONE
+    ):
+        return value
+    context = tf.distribute.get_replica_context()
+    if aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA:
+        first = tf.equal(context.replica_id_in_sync_group, 0)
+        return context.all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.where(first, value, tf.zeros_like(value))
+        )
+    if aggregation == tf.VariableAggregation.SUM:
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+    return context.all_reduce(tf.distribute.ReduceOp.MEAN, value)

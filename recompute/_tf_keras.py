@@ -22,6 +22,8 @@ import threading
 
 import tensorflow as tf
 
+from . import _tf
+
 name = "tf_keras"
 
 
@@ -106,6 +108,9 @@ def replay_state(layer, state, start):
     recomputation is undone; the block yields a list that holds, once it
     exits, the loss tensors the recomputation added (in call order).
     """
+    # Under tf.distribute, each replica replays and restores its own copy
+    # (a replica-local write, never an aggregated one).
+    state = [_tf.replica_local(v) for v in state]
     end = [v.read_value() for v in state]
     for v, value in zip(state, start):
         v.assign(value)

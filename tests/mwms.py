@@ -10,7 +10,8 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "mwms_worker.py")
+WORKER = os.path.join(HERE, "mwms_worker.py")  # AccumOptimizer
+RECOMPUTE_WORKER = os.path.join(HERE, "mwms_recompute_worker.py")  # recompute_grad
 
 
 def free_ports(n):
@@ -27,8 +28,9 @@ def free_ports(n):
             s.close()
 
 
-def run_workers(scenario, out_dir, workers=2, timeout=120.0, extra_env=None):
-    """Starts `workers` processes of `mwms_worker.py <scenario> <out_dir>`, waits for all.
+def run_workers(scenario, out_dir, workers=2, timeout=120.0, extra_env=None, worker=WORKER):
+    """Starts `workers` processes of `worker <scenario> <out_dir>` (default:
+    `mwms_worker.py`), waits for all.
 
     Each process gets `TF_CONFIG` for its task. If any fails or the time is
     up, all of them are killed and an `AssertionError` carries their output.
@@ -46,7 +48,7 @@ def run_workers(scenario, out_dir, workers=2, timeout=120.0, extra_env=None):
         log = open(os.path.join(out_dir, f"worker{index}.log"), "w+")
         logs.append(log)
         procs.append(subprocess.Popen(
-            [sys.executable, WORKER, scenario, str(out_dir)],
+            [sys.executable, worker, scenario, str(out_dir)],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=HERE,
         ))
     deadline = time.monotonic() + timeout

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def strategy():
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+def strategy(mirrored_strategy):
+    return mirrored_strategy  # one per process (tests/conftest.py)
 
 
 def assert_state_close(want, got, tol=TOL):
