@@ -23,7 +23,8 @@ stops the run before anything is built, naming the file and the line.
 
 Flags: `--recompute` sets `RECOMPUTE=1`, so bert4keras's attention,
 feed-forward and layer-norm layers keep only their inputs and recompute their
-activations in the backward pass (`recompute.bert4keras.patch()`); gradients
+activations in the backward pass (`recompute.bert4keras.patch(blocks=True)`:
+each Transformer block is recomputed as one unit); gradients
 are unchanged. `--accum-steps k` wraps Adam in `accum.AccumOptimizer`: a
 micro-batch of `--batch-size b` then updates the weights like a batch of `k*b`.
 `--max-steps N` stops after N weight updates (N*k micro-batches).
@@ -330,7 +331,7 @@ def run(args):
 
     import recompute.bert4keras
 
-    recompute.bert4keras.patch()  # before bert4keras is imported
+    recompute.bert4keras.patch(blocks=True)  # before bert4keras is imported; blocks as units
 
     import numpy as np
     import tensorflow as tf

@@ -157,11 +157,11 @@ def recomputed_call(adapter, call, layer, args, kwargs):
         created[id(variable)] = variable.read_value()
         return variable
 
-    def run_call(inputs):
+    def run_call(inputs, seed=legacy_seed):
         call_args, call_kwargs = rebuild(inputs)
         with _running_call(layer):
             if legacy:
-                with adapter.replay_legacy_rng(legacy_seed) as replay:
+                with adapter.replay_legacy_rng(seed) as replay:
                     outputs = call(layer, *call_args, **call_kwargs)
                 if replay.draws:
                     _warn_legacy_rng(layer)
@@ -197,7 +197,9 @@ def recomputed_call(adapter, call, layer, args, kwargs):
                     with reenter(), _forbid_creation(layer), adapter.replay_state(
                         layer, state, _after(start, first_dy)
                     ) as recomputed_losses:
-                        recomputed = run_call(ready)
+                        # The legacy seed is a forward-pass tensor too: gated like the state.
+                        seed = _after([legacy_seed], first_dy)[0] if legacy else None
+                        recomputed = run_call(ready, seed)
                 if len(recomputed_losses) != len(losses):
                     raise RuntimeError(
                         f"recompute_grad: layer '{layer.name}' added {len(losses)} "

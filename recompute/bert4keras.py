@@ -16,6 +16,10 @@ from bert4keras.models import build_transformer_model
 model = build_transformer_model(config_path, checkpoint_path)
 ```
 
+`patch(blocks=True)` also builds each BERT Transformer block as one nested
+model recomputed as a unit (only the block's input is kept: less memory; the
+block's layers are then reached through `model.get_layer("Transformer-<i>")`).
+
 bert4keras needs `TF_KERAS=1 TF_USE_LEGACY_KERAS=1` in the environment and is
 installed with `pip install --no-deps bert4keras==0.11.5` (it pins an ancient
 Keras). Which layers are patched is read from bert4keras's own source: every
@@ -160,6 +164,7 @@ def _patch_module(module):
 
 
 _block_warned = set()  # model classes warned about per-layer recomputation
+_blocks = False  # patch(blocks=True): build BERT blocks as recomputed units
 
 
 def _block_inputs_ok(model, inputs, index):
@@ -193,6 +198,8 @@ def _recomputed_blocks(apply_main_layers, keras):
     """
 
     def wrapper(self, inputs, index):
+        if not _blocks:
+            return apply_main_layers(self, inputs, index)
         reason = _block_inputs_ok(self, inputs, index)
         if reason is not None:
             if type(self) not in _block_warned:
@@ -259,14 +266,27 @@ class _PatchingLoader(importlib.abc.Loader):
             _PATCHERS[module.__name__](module)
 
 
-def patch():
+def patch(blocks=False):
     """Makes bert4keras recompute with `recompute_grad` (idempotent).
 
-    Models must be built after the call: BERT's Transformer blocks are built
-    as recomputed units (existing layer instances get the per-layer patch too,
-    since the methods are replaced on the classes). Turn recomputation on with
-    `RECOMPUTE=1` or `recompute.recompute_scope(True)`.
+    Turn recomputation on with `RECOMPUTE=1` or `recompute.recompute_scope(True)`.
+
+    Args:
+        blocks: `False` (default): the layers bert4keras marks (attention,
+            feed-forward, layer norm, ...) are recomputed one by one; the model
+            is built exactly as bert4keras builds it. `True`: each BERT
+            Transformer block of models built from now on is one nested model
+            `Transformer-<i>`, recomputed as a unit -- less memory (only the
+            block's input is kept), but the block's layers are then reached
+            through it (`model.get_layer("Transformer-3").get_layer(
+            "Transformer-3-FeedForward-Norm")`), not `model.get_layer(...)`.
+            Weights, checkpoint loading and outputs are unchanged. The last
+            call's value applies to models built afterwards.
     """
+    global _blocks
+    if not isinstance(blocks, bool):
+        raise TypeError(f"`blocks` must be True or False. Received: blocks={blocks!r}")
+    _blocks = blocks
     global _hook
     waiting = False
     for name, patch_module in _PATCHERS.items():
@@ -286,7 +306,8 @@ def unpatch():
     Models built while patched keep their structure (blocks as nested models)
     and still recompute when `RECOMPUTE` is on.
     """
-    global _hook
+    global _hook, _blocks
+    _blocks = False
     if _hook is not None:
         if _hook in sys.meta_path:
             sys.meta_path.remove(_hook)

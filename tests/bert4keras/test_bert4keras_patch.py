@@ -27,6 +27,14 @@ from numerics import assert_all_close, to_numpy  # noqa: E402
 
 
 
+@pytest.fixture(params=[False, True], ids=["layers", "blocks"])
+def blocks(request):
+    """Per-layer recomputation (default) or whole Transformer blocks."""
+    rb.patch(blocks=request.param)
+    yield request.param
+    rb.patch()
+
+
 def test_blocks_are_recomputed_units_with_unchanged_outputs(dropout_config_path):
     """A patched BERT is built with each Transformer block as one nested model;
     its outputs equal unpatched bert4keras's, padding included."""
@@ -36,9 +44,12 @@ def test_blocks_are_recomputed_units_with_unchanged_outputs(dropout_config_path)
         tf.keras.utils.set_random_seed(0)
         plain = build_transformer_model(str(dropout_config_path))
     finally:
+        rb.patch(blocks=True)
+    try:
+        tf.keras.utils.set_random_seed(0)
+        patched = build_transformer_model(str(dropout_config_path))
+    finally:
         rb.patch()
-    tf.keras.utils.set_random_seed(0)
-    patched = build_transformer_model(str(dropout_config_path))
     assert "Transformer-0-MultiHeadSelfAttention" in [l.name for l in plain.layers]
     blocks = [l for l in patched.layers if l.name.startswith("Transformer-")]
     assert [b.name for b in blocks] == ["Transformer-0", "Transformer-1"]
@@ -51,8 +62,12 @@ def test_blocks_are_recomputed_units_with_unchanged_outputs(dropout_config_path)
 def test_blocks_with_outside_inputs_are_recomputed_per_layer_with_a_warning(config_path):
     """A language model's blocks take a causal attention bias built outside them."""
     rb._block_warned.clear()
-    with pytest.warns(UserWarning, match="recomputed layer by layer.*attention bias"):
-        model = build_transformer_model(str(config_path), application="lm")
+    rb.patch(blocks=True)
+    try:
+        with pytest.warns(UserWarning, match="recomputed layer by layer.*attention bias"):
+            model = build_transformer_model(str(config_path), application="lm")
+    finally:
+        rb.patch()
     names = [l.name for l in model.layers]
     assert "Transformer-0" not in names and "Transformer-0-MultiHeadSelfAttention" in names
 
@@ -104,7 +119,7 @@ def build(config_path):
 
 
 # Dropout off here; with dropout on, see the tests at the end (replayable RNG).
-def test_gradients_match_with_padding(config_path, monkeypatch):
+def test_gradients_match_with_padding(config_path, monkeypatch, blocks):
     calls = {"n": 0}
     real = _core.recomputed_call
 
@@ -129,7 +144,7 @@ def test_gradients_match_with_padding(config_path, monkeypatch):
     assert calls["n"] > 0  # the recomputation really ran
 
 
-def test_fit_matches(config_path):
+def test_fit_matches(config_path, blocks):
     token_ids, segment_ids, labels = batch()
     x = [np.tile(token_ids, (4, 1)), np.tile(segment_ids, (4, 1))]
     y = np.tile(labels, 4)
@@ -180,7 +195,14 @@ def test_attention_dropout_is_one_sublayer_per_layer(dropout_config_path, replay
     np.testing.assert_array_equal(model([token_ids, segment_ids]), model([token_ids, segment_ids]))
 
 
-def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, monkeypatch):
+def test_default_patch_keeps_bert4keras_structure(config_path):
+    names = [l.name for l in build_transformer_model(str(config_path)).layers]
+    assert "Transformer-1-FeedForward-Norm" in names and "Transformer-1" not in names
+    with pytest.raises(TypeError, match="`blocks` must be True or False. Received: blocks='yes'"):
+        rb.patch(blocks="yes")
+
+
+def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, monkeypatch, blocks):
     calls = {"n": 0}
     real = _core.recomputed_call
 
@@ -203,11 +225,12 @@ def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, m
         results.append([float(loss)] + to_numpy(grads))
     assert all(g is not None for g in results[1])
     assert_all_close(results[0], results[1])
-    # Each step: the two Transformer blocks and the embedding layer norm.
-    assert calls["n"] == 2 * (2 + 1)
+    # Each step: the two Transformer blocks (or their attention, feed-forward
+    # and two layer norms) and the embedding layer norm.
+    assert calls["n"] == 2 * (2 + 1 if blocks else 2 * 4 + 1)
 
 
-def test_dropout_on_fit_matches(dropout_config_path, replayable_rng):
+def test_dropout_on_fit_matches(dropout_config_path, replayable_rng, blocks):
     token_ids, segment_ids, labels = batch()
     x = [np.tile(token_ids, (4, 1)), np.tile(segment_ids, (4, 1))]
     y = np.tile(labels, 4)

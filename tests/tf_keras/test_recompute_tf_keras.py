@@ -433,3 +433,43 @@ def test_functional_block_keeps_the_padding_mask(compile_mode):
         with recompute.recompute_scope(True):
             results.append(to_numpy(step()))
     assert_all_close(results[0], results[1])
+
+
+def test_legacy_rng_recomputed_draws_wait_for_the_gradient():
+    """Memory: under the legacy RNG, a recomputed mask is drawn in the backward
+    pass (its seed waits for the gradient), not kept from the forward pass."""
+    K.backend.experimental.disable_tf_random_generator()
+    blocks = [DropoutOnly(), DropoutOnly()]
+    x = tf.ones([2, 8])
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = x
+            for b in blocks:
+                y = b(y, training=True)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, x)
+
+    with recompute.recompute_scope(True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = step.get_concrete_function(x).graph
+    ops = graph.get_operations()
+    first_grad = next(i for i, op in enumerate(ops) if op.name.startswith("gradient_tape/"))
+    recomputed = [op for op in ops[first_grad:]
+                  if op.type.startswith("StatelessRandom") and "KeyCounter" not in op.type]
+    assert len([op for op in recomputed if op.type == "StatelessRandomUniformV2"]) == 2  # the masks
+
+    def ancestors(op):
+        seen, stack = set(), [op]
+        while stack:
+            o = stack.pop()
+            if o.name not in seen:
+                seen.add(o.name)
+                stack.extend(t.op for t in o.inputs)
+                stack.extend(o.control_inputs)
+        return seen
+
+    for op in recomputed:
+        assert any(name.startswith("gradient_tape/") for name in ancestors(op)), op.name
