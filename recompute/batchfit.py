@@ -13,7 +13,7 @@ with its converted weights from `recompute.hf_convert.minilm()`; `tiny`: 2,
 keeps the peak resident memory of its process within `--budget-gib` is
 searched. Every candidate batch runs in a fresh process
 (`python -m recompute.batchfit --worker ...`, environment `TF_KERAS=1
-TF_USE_LEGACY_KERAS=1 RECOMPUTE=0|1`) that calls `recompute.bert4keras.patch()`,
+TF_USE_LEGACY_KERAS=1 RECOMPUTE=0|1`) that calls `recompute.bert4keras.patch(blocks=True)`,
 builds the model with bert4keras's `build_transformer_model` (dropout 0.1 as in
 BERT) plus a classification head (the CLS token's vector -> `Dense(2)`),
 compiles it with tf_keras Adam -- wrapped in `accum.AccumOptimizer(...,
@@ -30,16 +30,18 @@ step stops there (it cannot fit).
 Search, per model: RECOMPUTE=0 measures batch 1, then a second batch at
 about 60% of what a rough activation estimate predicts; RECOMPUTE=1 starts at
 the batch found without recomputation (so both modes share a measured batch).
-The line through the two largest fitting batches (peak RSS = fixed + slope x
-batch; for RECOMPUTE=1's first jump, the fixed part of the RECOMPUTE=0 line)
-predicts the largest fitting batch (jumps of at most 8x); once a batch does
-not fit, the measured bracket (largest batch that fits, smallest that does
-not) is narrowed by interpolation, with bisection when one end keeps moving. Allocator slack
-makes the line only a guide: the answer is always a batch *measured* to fit
-whose successor was *measured* not to fit (or the `--max-batch` cap).
+A line, peak RSS = fixed + slope x batch, through the largest fitting batch
+and one at most 80% of it (for RECOMPUTE=1's first jump: the fixed part of
+the RECOMPUTE=0 line) predicts the largest fitting batch (jumps of at most
+8x). Once a batch does not fit, the measured bracket (largest batch that
+fits, smallest that does not) is narrowed by interpolation, with bisection
+when one end keeps moving. Allocator slack makes the line only a guide: the
+answer is always a batch *measured* to fit whose successor was *measured* not
+to fit (or the `--max-batch` cap).
 
-Output: progress lines on stderr (one per candidate: batch, mode, peak RSS,
-CPU s/sample, fits?), then a table on stdout with one row per model and mode:
+Output: progress lines on stderr (per candidate: a line when its worker
+starts, one with batch, mode, peak RSS, CPU s/sample and whether it fits when
+it ends), then a table on stdout with one row per model and mode:
 
 - `model`, `seq`, `budget GiB`, `RECOMPUTE` (0 off, 1 on);
 - `max batch`: largest micro-batch that fits (`>=N` if capped by `--max-batch`,
@@ -50,6 +52,11 @@ CPU s/sample, fits?), then a table on stdout with one row per model and mode:
 - `time x on/off`: CPU time per sample at the two max batches, on over off
   (below the table also at the largest batch measured in both modes);
 - `eff. batch`: effective batch = max batch x `--accum-steps`.
+
+Below the table, per model and mode: the verification (batch N measured
+within the budget, N + 1 over it) and the measured line peak RSS ~ fixed +
+MiB per sample x batch (its slope is the activation memory per sample as the
+process sees it, allocator slack included).
 
 A PNG (`--plot`, default `batchfit.png` in the current directory) shows peak
 RSS against batch for both modes, one panel per model, with the budget as a
@@ -275,7 +282,7 @@ def run_worker(spec, out_path):
 
     import recompute.bert4keras
 
-    recompute.bert4keras.patch()  # before bert4keras is imported
+    recompute.bert4keras.patch(blocks=True)  # before bert4keras is imported
     import tensorflow as tf
     import tf_keras
 
@@ -508,19 +515,32 @@ class Search:
         return sorted((b, r["peak_rss_mib"]) for b, r in self.runs.items()
                       if r["fits"] and b <= self.lo)
 
+    @staticmethod
+    def _span(points):
+        """The line through the largest batch and one at most 80% of it (the largest such).
+
+        Adjacent batches differ by less than the allocator's noise, so a line
+        through them could point anywhere; the partner is taken further away.
+        """
+        if len(points) < 2:
+            return None
+        top = points[-1]
+        partners = [p for p in points[:-1] if p[0] <= 0.8 * top[0]] or points[:1]
+        if partners[-1][0] == top[0]:
+            return None
+        slope, intercept = _slope([partners[-1], top])
+        return (slope, intercept) if slope > 0 else None
+
     def own_line(self):
-        """(slope, intercept) of peak RSS (MiB) vs batch through the two largest fitting batches, or None."""
-        points = self._fitting_points()
-        return _slope(points[-2:]) if len(points) >= 2 else None
+        """(slope, intercept) of peak RSS (MiB) vs batch from this mode's fitting batches, or None."""
+        return self._span(self._fitting_points())
 
     def _line(self):
         """`own_line()`, or with fewer than two measurements the line through `prior` too."""
         points = self._fitting_points()
         if len(points) < 2:
             points = sorted(set(self.prior) | set(points))
-        if len(points) >= 2 and points[-1][0] != points[-2][0]:
-            return _slope(points[-2:])
-        return None
+        return self._span(points)
 
     def next_batch(self):
         """The next candidate to measure, or None when the answer is verified."""
@@ -529,7 +549,7 @@ class Search:
         lo, hi = self.lo, self.hi
         if hi is None:
             line = self._line()
-            if line is None or line[0] <= 0:
+            if line is None:
                 guess = 2 * lo
             else:
                 slope, fixed = line
@@ -707,13 +727,17 @@ def print_report(rows, opts, out=sys.stdout):
 
 
 def rss_line(row):
-    """(MiB per sample, MiB at batch 0, batch a, batch b): the line through the two largest fitting batches, or None."""
+    """(MiB per sample, MiB at batch 0, batch a, batch b): the line through two fitting batches, or None.
+
+    b is the largest fitting batch, a the largest fitting batch at most 80% of b.
+    """
     points = sorted((r["batch"], r["peak_rss_mib"]) for r in row["runs"]
                     if r["fits"] and r["batch"] <= row["max_batch"])
-    if len(points) < 2:
+    line = Search._span(points)
+    if line is None:
         return None
-    slope, intercept = _slope(points[-2:])
-    return slope, intercept, points[-2][0], points[-1][0]
+    partner = [p for p in points[:-1] if p[0] <= 0.8 * points[-1][0]] or points[:1]
+    return line[0], line[1], partner[-1][0], points[-1][0]
 
 
 def plot(rows, opts, path):
@@ -749,6 +773,7 @@ def plot(rows, opts, path):
                    label=f"budget {opts['budget_gib']:g} GiB")
         ax.set_title(f"{model}, seq {opts['seq_len']}"
                      + (f", AccumOptimizer k={opts['accum_steps']}" if opts["accum_steps"] > 1 else ""))
+        ax.margins(x=0.05, y=0.08)
         ax.set_xlabel("micro-batch")
         ax.set_ylabel("peak RSS (GiB)")
         ax.grid(alpha=0.3)
@@ -837,7 +862,7 @@ def run_finetune(spec, out_path):
 
     import recompute.bert4keras
 
-    recompute.bert4keras.patch()
+    recompute.bert4keras.patch(blocks=True)
     import tf_keras
 
     import recompute
