@@ -1,0 +1,426 @@
+"""Activation memory per replica of `recompute_grad` under `tf.distribute`, off vs on.
+
+    python -m recompute.distribute_benchmark             # 2 workers, 6 blocks x 256, seq 128 (~1.5 min)
+    python -m recompute.distribute_benchmark --quick     # tiny shape (~1 min, mostly start-up)
+    python -m recompute.distribute_benchmark --strategy mirrored
+    python -m recompute.distribute_benchmark --layers 12 --json out.json
+
+The model is `recompute.benchmark`'s transformer encoder (post-LN blocks with
+self-attention, GELU FFN and dropout, each block's `call` decorated; Adam), at
+a smaller default shape. It is trained with a custom loop (`strategy.run` in
+`tf.function`: forward, backward, all-reduce of the gradients, update), once
+with `RECOMPUTE=0` and once with `RECOMPUTE=1`, each in fresh processes, at
+every per-replica batch size of `--batch-sizes`:
+
+- `--strategy mwms` (default): `MultiWorkerMirroredStrategy`, 2 worker
+  processes on loopback (`TF_CONFIG` on 127.0.0.1, free ports; one CPU device
+  and one intra-op thread each). Each process is one replica with its own CPU
+  allocator, so its figures are exactly one replica's.
+- `--strategy mirrored`: `MirroredStrategy` on 2 logical CPU devices in one
+  process. Logical CPU devices share one allocator (and one RSS), so the
+  figures are both replicas' together; the per-replica column is half.
+
+Measured per replica, for each batch size (median of `--steps` steps after two
+of warm-up): the activation memory of a step -- TensorFlow's CPU allocator peak
+during the step (`tf.config.experimental.get_memory_info`) minus its `current`
+bytes just before it (stats reset before the step) -- and the CPU seconds per
+step; per process, the peak RSS (VmHWM). The per-sample activation memory per
+replica is the slope between the batch sizes (fixed costs -- the gradients,
+their all-reduce buffers, the optimizer's temporaries -- cancel), and the
+report gives the ratio off/on measured in the same run.
+
+Figures (2 CPU cores shared with other jobs; default shape, per-replica batches
+12 and 24; the loss of each step is the same off and on):
+
+| run | MiB/sample/replica, off | on | off/on | at batch 24: MiB/replica, off -> on | CPU time on/off |
+|---|---|---|---|---|---|
+| `python -m recompute.distribute_benchmark` (MWMS; worker 0, worker 1) | 19.86, 19.78 | 3.94, 3.74 | x5.04 | 477.0 -> 118.5 (x4.03) | x1.24, x1.33 |
+| `... --strategy mirrored` (half of the shared allocator) | 18.84 | 4.27 | x4.42 | 463.9 -> 119.3 (x3.89) | x1.37, x1.33 |
+| `... --layers 12` (MWMS; worker 0, worker 1) | 38.47, 38.23 | 4.26, 4.69 | x9.03 | 923.8 -> 147.0 (x6.28) | x1.14, x1.33 |
+
+A replica saves what a single device saves: `python -m recompute.benchmark
+--layers 6 --hidden 256 --heads 4 --ffn 1024 --seq 128 --vocab 8000
+--batch-sizes 12,24` gives 20.2 -> 5.0 MiB/sample (x4.0) on one device. Peak
+RSS per process moves less (x1.27 MWMS, x1.44 mirrored, x1.46 at 12 blocks):
+about 1.1 GiB of it is TensorFlow's runtime. With 2 replicas sharing one
+executor (mirrored), recomputation saved only x1.50 (13.2 MiB/sample/replica)
+until a block's input gradients were made to wait for its weight gradients
+(see `recompute._core._after`): the executor ran the input gradients of one
+replica ahead while the other replica's work kept its weight-gradient ops
+waiting, and the recomputed activations of several blocks stayed alive.
+At the smallest batches the "on" peak is set by fixed costs (the gradients
+and their all-reduce), not by activations; the per-sample slope then reads
+near zero, and the report says so.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from .benchmark import (
+    MiB,
+    SHAPE_KEYS,
+    _batch_sizes,
+    _dropout,
+    _positive_int,
+    _slope,
+    _vm_hwm_kib,
+    build_model,
+)
+
+DEFAULT = dict(layers=6, hidden=256, heads=4, ffn=1024, seq=128, vocab=8000,
+               batch_sizes=(12, 24), steps=3, dropout=0.1)
+QUICK = dict(layers=3, hidden=64, heads=2, ffn=256, seq=64, vocab=500,
+             batch_sizes=(16, 32), steps=2, dropout=0.1)
+PREFIX = "[recompute.distribute_benchmark]"
+RESULT = "RESULT "
+
+
+def _progress(message):
+    print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------
+# Worker: one replica (mwms) or two (mirrored), one RECOMPUTE setting.
+
+
+def run_worker(cfg, strategy_name, batch_sizes, steps):
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import tensorflow as tf
+
+    if strategy_name == "mirrored":
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+    else:
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+
+    import keras
+
+    import recompute
+
+    if strategy_name == "mirrored":
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        task = 0
+    else:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    mode = os.environ.get(recompute.ENV_VAR, "")
+    local_replicas = len(strategy.extended.worker_devices)
+    tag = f"RECOMPUTE={mode} worker {task}"
+    _progress(f"{tag}: building the model ({strategy.num_replicas_in_sync} replicas, "
+              f"{local_replicas} in this process)")
+    with strategy.scope():
+        model, optimizer, _ = build_model(cfg)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    n_params = int(sum(int(tf.size(v)) for v in model.trainable_variables))
+
+    def make_step(global_batch):
+        def replica_step(ids, labels):
+            with tf.GradientTape() as tape:
+                per_example = loss_fn(labels, model(ids, training=True))
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+            return loss
+
+        @tf.function
+        def step(ids, labels):
+            return strategy.run(replica_step, args=(ids, labels))
+
+        return step
+
+    rng = tf.random.Generator.from_seed(1000 * task + 1)
+    result = dict(recompute=mode, recompute_enabled=recompute.is_enabled(), task=task,
+                  local_replicas=local_replicas, params=n_params, batches={})
+    for batch in sorted(batch_sizes):
+        step = make_step(batch * strategy.num_replicas_in_sync)
+
+        def batch_values():
+            # Each replica of this process gets its own [batch, seq] ids and labels.
+            def per_replica(_):
+                return (rng.uniform([batch, cfg["seq"]], 0, cfg["vocab"], dtype=tf.int32),
+                        rng.uniform([batch], 0, 2, dtype=tf.int32))
+
+            if local_replicas == 1:
+                return per_replica(None)
+            ids = strategy.experimental_distribute_values_from_function(lambda c: per_replica(c)[0])
+            labels = strategy.experimental_distribute_values_from_function(lambda c: per_replica(c)[1])
+            return ids, labels
+
+        def run(ids, labels):
+            losses = strategy.experimental_local_results(step(ids, labels))
+            return float(sum(float(v) for v in losses) / len(losses))
+
+        t0 = time.process_time()
+        run(*batch_values())  # trace + first step (creates the slots)
+        run(*batch_values())
+        _progress(f"{tag} batch {batch}/replica: traced and warmed up in "
+                  f"{time.process_time() - t0:.1f} CPU s; measuring {steps} step(s)")
+        activations, cpu, wall, losses = [], [], [], []
+        for _ in range(steps):
+            ids, labels = batch_values()
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+            c0, w0 = time.process_time(), time.perf_counter()
+            losses.append(run(ids, labels))
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - w0)
+            activations.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+        activation = sorted(activations)[(len(activations) - 1) // 2]  # median (lower)
+        result["batches"][str(batch)] = dict(
+            activation_bytes=int(activation), activation_bytes_per_step=[int(a) for a in activations],
+            cpu_s_per_step=sum(cpu) / len(cpu), wall_s_per_step=sum(wall) / len(wall), loss=losses[0],
+        )
+        _progress(f"{tag} batch {batch}/replica: activation memory "
+                  f"{activation / MiB / local_replicas:.1f} MiB per replica; "
+                  f"{sum(cpu) / len(cpu):.2f} CPU s/step")
+    result["rss_hwm_bytes"] = _vm_hwm_kib() * 1024
+    print(RESULT + json.dumps(result), flush=True)
+    # Stay until the parent has every worker's result: a worker that left at
+    # once could close its sockets while the other still receives the last
+    # all-reduce from it. Then leave without the interpreter's teardown, where
+    # TensorFlow's collective runtime may crash.
+    sys.stdin.read()
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------
+# Parent: spawn the workers, summarise.
+
+
+def _free_ports(n):
+    import socket
+
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _spawn(cfg, strategy_name, mode, batch_sizes, steps, timeout):
+    """Runs one RECOMPUTE setting in fresh processes (2 workers, or 1 for mirrored)."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    processes = 1 if strategy_name == "mirrored" else 2
+    ports = _free_ports(processes)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    cmd = [sys.executable, "-m", "recompute.distribute_benchmark", "--worker",
+           "--strategy", strategy_name, "--batch-sizes", ",".join(map(str, batch_sizes)),
+           "--steps", str(steps)]
+    for key in SHAPE_KEYS:
+        cmd += [f"--{key}", str(cfg[key])]
+    procs = []
+    _progress(f"RECOMPUTE={mode}: starting {processes} fresh process(es)")
+    for index in range(processes):
+        env = dict(os.environ, RECOMPUTE=mode, CUDA_VISIBLE_DEVICES="")
+        env.setdefault("KERAS_BACKEND", "tensorflow")
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [package_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        if strategy_name == "mwms":
+            env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+        else:
+            env.pop("TF_CONFIG", None)
+        procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True))
+    # Kills every worker when one fails (the others would wait for it in an
+    # all-reduce) or when the time is up.
+    done, why = threading.Event(), []
+
+    def watch():
+        deadline = time.monotonic() + timeout
+        while not done.wait(0.5):
+            failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                why.append(f"worker {failed[0]} failed (exit {procs[failed[0]].returncode}); "
+                           "its stderr is above" if failed else
+                           f"workers did not finish within {timeout:.0f} s")
+                for p in procs:
+                    p.kill()
+                return
+
+    watchdog = threading.Thread(target=watch, daemon=True)
+    watchdog.start()
+    results = []
+    try:
+        for i, p in enumerate(procs):
+            for line in p.stdout:
+                if line.startswith(RESULT):
+                    results.append(json.loads(line[len(RESULT):]))
+                    break
+            if len(results) <= i:
+                p.wait()
+                watchdog.join(2.0)
+                raise RuntimeError(f"RECOMPUTE={mode}: " + (
+                    why[0] if why else f"worker {i} failed (exit {p.returncode}); its stderr is above"))
+    finally:
+        done.set()
+        for p in procs:
+            p.stdin.close()  # the workers may leave now
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    return sorted(results, key=lambda r: r["task"])
+
+
+def summarize(runs, batch_sizes):
+    """Per-replica figures of each setting (worker 0's; mirrored: half of the process's)."""
+    summary = {}
+    for mode, workers in runs.items():
+        per_worker = []
+        for w in workers:
+            share = 1.0 / w["local_replicas"]
+            activation = {b: w["batches"][str(b)]["activation_bytes"] * share for b in batch_sizes}
+            slope, intercept = _slope(list(activation.items()))
+            per_worker.append(dict(
+                activation_bytes_per_replica={str(b): a for b, a in activation.items()},
+                per_sample_bytes_per_replica=slope, fixed_bytes_per_replica=intercept,
+                rss_hwm_bytes_per_process=w["rss_hwm_bytes"],
+                cpu_s_per_step={str(b): w["batches"][str(b)]["cpu_s_per_step"] for b in batch_sizes},
+                loss={str(b): w["batches"][str(b)]["loss"] for b in batch_sizes},
+            ))
+        summary[mode] = per_worker
+    ratios = {}
+    if "0" in summary and "1" in summary:
+        off, on = summary["0"][0], summary["1"][0]
+        top = str(max(batch_sizes))
+        ratios = dict(
+            # None: with recomputation on, the step's peak did not grow with the
+            # batch -- a fixed cost (gradients, all-reduce buffers) set it at
+            # these batch sizes; larger ones measure the activations.
+            per_sample_off_over_on=(
+                off["per_sample_bytes_per_replica"] / on["per_sample_bytes_per_replica"]
+                if on["per_sample_bytes_per_replica"] > 0 else None),
+            activation_off_over_on_at_largest_batch=(
+                off["activation_bytes_per_replica"][top] / on["activation_bytes_per_replica"][top]),
+            rss_off_over_on=off["rss_hwm_bytes_per_process"] / on["rss_hwm_bytes_per_process"],
+            cpu_on_over_off={b: on["cpu_s_per_step"][b] / off["cpu_s_per_step"][b]
+                             for b in off["cpu_s_per_step"]},
+        )
+    return summary, ratios
+
+
+def print_report(cfg, strategy_name, runs, summary, ratios, out=sys.stdout):
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    first = next(iter(runs.values()))[0]
+    where = ("MultiWorkerMirroredStrategy, 2 worker processes on loopback (1 replica each)"
+             if strategy_name == "mwms" else
+             "MirroredStrategy, 2 logical CPUs in 1 process (shared allocator: per replica = half)")
+    p(f"recompute under tf.distribute: {where}")
+    p(f"{cfg['layers']} blocks, hidden {cfg['hidden']}, {cfg['heads']} heads, FFN {cfg['ffn']}, "
+      f"seq {cfg['seq']}, vocab {cfg['vocab']}, dropout {cfg['dropout']}, Adam; "
+      f"{first['params'] / 1e6:.2f}M parameters")
+    p("")
+    p(f"{'RECOMPUTE':>9} {'worker':>6} {'batch/replica':>13} {'activation MiB/replica':>23} "
+      f"{'CPU s/step':>11} {'loss':>8}")
+    for mode, workers in summary.items():
+        for task, s in enumerate(workers):
+            for b, a in s["activation_bytes_per_replica"].items():
+                p(f"{mode:>9} {task:>6} {b:>13} {a / MiB:>23.1f} {s['cpu_s_per_step'][b]:>11.2f} "
+                  f"{s['loss'][b]:>8.4f}")
+    p("")
+    p(f"{'RECOMPUTE':>9} {'worker':>6} {'MiB/sample/replica':>19} {'fixed MiB':>10} "
+      f"{'peak RSS MiB/process':>21}")
+    for mode, workers in summary.items():
+        for task, s in enumerate(workers):
+            p(f"{mode:>9} {task:>6} {s['per_sample_bytes_per_replica'] / MiB:>19.2f} "
+              f"{s['fixed_bytes_per_replica'] / MiB:>10.1f} {s['rss_hwm_bytes_per_process'] / MiB:>21.1f}")
+    if ratios:
+        p("")
+        per_sample = ratios["per_sample_off_over_on"]
+        p("activation memory per sample per replica, off/on:    " + (
+            f"x{per_sample:.2f}" if per_sample is not None else
+            "n/a (with RECOMPUTE=1 a fixed cost set the peak: use larger --batch-sizes)"))
+        p(f"activation memory per replica at the largest batch:  "
+          f"x{ratios['activation_off_over_on_at_largest_batch']:.2f}")
+        p(f"peak RSS per process, off/on:                        x{ratios['rss_off_over_on']:.2f}")
+        times = ", ".join(f"batch {b}: x{v:.2f}" for b, v in ratios["cpu_on_over_off"].items())
+        p(f"CPU time per step, on/off:                           {times}")
+
+
+# --------------------------------------------------------------------------
+# Command line.
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m recompute.distribute_benchmark",
+        description="Per-replica activation memory of a transformer encoder trained under "
+                    "tf.distribute with RECOMPUTE=0 vs RECOMPUTE=1 (fresh processes each).",
+    )
+    d = DEFAULT
+    parser.add_argument("--strategy", choices=("mwms", "mirrored"), default="mwms",
+                        help="mwms: 2 MultiWorkerMirroredStrategy processes on loopback (default); "
+                             "mirrored: MirroredStrategy on 2 logical CPUs in one process")
+    parser.add_argument("--layers", type=_positive_int, help=f"blocks (default {d['layers']})")
+    parser.add_argument("--hidden", type=_positive_int, help=f"hidden size (default {d['hidden']})")
+    parser.add_argument("--heads", type=_positive_int, help=f"attention heads (default {d['heads']})")
+    parser.add_argument("--ffn", type=_positive_int, help=f"FFN inner size (default {d['ffn']})")
+    parser.add_argument("--seq", type=_positive_int, help=f"sequence length (default {d['seq']})")
+    parser.add_argument("--vocab", type=_positive_int, help=f"vocabulary size (default {d['vocab']})")
+    parser.add_argument("--batch-sizes", type=_batch_sizes,
+                        help="comma-separated per-replica batch sizes; the per-sample memory is "
+                             "the slope between them (default 2,6)")
+    parser.add_argument("--steps", type=_positive_int,
+                        help=f"measured steps after warm-up (default {d['steps']})")
+    parser.add_argument("--dropout", type=_dropout, help=f"dropout rate (default {d['dropout']})")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny shape (3 blocks, hidden 64, seq 64; batches 16, 32): a smoke run; "
+                             "explicit options override it")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds per RECOMPUTE setting before the workers are killed")
+    parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    defaults = QUICK if args.quick else DEFAULT
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.hidden % args.heads:
+        parser.error(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
+    if not args.worker and len(args.batch_sizes) < 2:
+        parser.error("--batch-sizes needs at least two batch sizes (the per-sample memory is a "
+                     f"slope); got {','.join(map(str, args.batch_sizes))}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = {key: getattr(args, key) for key in SHAPE_KEYS}
+    if args.worker:
+        run_worker(cfg, args.strategy, args.batch_sizes, args.steps)
+        return 0
+    batch_sizes = sorted(args.batch_sizes)
+    start = time.perf_counter()
+    try:
+        runs = {mode: _spawn(cfg, args.strategy, mode, batch_sizes, args.steps, args.timeout)
+                for mode in ("0", "1")}
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    summary, ratios = summarize(runs, batch_sizes)
+    _progress(f"done in {time.perf_counter() - start:.0f} s wall")
+    print_report(cfg, args.strategy, runs, summary, ratios)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(dict(config=dict(cfg, strategy=args.strategy, batch_sizes=batch_sizes,
+                                       steps=args.steps), runs=runs, summary=summary, ratios=ratios),
+                      f, indent=2)
+        _progress(f"results saved to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
