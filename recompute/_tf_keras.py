@@ -107,9 +107,14 @@ def replay_state(layer, state, start):
     `_tf.ordered_stateful_ops`). `add_loss`/`add_metric` bookkeeping done by the
     recomputation is undone; the block yields a list that holds, once it
     exits, the loss tensors the recomputation added (in call order).
+
+    Under `tf.distribute` (replica context, in the backward pass), the state
+    read and written is this replica's copy (`_tf.replica_local`): a plain
+    `assign` of a `MirroredVariable` with `SUM`/`MEAN` aggregation would
+    all-reduce the restored values (with `SUM`, doubling them on 2 replicas).
+    Assignments the recomputed call itself makes go through the distributed
+    variable, aggregated as in the forward pass.
     """
-    # Under tf.distribute, each replica replays and restores its own copy
-    # (a replica-local write, never an aggregated one).
     state = [_tf.replica_local(v) for v in state]
     end = [v.read_value() for v in state]
     for v, value in zip(state, start):

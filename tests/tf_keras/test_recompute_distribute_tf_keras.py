@@ -15,7 +15,7 @@ import tf_keras as K
 import mwms
 import recompute
 from numerics import assert_all_close, assert_state_equal
-from recompute import recompute_grad
+from recompute import _core, recompute_grad
 from recompute_distributed import CALLS, data, run_custom_loop, state, tf_keras_model
 
 pytestmark = pytest.mark.skipif(
@@ -130,3 +130,46 @@ def test_two_worker_processes(tmp_path):
     trainable = [i for i, v in enumerate(tf_keras_model().weights) if v.trainable]
     ends = [mwms.weights(w, "state_on") for w in workers]
     assert_all_close([ends[0][i] for i in trainable], [ends[1][i] for i in trainable])
+
+
+class MaskBlock(K.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = K.layers.Dropout(0.5)
+
+    @recompute_grad
+    def call(self, x, training=None):
+        CALLS["n"] += 1
+        return self.drop(x, training=training)
+
+
+def test_mirrored_legacy_rng_recomputes_the_forward_masks(strategy, monkeypatch):
+    """tf_keras's default legacy RNG: the masks differ from a run without recomputation
+    (see the warning), but each replica's recomputation uses its forward pass's masks:
+    the gradient is nonzero exactly where the output is."""
+    K.backend.experimental.disable_tf_random_generator()
+    monkeypatch.setattr(_core, "_legacy_rng_warned", False)  # the warning is given once
+    with strategy.scope():
+        block = MaskBlock()
+    x = np.ones((8, 64), "float32")
+
+    @tf.function
+    def step(x):
+        def replica(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = block(x, training=True)
+                loss = tf.reduce_sum(y)
+            return y, tape.gradient(loss, x)
+
+        return strategy.run(replica, args=(x,))
+
+    (x_dist,) = distributed_batches(strategy, x, x[:, :1])[0][:1]
+    CALLS["n"] = 0
+    with recompute.recompute_scope(True), pytest.warns(UserWarning, match="legacy"):
+        y, g = step(x_dist)
+    assert CALLS["n"] == 4  # 2 replicas, each: forward + recomputation
+    for y_r, g_r in zip(strategy.experimental_local_results(y), strategy.experimental_local_results(g)):
+        kept = np.asarray(y_r) != 0
+        assert 0 < kept.mean() < 1
+        np.testing.assert_array_equal(np.asarray(g_r) != 0, kept)
