@@ -362,15 +362,15 @@ def _wait_for_memory(need_bytes, max_wait_s=900):
 def _run_subprocess(argv, env, abort_bytes=None):
     """Runs `python -m recompute.batchfit <argv>`; returns (exit code, seen, stderr tail).
 
-    `seen`: the child's peak RSS as polled by the parent (`hwm`, KiB), whether
-    the parent killed it (`killed`) and its stdout (`stdout`).
+    `seen`: the child's peak RSS as polled by the parent (`hwm`, KiB) and
+    whether the parent killed it (`killed`). The child's stdout is discarded.
 
     Progress lines of the child are forwarded; its other stderr is kept as a
     tail for errors. If `abort_bytes` is given, a thread kills the child when
     its RSS passes it (backstop for the worker's own watchdog).
     """
     cmd = [sys.executable, "-m", "recompute.batchfit"] + argv
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
     seen = {"hwm": 0, "killed": False}
     done = threading.Event()
@@ -389,15 +389,6 @@ def _run_subprocess(argv, env, abort_bytes=None):
     watcher = threading.Thread(target=monitor, daemon=True)
     watcher.start()
     tail = []
-
-    def read_stdout():
-        tail_out = []
-        for line in proc.stdout:
-            tail_out.append(line)
-        seen["stdout"] = "".join(tail_out)
-
-    reader = threading.Thread(target=read_stdout, daemon=True)
-    reader.start()
     for line in proc.stderr:
         if line.startswith(PREFIX):
             sys.stderr.write(line)
@@ -407,7 +398,6 @@ def _run_subprocess(argv, env, abort_bytes=None):
     code = proc.wait()
     done.set()
     watcher.join()
-    reader.join()
     return code, seen, "".join(tail)
 
 
@@ -464,18 +454,16 @@ def activation_estimate_mib(shape, seq_len, mode):
     """A rough a-priori activation memory per sample (MiB) of one training step.
 
     Only used to choose the second batch of a search (the measurements decide
-    everything else). RECOMPUTE=0: per layer about six [heads, seq, seq]
+    everything else). One block's activations: about six [heads, seq, seq]
     attention tensors, five [seq, ffn] and twenty [seq, hidden] tensors
-    (float32), times 0.7 (what the allocator reuses; calibrated on MiniLM).
-    RECOMPUTE=1 (bert4keras's per-layer recomputation): six [seq, hidden]
-    tensors per layer kept between the recomputed layers, plus one
-    attention layer's transient tensors.
+    (float32). RECOMPUTE=0: 0.7 x that per layer (the allocator reuses some;
+    calibrated on MiniLM and BERT-base). RECOMPUTE=1 (`recompute.bert4keras`
+    recomputes each Transformer block as one unit): one [seq, hidden] input
+    per layer plus one block's activations, while it is recomputed.
     """
     s, d, f, h, n = seq_len, shape["hidden"], shape["ffn"], shape["heads"], shape["layers"]
-    if mode == "0":
-        floats = 0.7 * n * (6 * h * s * s + 5 * s * f + 20 * s * d)
-    else:
-        floats = n * 6 * s * d + 6 * h * s * s + 2 * s * f
+    block = 6 * h * s * s + 5 * s * f + 20 * s * d
+    floats = 0.7 * n * block if mode == "0" else n * s * d + block
     return floats * 4 / MiB
 
 
@@ -682,7 +670,7 @@ def _fmt(value, spec, none="-"):
 def print_report(rows, opts, out=sys.stdout):
     """The results table (see the module docstring for the columns)."""
     p = lambda *a: print(*a, file=out)  # noqa: E731
-    p(f"what batch fits? bert4keras BERT + CLS->Dense(2), tf_keras Adam"
+    p("what batch fits? bert4keras BERT + CLS->Dense(2), tf_keras Adam"
       + (f" in AccumOptimizer(k={opts['accum_steps']})" if opts["accum_steps"] > 1 else "")
       + f", dropout {DROPOUT}; peak RSS (VmHWM) of a fresh process per candidate")
     p("")
