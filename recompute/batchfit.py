@@ -765,7 +765,7 @@ def plot(rows, opts, path):
         ax.set_xlabel("micro-batch")
         ax.set_ylabel("peak RSS (GiB)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
+        ax.legend(fontsize=8, loc="lower right")
     fig.suptitle("What batch fits? (filled: fits, hollow: does not)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
