@@ -56,7 +56,9 @@ def recompute_grad(call):
     precision. Arguments may be nested lists/tuples/dicts of tensors; keyword
     arguments (`training`, `mask`, Python values) pass through; only floating
     tensors are differentiated; a tensor passed several times gets its gradient
-    once.
+    once. Outputs may be nested too: their floating tensors carry the gradient,
+    every other leaf (`None`, Python values, integer tensors) is returned as
+    the call returned it.
 
     Nesting: the outermost decorated call is the unit of recomputation. A
     decorated call inside it (a decorated sublayer, or `super().call(...)`

@@ -1,0 +1,133 @@
+"""recompute_grad on tf_keras: rough edges (non-tensor outputs, misuse caught early, RNG advice).
+
+Runs in the tf_keras pytest process (see README).
+"""
+
+import numpy as np
+import pytest
+import tf_keras as keras
+import tensorflow as tf
+
+import recompute
+from recompute import recompute_grad
+from numerics import assert_all_close, to_numpy
+
+
+@pytest.fixture(autouse=True)
+def tf_random_generator():
+    """Replayable RNG (tf.random.Generator): dropout masks equal those of RECOMPUTE=0."""
+    keras.backend.experimental.enable_tf_random_generator()
+    yield
+    keras.backend.experimental.enable_tf_random_generator()
+
+
+class TupleBlock(keras.layers.Layer):
+    """Returns the output with optional attention-like weights and non-tensor leaves."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.d1 = keras.layers.Dense(units, activation="tanh")
+        self.drop = keras.layers.Dropout(0.2)
+        self.d2 = keras.layers.Dense(units)
+
+    @recompute_grad
+    def call(self, x, training=None, return_weights=False):
+        h = self.drop(self.d1(x), training=training)
+        weights = tf.nn.softmax(h) if return_weights else None
+        positive = tf.cast(x > 0, tf.int32)  # an integer tensor: no gradient
+        extras = {"none": None, "count": 3, "scale": 0.5, "name": "block", "positive": positive}
+        return self.d2(h) + x, weights, extras
+
+
+def _check_extras(weights, extras, return_weights):
+    assert (weights is None) == (not return_weights)
+    assert extras["none"] is None
+    assert type(extras["count"]) is int and extras["count"] == 3
+    assert type(extras["scale"]) is float and extras["scale"] == 0.5
+    assert extras["name"] == "block"
+    assert extras["positive"].dtype == tf.int32
+
+
+def _loss(x, outputs):
+    y, weights, extras = outputs
+    loss = tf.reduce_sum(y**2) * extras["scale"] * extras["count"]
+    loss += tf.reduce_sum(tf.cast(extras["positive"], y.dtype) * y)
+    if weights is not None:
+        loss += tf.reduce_sum(weights * x)
+    return loss
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("compile_mode", ["eager", "function"])
+def test_non_tensor_outputs_pass_through(compile_mode, return_weights):
+    x = tf.random.stateless_normal((4, 8), seed=(1, 2))
+    results = []
+    for on in (False, True):
+        keras.utils.set_random_seed(0)
+        layer = TupleBlock(8)
+        layer(x)
+        seen = []
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                outputs = layer(x, training=True, return_weights=return_weights)
+                seen.append(outputs)
+                loss = _loss(x, outputs)
+            return [loss, outputs[0]] + tape.gradient(loss, [x] + layer.trainable_weights)
+
+        if compile_mode == "function":
+            step = tf.function(step)
+        with recompute.recompute_scope(on):
+            values = step(x)
+        _, weights, extras = seen[-1]
+        _check_extras(weights, extras, return_weights)
+        results.append(to_numpy(values))
+    assert len(results[0]) == 2 + 1 + 4
+    assert_all_close(results[0], results[1])
+
+
+def test_only_non_float_outputs():
+    """A call whose outputs carry no gradient returns them unchanged."""
+
+    class Count(keras.layers.Layer):
+        @recompute_grad
+        def call(self, x):
+            return tf.shape(x)[0], None
+
+    x = tf.ones((3, 2))
+    with recompute.recompute_scope(True):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            n, none = Count()(x)
+    assert int(n) == 3 and none is None
+
+
+class TupleNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [TupleBlock(8) for _ in range(2)]
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x, training=None):
+        for i, block in enumerate(self.blocks):
+            y, weights, extras = block(x, training=training, return_weights=i == 1)
+            _check_extras(weights, extras, i == 1)
+            x = y * extras["scale"] + tf.cast(extras["positive"], y.dtype) * 0.1
+            if weights is not None:
+                x = x + weights
+        return self.head(x)
+
+
+def test_non_tensor_outputs_in_fit():
+    x = np.random.RandomState(0).randn(32, 8).astype("float32")
+    y = np.random.RandomState(1).randn(32, 1).astype("float32")
+    weights = []
+    for on in (False, True):
+        keras.utils.set_random_seed(0)
+        model = TupleNet()
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        with recompute.recompute_scope(on):
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        weights.append([np.asarray(v) for v in model.variables])
+    assert_all_close(weights[0], weights[1])
