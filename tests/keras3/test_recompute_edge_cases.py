@@ -120,3 +120,61 @@ def test_non_tensor_outputs_in_fit():
             model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         weights.append([np.asarray(v) for v in model.variables])
     assert_all_close(weights[0], weights[1])
+
+
+def test_staticmethod_or_plain_function_refused_at_decoration():
+    with pytest.raises(TypeError, match=r"first parameter is `self`.*Received: `.*Static.call\(x\)`"):
+
+        class Static(keras.layers.Layer):
+            @staticmethod
+            @recompute_grad
+            def call(x):
+                return x
+
+    with pytest.raises(TypeError, match=r"Received: `.*call\(inputs, training=None\)`"):
+
+        @recompute_grad
+        def call(inputs, training=None):
+            return inputs
+
+    with pytest.raises(TypeError, match=r"Received: `.*call\(\)`"):
+
+        @recompute_grad
+        def call():
+            return None
+
+    class Plain:
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="bound `call` of .*Plain"):
+        recompute_grad(Plain().call)
+
+    # Still accepted: `self` first, or `self` inside *args.
+    class Varargs(keras.layers.Layer):
+        @recompute_grad
+        def call(*args, **kwargs):
+            return args[1] * 2.0
+
+    with recompute.recompute_scope(True):
+        with tf.GradientTape() as tape:
+            x = tf.ones((2, 2))
+            tape.watch(x)
+            y = Varargs()(x)
+    np.testing.assert_array_equal(tape.gradient(y, x), np.full((2, 2), 2.0))
+
+
+def test_errors_describe_tensors_without_their_values():
+    class NotALayer:
+        @recompute_grad
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError) as info:
+        NotALayer().call(tf.ones((40, 50)))
+    assert "NotALayer" in str(info.value)
+    with pytest.raises(TypeError) as info:
+        recompute_grad(tf.ones((40, 50)))
+    message = str(info.value)
+    assert "shape (40, 50) and dtype float32" in message and "numpy" not in message
+    assert len(message) < 300
