@@ -93,7 +93,9 @@ def recompute_grad(call):
     reaching a decorated parent `call`) runs plainly, so nothing is recomputed
     twice. A functional model can be made one unit by decorating an instance's
     bound call (`block.call = recompute_grad(block.call)`); Keras masks its
-    outputs carry are kept.
+    outputs carry are kept. That decoration belongs to the instance and is not
+    saved: after `load_model`, decorate the loaded block's call again
+    (`block = model.get_layer(name); block.call = recompute_grad(block.call)`).
 
     Distribution: under `tf.distribute.MirroredStrategy` and
     `MultiWorkerMirroredStrategy` (model built in `strategy.scope()`), each

@@ -281,7 +281,9 @@ def patch(blocks=False):
             through it (`model.get_layer("Transformer-3").get_layer(
             "Transformer-3-FeedForward-Norm")`), not `model.get_layer(...)`.
             Weights, checkpoint loading and outputs are unchanged. The last
-            call's value applies to models built afterwards.
+            call's value applies to models built afterwards. A model reloaded
+            with `load_model` has undecorated blocks: decorate each block's
+            bound call again (see `recompute_grad`).
     """
     global _blocks
     if not isinstance(blocks, bool):

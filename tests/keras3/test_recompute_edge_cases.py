@@ -178,3 +178,49 @@ def test_errors_describe_tensors_without_their_values():
     message = str(info.value)
     assert "shape (40, 50) and dtype float32" in message and "numpy" not in message
     assert len(message) < 300
+
+
+CALLS = {"n": 0}
+
+
+@keras.saving.register_keras_serializable(package="recompute_edge_cases")
+class CountedDense(keras.layers.Dense):
+    def call(self, inputs, training=None):
+        CALLS["n"] += 1
+        return super().call(inputs, training=training)
+
+
+def _saved_model_with_functional_block(path):
+    keras.utils.set_random_seed(0)
+    block_in = keras.Input((8,))
+    h = keras.layers.Dropout(0.2)(CountedDense(16, activation="tanh")(block_in))
+    block = keras.Model(block_in, keras.layers.Dense(8)(h) + block_in, name="block")
+    block.call = recompute_grad(block.call)
+    inp = keras.Input((8,))
+    model = keras.Model(inp, keras.layers.Dense(1)(block(inp)))
+    model.save(path)
+
+
+def test_bound_call_decoration_reapplied_after_load(tmp_path):
+    """The decoration of a bound call is not saved: re-applied after loading, it is exact."""
+    path = str(tmp_path / "model.keras")
+    _saved_model_with_functional_block(path)
+    x = tf.random.stateless_normal((4, 8), seed=(1, 2))
+    results, calls = [], []
+    for on in (False, True):
+        keras.utils.set_random_seed(1)  # the same dropout seeds in both loads
+        model = keras.models.load_model(path)
+        block = model.get_layer("block")
+        assert not hasattr(block.call, "__recompute_grad_wrapped__")  # dropped by the reload
+        block.call = recompute_grad(block.call)  # the documented recipe
+        CALLS["n"] = 0
+        with recompute.recompute_scope(on):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(model(x, training=True) ** 2)
+            grads = tape.gradient(loss, [x] + model.trainable_weights)
+        results.append(to_numpy([loss] + grads))
+        calls.append(CALLS["n"])
+    assert len(results[0]) == 2 + 6
+    assert_all_close(results[0], results[1])
+    assert calls == [1, 2]  # recomputed once the decoration is back
