@@ -17,7 +17,7 @@ import warnings
 import tensorflow as tf
 
 from . import _tf
-from ._errors import VariableCreatedInRecomputationError
+from ._errors import created_in_recomputation
 
 _legacy_rng_warned = False
 _running = threading.local()  # .layers: ids of the layers whose call runs under `run_call`
@@ -121,14 +121,11 @@ def _after(tensors, *gates):
 
 def _forbid_creation(layer):
     def creator(next_creator, **kwargs):
-        raise VariableCreatedInRecomputationError(
-            f"Layer '{layer.name}' tried to create a variable "
-            f"('{kwargs.get('name')}') while its activations were being "
-            "recomputed for the backward pass. Variables must exist before the "
-            "recomputation: build the layer and every sublayer it calls first "
-            "(for example by calling the model once on a sample batch, or with "
-            "`layer.build(input_shape)`)."
-        )
+        from . import _backends, _tf_keras
+
+        what = f"a variable ('{kwargs.get('name')}')"
+        tf_keras = _backends.adapter_for(layer) is _tf_keras
+        raise created_in_recomputation(layer.name, what, tf_keras)
 
     return tf.variable_creator_scope(creator)
 

@@ -117,7 +117,10 @@ def recompute_grad(call):
     `SeedGenerator` per thread, inside the traced function).
 
     Limitations: variables must exist before the recomputation (sublayers are
-    built by the forward pass, which always runs first); forward-mode autodiff
+    built by the forward pass, which always runs first), so sublayers with
+    variables or random state -- a `Dropout` with Keras 3 or tf_keras's
+    replayable RNG -- are created in `__init__`/`build`, not inside `call`
+    (`VariableCreatedInRecomputationError` otherwise); forward-mode autodiff
     (`tf.autodiff.ForwardAccumulator`) is not supported; tf_keras's default
     legacy random ops cannot be replayed -- see the warning they raise (under a
     strategy too: each replica's recomputation sees its forward pass's masks).

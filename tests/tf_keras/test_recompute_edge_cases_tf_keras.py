@@ -235,3 +235,57 @@ def test_bound_call_decoration_reapplied_after_load(tmp_path):
     assert len(results[0]) == 2 + 6
     assert_all_close(results[0], results[1])
     assert calls == [1, 2]  # recomputed once the decoration is back
+
+
+class InlineDropout(keras.layers.Layer):
+    @recompute_grad
+    def call(self, x, training=None):
+        return keras.layers.Dropout(0.5)(x, training=training) * 3.0
+
+
+class OwnedDropout(keras.layers.Layer):
+    """The advice followed: the Dropout is created once, in `__init__`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dropout = keras.layers.Dropout(0.5)
+
+    @recompute_grad
+    def call(self, x, training=None):
+        return self.dropout(x, training=training) * 3.0
+
+
+def _dropout_grads(layer, compile_mode):
+    x = tf.random.stateless_normal((4, 16), seed=(3, 4))
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(y * tf.range(16, dtype=y.dtype))
+        return [y, tape.gradient(loss, x)]
+
+    if compile_mode == "function":
+        step = tf.function(step)
+    return to_numpy(step(x))
+
+
+@pytest.mark.parametrize("compile_mode", ["eager", "function"])
+def test_dropout_created_in_call_gets_advice_that_can_be_followed(compile_mode):
+    with recompute.recompute_scope(True):
+        with pytest.raises(recompute.VariableCreatedInRecomputationError) as info:
+            _dropout_grads(InlineDropout(), compile_mode)
+    message = str(info.value)
+    assert "random-number generator" in message
+    assert "Create that layer once, in `__init__` or `build`" in message
+    assert "calling the model once on a sample batch" not in message
+    assert ("disable_tf_random_generator" in message) == (keras.__name__ == "tf_keras")
+    # Following it: the same masks and gradients as without recomputation.
+    results = []
+    for on in (False, True):
+        keras.utils.set_random_seed(0)
+        layer = OwnedDropout()
+        with recompute.recompute_scope(on):
+            results.append(_dropout_grads(layer, compile_mode))
+    assert 0 < np.mean(results[0][0] == 0) < 1  # dropout is on
+    assert_all_close(results[0], results[1])
