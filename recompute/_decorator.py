@@ -32,7 +32,7 @@ def _check_takes_self(fn):
         return
     raise TypeError(
         "`recompute_grad` decorates the `call` method of a Keras layer, an instance "
-        "method whose first parameter is `self` (not a `@staticmethod` nor a function "
+        "method whose first parameter is `self` (not a `@staticmethod` or a function "
         "outside a layer class). "
         f"Received: `{fn.__qualname__}{inspect.signature(fn)}`. Define "
         "`def call(self, inputs, ...)` in the layer class, or decorate a layer "
