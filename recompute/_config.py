@@ -56,7 +56,8 @@ def is_enabled():
     The innermost active `recompute_scope` decides; without one, the
     `RECOMPUTE` environment variable (read now, not at import): `1`, `true`,
     `yes`, `on` enable it; `0`, `false`, `no`, `off` or unset disable it
-    (case-insensitive). Any other value raises `ValueError` naming it.
+    (case-insensitive; surrounding whitespace ignored, so a blank value
+    disables it). Any other value raises `ValueError` naming it.
     """
     forced = _override.get()
     if forced is not None:

@@ -17,7 +17,7 @@ import warnings
 import tensorflow as tf
 
 from . import _tf
-from ._errors import VariableCreatedInRecomputationError
+from ._errors import created_in_recomputation
 
 _legacy_rng_warned = False
 _running = threading.local()  # .layers: ids of the layers whose call runs under `run_call`
@@ -121,14 +121,11 @@ def _after(tensors, *gates):
 
 def _forbid_creation(layer):
     def creator(next_creator, **kwargs):
-        raise VariableCreatedInRecomputationError(
-            f"Layer '{layer.name}' tried to create a variable "
-            f"('{kwargs.get('name')}') while its activations were being "
-            "recomputed for the backward pass. Variables must exist before the "
-            "recomputation: build the layer and every sublayer it calls first "
-            "(for example by calling the model once on a sample batch, or with "
-            "`layer.build(input_shape)`)."
-        )
+        from . import _backends, _tf_keras
+
+        what = f"a variable ('{kwargs.get('name')}')"
+        tf_keras = _backends.adapter_for(layer) is _tf_keras
+        raise created_in_recomputation(layer.name, what, tf_keras)
 
     return tf.variable_creator_scope(creator)
 
@@ -191,6 +188,11 @@ def recomputed_call(adapter, call, layer, args, kwargs):
         with _tf.stop_recording(), tf.variable_creator_scope(record_creation):
             outputs = run_call(inputs)
         loss_slots = added_losses()
+        # Only floating tensors go through the custom gradient; every other
+        # leaf (None, Python values, integer masks, variables) is returned as
+        # the call returned it, as without recomputation.
+        flat_outputs = tf.nest.flatten(outputs)
+        differentiable = [i for i, out in enumerate(flat_outputs) if _is_float_tensor(out)]
         # Losses the call passes to `add_loss` become outputs too, so that their
         # gradients flow through the recomputation like the call's results.
         losses = [lst[i] for lst, i in loss_slots]
@@ -222,7 +224,9 @@ def recomputed_call(adapter, call, layer, args, kwargs):
                         "when recomputed; `call` must add the same losses each time."
                     )
                 targets, seeds = [], []
-                flat_recomputed = tf.nest.flatten(recomputed) + list(recomputed_losses)
+                flat_recomputed = tf.nest.flatten(recomputed)
+                flat_recomputed = [flat_recomputed[i] for i in differentiable]
+                flat_recomputed += list(recomputed_losses)
                 for out, dy in zip(flat_recomputed, dys):
                     if dy is not None and _is_float_tensor(out):
                         targets.append(out)
@@ -237,7 +241,8 @@ def recomputed_call(adapter, call, layer, args, kwargs):
             return _after(grads[:n], *grads[n:]), grads[n:]
 
         produced["outputs"], produced["loss_slots"] = outputs, loss_slots
-        return tf.nest.flatten(outputs) + losses, grad_fn
+        produced["differentiable"] = differentiable
+        return [flat_outputs[i] for i in differentiable] + losses, grad_fn
 
     # custom_gradient needs at least one input tensor: with no differentiable
     # input (only the weights get gradients), pass a dummy scalar.
@@ -245,6 +250,8 @@ def recomputed_call(adapter, call, layer, args, kwargs):
     n_outputs = len(flat_results) - len(produced["loss_slots"])
     for (lst, i), loss in zip(produced["loss_slots"], flat_results[n_outputs:]):
         lst[i] = loss  # the copy connected to the tape replaces the one computed off it
-    for source, target in zip(tf.nest.flatten(produced["outputs"]), flat_results[:n_outputs]):
-        adapter.copy_output_mask(source, target)
-    return tf.nest.pack_sequence_as(produced["outputs"], flat_results[:n_outputs])
+    flat_outputs = tf.nest.flatten(produced["outputs"])
+    for i, result in zip(produced["differentiable"], flat_results[:n_outputs]):
+        adapter.copy_output_mask(flat_outputs[i], result)
+        flat_outputs[i] = result
+    return tf.nest.pack_sequence_as(produced["outputs"], flat_outputs)

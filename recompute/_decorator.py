@@ -9,7 +9,35 @@ from . import _backends, _config, _core, _tf
 
 
 def _describe(obj):
+    """`obj` for an error message; a tensor by its type, shape and dtype, never its values."""
+    if tf.is_tensor(obj) or isinstance(obj, tf.Variable) or (
+        hasattr(obj, "shape") and hasattr(obj, "dtype")
+    ):
+        dtype = getattr(obj.dtype, "name", obj.dtype)
+        return f"a {type(obj).__name__} of shape {tuple(obj.shape)} and dtype {dtype}"
     return f"{obj!r} of type {type(obj).__name__}"
+
+
+def _check_takes_self(fn):
+    """Refuses a function that cannot be an instance method (a `@staticmethod`, a plain function)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: the call will tell
+        return
+    first = params[0] if params else None
+    if first is not None and first.kind == first.VAR_POSITIONAL:
+        return  # `def call(*args, ...)`: `self` is args[0]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if first is not None and first.kind in positional and first.name == "self":
+        return
+    raise TypeError(
+        "`recompute_grad` decorates the `call` method of a Keras layer, an instance "
+        "method whose first parameter is `self` (not a `@staticmethod` or a function "
+        "outside a layer class). "
+        f"Received: `{fn.__qualname__}{inspect.signature(fn)}`. Define "
+        "`def call(self, inputs, ...)` in the layer class, or decorate a layer "
+        "instance's bound call: `layer.call = recompute_grad(layer.call)`."
+    )
 
 
 def _autographed(fn, status):
@@ -56,14 +84,18 @@ def recompute_grad(call):
     precision. Arguments may be nested lists/tuples/dicts of tensors; keyword
     arguments (`training`, `mask`, Python values) pass through; only floating
     tensors are differentiated; a tensor passed several times gets its gradient
-    once.
+    once. Outputs may be nested too: their floating tensors carry the gradient,
+    every other leaf (`None`, Python values, integer tensors) is returned as
+    the call returned it.
 
     Nesting: the outermost decorated call is the unit of recomputation. A
     decorated call inside it (a decorated sublayer, or `super().call(...)`
     reaching a decorated parent `call`) runs plainly, so nothing is recomputed
     twice. A functional model can be made one unit by decorating an instance's
     bound call (`block.call = recompute_grad(block.call)`); Keras masks its
-    outputs carry are kept.
+    outputs carry are kept. That decoration belongs to the instance and is not
+    saved: after `load_model`, decorate the loaded block's call again
+    (`block = model.get_layer(name); block.call = recompute_grad(block.call)`).
 
     Distribution: under `tf.distribute.MirroredStrategy` and
     `MultiWorkerMirroredStrategy` (model built in `strategy.scope()`), each
@@ -85,7 +117,10 @@ def recompute_grad(call):
     `SeedGenerator` per thread, inside the traced function).
 
     Limitations: variables must exist before the recomputation (sublayers are
-    built by the forward pass, which always runs first); forward-mode autodiff
+    built by the forward pass, which always runs first), so sublayers with
+    variables or random state -- a `Dropout` with Keras 3 or tf_keras's
+    replayable RNG -- are created in `__init__`/`build`, not inside `call`
+    (`VariableCreatedInRecomputationError` otherwise); forward-mode autodiff
     (`tf.autodiff.ForwardAccumulator`) is not supported; tf_keras's default
     legacy random ops cannot be replayed -- see the warning they raise (under a
     strategy too: each replica's recomputation sees its forward pass's masks).
@@ -99,7 +134,9 @@ def recompute_grad(call):
         The decorated method.
 
     Raises:
-        TypeError: if `call` is not a function or method named `call`.
+        TypeError: if `call` is not a function or method named `call`, is not
+            an instance method taking `self` first (a `@staticmethod`, a plain
+            function), or is bound to something that is not a Keras layer.
     """
     if isinstance(call, type) or not callable(call) or not (
         inspect.isfunction(call) or inspect.ismethod(call)
@@ -117,6 +154,14 @@ def recompute_grad(call):
         )
     bound_to = call.__self__ if inspect.ismethod(call) else None
     unbound = call.__func__ if inspect.ismethod(call) else call
+    if bound_to is None:
+        _check_takes_self(call)
+    elif _backends.adapter_for(bound_to) is None:
+        raise TypeError(
+            "`recompute_grad` decorates the `call` method of a Keras layer "
+            "(`keras.layers.Layer` or `tf_keras.layers.Layer`). "
+            f"Received: the bound `call` of {_describe(bound_to)}"
+        )
 
     @tf.autograph.experimental.do_not_convert
     def run(layer, args, kwargs, autograph_status):

@@ -8,7 +8,7 @@ all read here and nowhere else.
 
 import contextlib
 
-from ._errors import VariableCreatedInRecomputationError
+from ._errors import created_in_recomputation
 
 name = "Keras 3"
 
@@ -84,13 +84,7 @@ def replay_state(layer, state, start):
     mapping = [(v, value) for v, value in zip(state, start)]
     losses = []
     def created(what, cause=None):
-        raise VariableCreatedInRecomputationError(
-            f"Layer '{layer.name}' tried to create {what} while its activations "
-            "were being recomputed for the backward pass. Variables must exist "
-            "before the recomputation: build the layer and every sublayer it "
-            "calls first (for example by calling the model once on a sample "
-            "batch, or with `layer.build(input_shape)`)."
-        ) from cause
+        raise created_in_recomputation(layer.name, what) from cause
 
     try:
         with _replay_scope_class()(

@@ -15,6 +15,10 @@ layers created inside `call`, as bert4keras's attention does -- becomes a
 stateless function of that seed and of its position in the call: the masks of
 both passes are identical (gradients are exact for the forward pass that ran),
 but they are not the masks a run without recomputation would have drawn.
+With the replayable RNG, a `Dropout` created inside `call` would make a new
+generator on every call, the recomputation's included, which nothing can
+replay: that raises `VariableCreatedInRecomputationError`, which says to
+create the layer once in `__init__`/`build`.
 """
 
 import contextlib

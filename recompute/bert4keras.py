@@ -52,6 +52,7 @@ changes is bert4keras's: the `call` of the marked classes, the
 
 import importlib.abc
 import inspect
+import os
 import sys
 import threading
 import warnings
@@ -266,10 +267,35 @@ class _PatchingLoader(importlib.abc.Loader):
             _PATCHERS[module.__name__](module)
 
 
+# What bert4keras (`strtobool(TF_KERAS)`) and TensorFlow (`tf.keras` -> tf_keras) accept as on.
+_TF_KERAS_ON = ("y", "yes", "t", "true", "on", "1")
+_LEGACY_KERAS_ON = ("true", "True", "1")
+
+
+def _check_environment():
+    """Raises unless bert4keras will load on tf_keras (`TF_KERAS=1 TF_USE_LEGACY_KERAS=1`)."""
+    if MODULE in sys.modules:
+        return  # bert4keras.layers loaded already: its environment was right
+    tf_keras_flag = os.environ.get("TF_KERAS")
+    legacy_flag = os.environ.get("TF_USE_LEGACY_KERAS")
+    if (tf_keras_flag or "").lower() in _TF_KERAS_ON and legacy_flag in _LEGACY_KERAS_ON:
+        return
+    raise RuntimeError(
+        "bert4keras 0.11.5 runs on tf_keras only: it needs the environment variables "
+        "`TF_KERAS=1` (bert4keras then uses `tf.keras`) and `TF_USE_LEGACY_KERAS=1` "
+        "(`tf.keras` is then tf_keras, not Keras 3), set before Python starts "
+        "(`TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python train.py`); without them, "
+        "importing bert4keras fails. "
+        f"Received: TF_KERAS={tf_keras_flag!r}, TF_USE_LEGACY_KERAS={legacy_flag!r}"
+    )
+
+
 def patch(blocks=False):
     """Makes bert4keras recompute with `recompute_grad` (idempotent).
 
     Turn recomputation on with `RECOMPUTE=1` or `recompute.recompute_scope(True)`.
+    Needs `TF_KERAS=1 TF_USE_LEGACY_KERAS=1` in the environment (as bert4keras
+    does); without them, `patch()` raises `RuntimeError` naming both.
 
     Args:
         blocks: `False` (default): the layers bert4keras marks (attention,
@@ -281,11 +307,14 @@ def patch(blocks=False):
             through it (`model.get_layer("Transformer-3").get_layer(
             "Transformer-3-FeedForward-Norm")`), not `model.get_layer(...)`.
             Weights, checkpoint loading and outputs are unchanged. The last
-            call's value applies to models built afterwards.
+            call's value applies to models built afterwards. A model reloaded
+            with `load_model` has undecorated blocks: decorate each block's
+            bound call again (see `recompute_grad`).
     """
     global _blocks
     if not isinstance(blocks, bool):
         raise TypeError(f"`blocks` must be True or False. Received: blocks={blocks!r}")
+    _check_environment()
     _blocks = blocks
     global _hook
     waiting = False

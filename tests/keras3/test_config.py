@@ -40,3 +40,10 @@ def test_scope_beats_a_bad_environment_value(monkeypatch):
     monkeypatch.setenv("RECOMPUTE", "garbage")
     with recompute.recompute_scope(False):
         assert recompute.is_enabled() is False
+
+
+@pytest.mark.parametrize("value, enabled", [(" 1\n", True), ("\tyes ", True), ("  ", False), (" off\n", False)])
+def test_surrounding_whitespace_is_ignored_as_documented(monkeypatch, value, enabled):
+    monkeypatch.setenv("RECOMPUTE", value)
+    assert recompute.is_enabled() is enabled
+    assert "surrounding whitespace ignored" in recompute.is_enabled.__doc__

@@ -1,0 +1,291 @@
+"""recompute_grad on tf_keras: rough edges (non-tensor outputs, misuse caught early, RNG advice).
+
+Runs in the tf_keras pytest process (see README).
+"""
+
+import numpy as np
+import pytest
+import tf_keras as keras
+import tensorflow as tf
+
+import recompute
+from recompute import recompute_grad
+from numerics import assert_all_close, to_numpy
+
+
+@pytest.fixture(autouse=True)
+def tf_random_generator():
+    """Replayable RNG (tf.random.Generator): dropout masks equal those of RECOMPUTE=0."""
+    keras.backend.experimental.enable_tf_random_generator()
+    yield
+    keras.backend.experimental.enable_tf_random_generator()
+
+
+class TupleBlock(keras.layers.Layer):
+    """Returns the output with optional attention-like weights and non-tensor leaves."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.d1 = keras.layers.Dense(units, activation="tanh")
+        self.drop = keras.layers.Dropout(0.2)
+        self.d2 = keras.layers.Dense(units)
+
+    @recompute_grad
+    def call(self, x, training=None, return_weights=False):
+        h = self.drop(self.d1(x), training=training)
+        weights = tf.nn.softmax(h) if return_weights else None
+        positive = tf.cast(x > 0, tf.int32)  # an integer tensor: no gradient
+        extras = {"none": None, "count": 3, "scale": 0.5, "name": "block", "positive": positive}
+        return self.d2(h) + x, weights, extras
+
+
+def _check_extras(weights, extras, return_weights):
+    assert (weights is None) == (not return_weights)
+    assert extras["none"] is None
+    assert type(extras["count"]) is int and extras["count"] == 3
+    assert type(extras["scale"]) is float and extras["scale"] == 0.5
+    assert extras["name"] == "block"
+    assert extras["positive"].dtype == tf.int32
+
+
+def _loss(x, outputs):
+    y, weights, extras = outputs
+    loss = tf.reduce_sum(y**2) * extras["scale"] * extras["count"]
+    loss += tf.reduce_sum(tf.cast(extras["positive"], y.dtype) * y)
+    if weights is not None:
+        loss += tf.reduce_sum(weights * x)
+    return loss
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("compile_mode", ["eager", "function"])
+def test_non_tensor_outputs_pass_through(compile_mode, return_weights):
+    x = tf.random.stateless_normal((4, 8), seed=(1, 2))
+    results = []
+    for on in (False, True):
+        keras.utils.set_random_seed(0)
+        layer = TupleBlock(8)
+        layer(x)
+        seen = []
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                outputs = layer(x, training=True, return_weights=return_weights)
+                seen.append(outputs)
+                loss = _loss(x, outputs)
+            return [loss, outputs[0]] + tape.gradient(loss, [x] + layer.trainable_weights)
+
+        if compile_mode == "function":
+            step = tf.function(step)
+        with recompute.recompute_scope(on):
+            values = step(x)
+        _, weights, extras = seen[-1]
+        _check_extras(weights, extras, return_weights)
+        results.append(to_numpy(values))
+    assert len(results[0]) == 2 + 1 + 4
+    assert_all_close(results[0], results[1])
+
+
+def test_only_non_float_outputs():
+    """A call whose outputs carry no gradient returns them unchanged."""
+
+    class Count(keras.layers.Layer):
+        @recompute_grad
+        def call(self, x):
+            return tf.shape(x)[0], None
+
+    x = tf.ones((3, 2))
+    with recompute.recompute_scope(True):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            n, none = Count()(x)
+    assert int(n) == 3 and none is None
+
+
+class TupleNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [TupleBlock(8) for _ in range(2)]
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x, training=None):
+        for i, block in enumerate(self.blocks):
+            y, weights, extras = block(x, training=training, return_weights=i == 1)
+            _check_extras(weights, extras, i == 1)
+            x = y * extras["scale"] + tf.cast(extras["positive"], y.dtype) * 0.1
+            if weights is not None:
+                x = x + weights
+        return self.head(x)
+
+
+def test_non_tensor_outputs_in_fit():
+    x = np.random.RandomState(0).randn(32, 8).astype("float32")
+    y = np.random.RandomState(1).randn(32, 1).astype("float32")
+    weights = []
+    for on in (False, True):
+        keras.utils.set_random_seed(0)
+        model = TupleNet()
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        with recompute.recompute_scope(on):
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        weights.append([np.asarray(v) for v in model.variables])
+    assert_all_close(weights[0], weights[1])
+
+
+def test_staticmethod_or_plain_function_refused_at_decoration():
+    with pytest.raises(TypeError, match=r"first parameter is `self`.*Received: `.*Static.call\(x\)`"):
+
+        class Static(keras.layers.Layer):
+            @staticmethod
+            @recompute_grad
+            def call(x):
+                return x
+
+    with pytest.raises(TypeError, match=r"Received: `.*call\(inputs, training=None\)`"):
+
+        @recompute_grad
+        def call(inputs, training=None):
+            return inputs
+
+    with pytest.raises(TypeError, match=r"Received: `.*call\(\)`"):
+
+        @recompute_grad
+        def call():
+            return None
+
+    class Plain:
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="bound `call` of .*Plain"):
+        recompute_grad(Plain().call)
+
+    # Still accepted: `self` first, or `self` inside *args.
+    class Varargs(keras.layers.Layer):
+        @recompute_grad
+        def call(*args, **kwargs):
+            return args[1] * 2.0
+
+    with recompute.recompute_scope(True):
+        with tf.GradientTape() as tape:
+            x = tf.ones((2, 2))
+            tape.watch(x)
+            y = Varargs()(x)
+    np.testing.assert_array_equal(tape.gradient(y, x), np.full((2, 2), 2.0))
+
+
+def test_errors_describe_tensors_without_their_values():
+    class NotALayer:
+        @recompute_grad
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError) as info:
+        NotALayer().call(tf.ones((40, 50)))
+    assert "NotALayer" in str(info.value)
+    with pytest.raises(TypeError) as info:
+        recompute_grad(tf.ones((40, 50)))
+    message = str(info.value)
+    assert "shape (40, 50) and dtype float32" in message and "numpy" not in message
+    assert len(message) < 300
+
+
+CALLS = {"n": 0}
+
+
+@keras.utils.register_keras_serializable(package="recompute_edge_cases")
+class CountedDense(keras.layers.Dense):
+    def call(self, inputs):
+        CALLS["n"] += 1
+        return super().call(inputs)
+
+
+def _saved_model_with_functional_block(path):
+    keras.utils.set_random_seed(0)
+    block_in = keras.Input((8,))
+    h = keras.layers.Dropout(0.2)(CountedDense(16, activation="tanh")(block_in))
+    block = keras.Model(block_in, keras.layers.Add()([keras.layers.Dense(8)(h), block_in]), name="block")
+    block.call = recompute_grad(block.call)
+    inp = keras.Input((8,))
+    model = keras.Model(inp, keras.layers.Dense(1)(block(inp)))
+    model.save(path)
+
+
+def test_bound_call_decoration_reapplied_after_load(tmp_path):
+    """The decoration of a bound call is not saved: re-applied after loading, it is exact."""
+    path = str(tmp_path / "model.keras")
+    _saved_model_with_functional_block(path)
+    x = tf.random.stateless_normal((4, 8), seed=(1, 2))
+    results, calls = [], []
+    for on in (False, True):
+        keras.utils.set_random_seed(1)  # the same dropout seeds in both loads
+        model = keras.models.load_model(path)
+        block = model.get_layer("block")
+        assert not hasattr(block.call, "__recompute_grad_wrapped__")  # dropped by the reload
+        block.call = recompute_grad(block.call)  # the documented recipe
+        CALLS["n"] = 0
+        with recompute.recompute_scope(on):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(model(x, training=True) ** 2)
+            grads = tape.gradient(loss, [x] + model.trainable_weights)
+        results.append(to_numpy([loss] + grads))
+        calls.append(CALLS["n"])
+    assert len(results[0]) == 2 + 6
+    assert_all_close(results[0], results[1])
+    assert calls == [1, 2]  # recomputed once the decoration is back
+
+
+class InlineDropout(keras.layers.Layer):
+    @recompute_grad
+    def call(self, x, training=None):
+        return keras.layers.Dropout(0.5)(x, training=training) * 3.0
+
+
+class OwnedDropout(keras.layers.Layer):
+    """The advice followed: the Dropout is created once, in `__init__`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dropout = keras.layers.Dropout(0.5)
+
+    @recompute_grad
+    def call(self, x, training=None):
+        return self.dropout(x, training=training) * 3.0
+
+
+def _dropout_grads(layer, compile_mode):
+    x = tf.random.stateless_normal((4, 16), seed=(3, 4))
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(y * tf.range(16, dtype=y.dtype))
+        return [y, tape.gradient(loss, x)]
+
+    if compile_mode == "function":
+        step = tf.function(step)
+    return to_numpy(step(x))
+
+
+@pytest.mark.parametrize("compile_mode", ["eager", "function"])
+def test_dropout_created_in_call_gets_advice_that_can_be_followed(compile_mode):
+    with recompute.recompute_scope(True):
+        with pytest.raises(recompute.VariableCreatedInRecomputationError) as info:
+            _dropout_grads(InlineDropout(), compile_mode)
+    message = str(info.value)
+    assert "random-number generator" in message
+    assert "Create that layer once, in `__init__` or `build`" in message
+    assert "calling the model once on a sample batch" not in message
+    assert ("disable_tf_random_generator" in message) == (keras.__name__ == "tf_keras")
+    # Following it: the same masks and gradients as without recomputation.
+    results = []
+    for on in (False, True):
+        keras.utils.set_random_seed(0)
+        layer = OwnedDropout()
+        with recompute.recompute_scope(on):
+            results.append(_dropout_grads(layer, compile_mode))
+    assert 0 < np.mean(results[0][0] == 0) < 1  # dropout is on
+    assert_all_close(results[0], results[1])
