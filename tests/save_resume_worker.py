@@ -152,18 +152,34 @@ def save(model, fmt, path):
 
 def load(job):
     """Loads `job["path"]`: `load_model` for `LOAD_MODEL_FORMATS`, else `load_weights`
-    into a freshly built model and optimizer (different initial weights)."""
+    into a freshly built model and optimizer (different initial weights).
+
+    tf_keras SavedModel: `load_model` restores the weights and the compiled
+    optimizer's config but not its state (tf_keras's design, every optimizer);
+    the state is in the SavedModel's checkpoint, `load_weights(dir/variables/variables)`.
+    """
     lib = job["lib"]
     keras = importlib.import_module(lib)
-    if job["format"] in LOAD_MODEL_FORMATS:
-        if job.get("custom_objects"):
-            from accum import AccumOptimizer
+    if job["format"] not in LOAD_MODEL_FORMATS:
+        model = compiled_model(lib, job["model"], job["optimizer"], seed=1)
+        model.optimizer.build(model.trainable_variables)
+        model.load_weights(job["path"])
+        return model
+    custom_objects = None
+    if job.get("custom_objects"):
+        from accum import AccumOptimizer
 
-            return keras.models.load_model(job["path"], custom_objects={"AccumOptimizer": AccumOptimizer})
-        return keras.models.load_model(job["path"])
-    model = compiled_model(lib, job["model"], job["optimizer"], seed=1)
-    model.optimizer.build(model.trainable_variables)
-    model.load_weights(job["path"])
+        custom_objects = {"AccumOptimizer": AccumOptimizer}
+    model = keras.models.load_model(job["path"], custom_objects=custom_objects)
+    if job["format"] == "savedmodel":
+        if int(model.optimizer.iterations.numpy()) != 0:
+            raise AssertionError("tf_keras's load_model restored the optimizer state: update the docs")
+        model.optimizer.build(model.trainable_variables)
+        model.load_weights(os.path.join(job["path"], "variables", "variables"))
+    elif not model.optimizer._has_window_state():
+        # tf_keras legacy optimizers are not saved in `.keras` files (tf_keras
+        # saves only new-style optimizers' state there): fresh state.
+        model.optimizer.build(model.trainable_variables)
     return model
 
 
