@@ -269,9 +269,11 @@ def main(jobs_file):
     for lib in libs:
         subclassed_class(lib)
     failures = []
-    # `load_model` jobs first: nothing has built an `AccumOptimizer` (which
-    # imports its implementation) before them.
-    jobs.sort(key=lambda job: job["format"] not in LOAD_MODEL_FORMATS)
+    # `load_model` jobs first, `.h5` first of all: nothing has built an
+    # `AccumOptimizer` or loaded a `.keras` file (tf_keras imports the module a
+    # `.keras` file names) before them, so they need the registration done by
+    # `import accum`.
+    jobs.sort(key=lambda job: (job["format"] not in LOAD_MODEL_FORMATS, job["format"] != "h5"))
     for job in jobs:
         # Auto-generated names (`sequential_3`, `dense_7`) differ from the saving
         # process's, as they do when a user resumes in a new program.
