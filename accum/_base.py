@@ -61,7 +61,12 @@ class AccumOptimizer:
       so resuming mid-window is bit-exact in a fresh process. Buffers are
       stored by the position of their variable, so a different `k` at load
       time keeps the inner optimizer's slots; buffers that do not match the
-      model's variables raise a `ValueError`.
+      model's variables raise a `ValueError`. `import accum` registers the
+      classes `load_model` looks up. tf_keras limits (its design, every
+      optimizer): SavedModel `load_model` restores no optimizer state (call
+      `model.optimizer.build(model.trainable_variables)` and
+      `model.load_weights(dir + "/variables/variables")`); `.keras` and
+      `.weights.h5` hold no state of legacy optimizers.
     - Under a `tf.distribute` strategy (`MirroredStrategy`,
       `MultiWorkerMirroredStrategy`; every family; `fit` and custom loops
       with `strategy.run` in `tf.function`): each replica adds its own,
@@ -191,8 +196,9 @@ class AccumOptimizer:
             return  # saved before the optimizer was built: no window yet
         if not self._has_window_state():
             warnings.warn(
-                f"AccumOptimizer: skipping the saved window (counters and "
-                f"accumulation buffers) of optimizer '{self._config_name()}', "
+                f"AccumOptimizer: skipping the saved window ({int(np.asarray(store['window_steps']))} "
+                f"pending micro-step(s), counters and accumulation buffers) of "
+                f"optimizer '{self._config_name()}', "
                 "because it is not built yet. Call "
                 "`optimizer.build(model.trainable_variables)` before loading to "
                 "resume the pending window.",
@@ -221,7 +227,8 @@ class AccumOptimizer:
                     f"Received: {len(received)} buffer(s) with shapes {received}"
                     + (f" and buffers keyed by name {by_name} (written by an older "
                        "version of accum; not supported)" if by_name else "")
-                    + ". Load into the same model architecture."
+                    + ". Load into a model with the same trainable variables (same "
+                    "architecture, same layers trainable), built before loading."
                 )
         state["window_steps"].assign(store["window_steps"])
         state["window_count"].assign(store["window_count"])
