@@ -67,10 +67,9 @@ def register_serializable_classes():
     Keras 3 is installed and `keras` is not replaced by another module. The
     tf_keras classes are registered if tf_keras is already imported or
     `TF_USE_LEGACY_KERAS` is set (`tf.keras` is then tf_keras): a Keras 3
-    program does not load tf_keras. A program that imports tf_keras only
-    after `accum` and loads a model before building an `AccumOptimizer` for
-    tf_keras must import `accum._tf_keras` and `accum._tf_keras_legacy` (or
-    import tf_keras first).
+    program does not load tf_keras. So a tf_keras program imports tf_keras
+    before `accum` (or sets `TF_USE_LEGACY_KERAS=1`) to load `.h5` files;
+    tf_keras's `.keras` loading imports the module the file names by itself.
     """
     keras = sys.modules.get("keras")
     if keras is None and importlib.util.find_spec("keras") is not None:
