@@ -184,7 +184,7 @@ class AccumOptimizer:
         """Restores counters and buffers.
 
         Raises a `ValueError` if the saved buffers do not match this
-        optimizer's (number or shapes), unless none holds a pending gradient;
+        optimizer's (number or shapes) while a window is pending;
         warns if window state is saved but this optimizer is not built yet (as
         Keras does for the inner optimizer's slots).
         """
@@ -214,8 +214,13 @@ class AccumOptimizer:
         received = [tuple(np.shape(v)) for v in values]
         expected = [tuple(acc.shape) for acc in self.accumulators]
         if saved != list(range(len(saved))) or received != expected:
-            if not expected and not any(np.any(np.asarray(v)) for v in values):
-                values = []  # e.g. saved with mode="buffer" between windows, loaded with "momentum"
+            if int(np.asarray(store["window_steps"])) == 0:
+                # No micro-step pending (saved buffers are zero): nothing is lost,
+                # e.g. saved with mode="buffer" between windows, loaded with "momentum".
+                values = [
+                    np.zeros(shape, getattr(acc.dtype, "as_numpy_dtype", acc.dtype))
+                    for shape, acc in zip(expected, self.accumulators)
+                ]
             else:
                 by_name = sorted(
                     k for k in keys if k.startswith("accumulator:") and not k.split(":", 1)[1].isdigit()

@@ -38,6 +38,20 @@ NO_OPTIMIZER_STATE = [c for c in CASES if c[0] == "legacy_adam" and c[2] in ("ke
 RESUMED = [c for c in CASES if c not in NO_OPTIMIZER_STATE]
 
 
+def test_new_style_optimizer_variable_names_are_unique_for_h5(tmp_path):
+    """`.h5` stores optimizer variables by name: the wrapper's micro-step counter is
+    `micro_steps`, not the inner optimizer's `iteration`."""
+    model = worker.compiled_model("tf_keras", "sequential", "adam", seed=0)
+    worker.train(model, 0, worker.STOP)
+    names = [v.name for v in model.optimizer.variables]
+    assert len(set(names)) == len(names), names
+    model.save(tmp_path / "m.h5")
+    weights = [v.numpy() for v in model.optimizer.variables]
+    with pytest.raises(ValueError, match=rf"expected {len(weights)} weights .* Received: {len(weights) - 1} weights"):
+        model.optimizer.set_weights(weights[:-1])
+    model.optimizer.set_weights(weights)
+
+
 @pytest.fixture(scope="module")
 def saved_and_resumed(tmp_path_factory):
     return worker.run_plan("tf_keras", PLAN, str(tmp_path_factory.mktemp("save_resume")))
