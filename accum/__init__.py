@@ -15,8 +15,13 @@ locally and the replicas all-reduce once per update, not once per micro-batch
 The backend split (Keras 3 / tf_keras / tf_keras legacy) is in `accum._backends`.
 """
 
+from ._backends import register_serializable_classes as _register
 from ._base import AccumOptimizer
 from ._batchnorm import has_batch_normalization, warn_if_batch_normalization
 
 __all__ = ["AccumOptimizer", "has_batch_normalization", "warn_if_batch_normalization"]
 __version__ = "0.1.0"
+
+# `load_model` of a model compiled with `AccumOptimizer` needs only `import accum`.
+_register()
+del _register

@@ -2,6 +2,9 @@
 
 import copy
 import inspect
+import warnings
+
+import numpy as np
 
 from . import _backends
 
@@ -54,9 +57,16 @@ class AccumOptimizer:
       window now (normalized by the micro-batches it holds), and
       `flush_callback(at="epoch_end" | "train_end")` does so from `fit`.
     - State (buffers, counters) is saved with the optimizer (`.keras` files,
-      `tf.train.Checkpoint`), so resuming mid-window is bit-exact. The `.keras`
-      state is stored by name, so a different `k` at load time keeps the
-      inner optimizer's slots.
+      `save_weights`, tf_keras `.h5` and SavedModel, `tf.train.Checkpoint`),
+      so resuming mid-window is bit-exact in a fresh process. Buffers are
+      stored by the position of their variable, so a different `k` at load
+      time keeps the inner optimizer's slots; buffers that do not match the
+      model's variables raise a `ValueError`. `import accum` registers the
+      classes `load_model` looks up. tf_keras limits (its design, every
+      optimizer): SavedModel `load_model` restores no optimizer state (call
+      `model.optimizer.build(model.trainable_variables)` and
+      `model.load_weights(dir + "/variables/variables")`); `.keras` and
+      `.weights.h5` hold no state of legacy optimizers.
     - Under a `tf.distribute` strategy (`MirroredStrategy`,
       `MultiWorkerMirroredStrategy`; every family; `fit` and custom loops
       with `strategy.run` in `tf.function`): each replica adds its own,
@@ -143,43 +153,92 @@ class AccumOptimizer:
 
         return make_flush_callback(self, at)
 
-    # ------------------------------------------------- state saved by name
-    # Keras saves an optimizer's variables by position; the wrapper's own
-    # counters and buffers are saved by name instead, so that a different `k`
-    # (or a different wrapper) at load time keeps the inner optimizer's slots.
+    # ------------------------------------------------------ saved state
+    # Keras saves an optimizer's variables by position; the inner optimizer
+    # saves its own slots that way. The wrapper's counters are saved by name
+    # and its buffers by position in the variable list the optimizer was
+    # built with (the model's trainable variables, the order Keras itself
+    # uses), never by variable name: names such as `sequential_1/dense_2`
+    # change between processes. So a different `k` (or wrapper) at load time
+    # keeps the inner optimizer's slots.
 
     def _has_window_state(self):
         """Whether the window counters and buffers exist yet (overridden per family)."""
         return True
 
     def _own_state(self):
-        """(key, variable) pairs of the wrapper's own state, keyed by name."""
+        """(key, variable) pairs of the wrapper's counters, then its buffers (`accumulator:<i>`)."""
         pairs = [("micro_steps", self._micro_steps_variable())]
         if not self._has_window_state():
             return pairs
         pairs += [("window_steps", self.window_steps), ("window_count", self.window_count)]
-        seen = set()
-        for acc in self.accumulators:
-            base = f"accumulator:{acc.name.split(':')[0].replace('/', '_')}"
-            key, n = base, 1
-            while key in seen:
-                n += 1
-                key = f"{base}#{n}"
-            seen.add(key)
-            pairs.append((key, acc))
+        pairs += [(f"accumulator:{i}", acc) for i, acc in enumerate(self.accumulators)]
         return pairs
 
     def save_own_variables(self, store):
-        """Saves counters and buffers by name (the inner optimizer saves its own slots)."""
+        """Saves counters by name and buffers by position (the inner optimizer saves its own slots)."""
         for key, variable in self._own_state():
             store[key] = variable.numpy()
 
     def load_own_variables(self, store):
-        """Restores counters and buffers by name; state absent from `store` keeps its value."""
+        """Restores counters and buffers.
+
+        Raises a `ValueError` if the saved buffers do not match this
+        optimizer's (number or shapes) while a window is pending;
+        warns if window state is saved but this optimizer is not built yet (as
+        Keras does for the inner optimizer's slots).
+        """
         keys = set(store.keys())
-        for key, variable in self._own_state():
-            if key in keys:
-                variable.assign(store[key])
+        state = dict(self._own_state())
+        if "micro_steps" in keys:
+            state["micro_steps"].assign(store["micro_steps"])
+        if "window_steps" not in keys:
+            return  # saved before the optimizer was built: no window yet
+        if not self._has_window_state():
+            warnings.warn(
+                f"AccumOptimizer: skipping the saved window ({int(np.asarray(store['window_steps']))} "
+                f"pending micro-step(s), counters and accumulation buffers) of "
+                f"optimizer '{self._config_name()}', "
+                "because it is not built yet. Call "
+                "`optimizer.build(model.trainable_variables)` before loading to "
+                "resume the pending window.",
+                stacklevel=2,
+            )
+            return
+        saved = sorted(
+            int(key.split(":", 1)[1])
+            for key in keys
+            if key.startswith("accumulator:") and key.split(":", 1)[1].isdigit()
+        )
+        values = [store[f"accumulator:{i}"] for i in saved]
+        received = [tuple(np.shape(v)) for v in values]
+        expected = [tuple(acc.shape) for acc in self.accumulators]
+        if saved != list(range(len(saved))) or received != expected:
+            if int(np.asarray(store["window_steps"])) == 0:
+                # No micro-step pending (saved buffers are zero): nothing is lost,
+                # e.g. saved with mode="buffer" between windows, loaded with "momentum".
+                values = [
+                    np.zeros(shape, getattr(acc.dtype, "as_numpy_dtype", acc.dtype))
+                    for shape, acc in zip(expected, self.accumulators)
+                ]
+            else:
+                by_name = sorted(
+                    k for k in keys if k.startswith("accumulator:") and not k.split(":", 1)[1].isdigit()
+                )
+                raise ValueError(
+                    "AccumOptimizer: the saved accumulation buffers do not match this "
+                    f"optimizer's variables. Expected: {len(expected)} buffer(s) (one per "
+                    f"trainable variable, mode={self.mode!r}) with shapes {expected}. "
+                    f"Received: {len(received)} buffer(s) with shapes {received}"
+                    + (f" and buffers keyed by name {by_name} (written by an older "
+                       "version of accum; not supported)" if by_name else "")
+                    + ". Load into a model with the same trainable variables (same "
+                    "architecture, same layers trainable), built before loading."
+                )
+        state["window_steps"].assign(store["window_steps"])
+        state["window_count"].assign(store["window_count"])
+        for acc, value in zip(self.accumulators, values):
+            acc.assign(value)
 
     # ------------------------------------------------------------- config
     # Each family provides `_FAMILY`, `_serialize_inner()` and

@@ -109,10 +109,41 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
         self._built_accum = True
         _batchnorm.warn_for_training_model(self)
 
+    def _create_iteration_variable(self):
+        # The micro-step counter (tf_keras's `_iterations` of the wrapper) is
+        # named `micro_steps`, not `iteration` like the inner optimizer's: `.h5`
+        # files store optimizer variables under their names, which must differ.
+        with tf.init_scope():
+            self._iterations = tf.Variable(0, name="micro_steps", dtype=tf.int64, trainable=False)
+        self._variables.append(self._iterations)
+
     @property
     def variables(self):
         """The wrapper's variables (counters, buffers) followed by the inner optimizer's."""
         return list(self._variables) + list(self.inner_optimizer.variables)
+
+    def set_weights(self, weights):
+        """Sets `variables` (the wrapper's, then the inner optimizer's) from a list of arrays,
+        as tf_keras's `.h5` loading does; the lengths and shapes must match."""
+        if not self._built_accum:
+            raise ValueError(
+                "You are calling `set_weights()` on an optimizer that has not yet been "
+                "built. Call `optimizer.build(trainable_variables)` first."
+            )
+        variables = self.variables
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"AccumOptimizer: expected {len(variables)} weights (counters, "
+                "accumulation buffers, then the inner optimizer's variables). "
+                f"Received: {len(weights)} weights."
+            )
+        for variable, weight in zip(variables, weights):
+            if tuple(variable.shape) != tuple(weight.shape):
+                raise ValueError(
+                    f"AccumOptimizer: variable {variable.name} has shape "
+                    f"{tuple(variable.shape)}. Received: a weight of shape {tuple(weight.shape)}."
+                )
+            variable.assign(weight)
 
     def _has_window_state(self):
         return self._built_accum

@@ -115,3 +115,59 @@ def test_keras_file_round_trip_before_training(tmp_path):
     loaded = keras.models.load_model(tmp_path / "m.keras")
     assert loaded.optimizer.steps_per_update == K
     assert loaded.optimizer.get_config() == model.optimizer.get_config()
+
+
+def dense_model(frozen=False):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    model.layers[0].trainable = not frozen
+    return model
+
+
+def train_dense(model, steps):
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        model.train_on_batch(rng.normal(size=(3, 5)).astype("float32"), rng.normal(size=(3, 2)).astype("float32"))
+
+
+def test_buffers_not_matching_the_variables_raise(tmp_path):
+    model = dense_model()
+    model.compile(new_optimizer(), "mse")
+    train_dense(model, 3)
+    model.save_weights(tmp_path / "m.weights.h5")
+    other = dense_model(frozen=True)  # 2 trainable variables instead of 4
+    other.compile(new_optimizer(), "mse")
+    other.optimizer.build(other.trainable_variables)
+    with pytest.raises(ValueError, match=r"Expected: 2 buffer\(s\).* shapes \[\(4, 2\), \(2,\)\]\. Received: 4 buffer\(s\)"):
+        other.load_weights(tmp_path / "m.weights.h5")
+
+
+def test_pending_buffers_into_momentum_mode_raise_empty_window_loads(tmp_path):
+    def sgd(mode="buffer"):
+        return AccumOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), K, mode=mode)
+
+    model = dense_model()
+    model.compile(sgd(), "mse")
+    train_dense(model, K + 1)  # one micro-step pending
+    model.save_weights(tmp_path / "pending.weights.h5")
+    train_dense(model, K - 1)  # window complete: buffers zero
+    model.save_weights(tmp_path / "empty.weights.h5")
+    other = dense_model()
+    other.compile(sgd("momentum"), "mse")
+    other.optimizer.build(other.trainable_variables)
+    with pytest.raises(ValueError, match=r"Expected: 0 buffer\(s\).*mode='momentum'.*Received: 4"):
+        other.load_weights(tmp_path / "pending.weights.h5")
+    other.load_weights(tmp_path / "empty.weights.h5")
+    assert int(other.optimizer.iterations) == 2 and int(other.optimizer.window_steps) == 0
+    assert int(other.optimizer.micro_steps) == 2 * K
+
+
+def test_window_into_unbuilt_optimizer_warns(tmp_path):
+    model = dense_model()
+    model.compile(new_optimizer(), "mse")
+    train_dense(model, 3)
+    model.save_weights(tmp_path / "m.weights.h5")
+    other = dense_model()
+    other.compile(new_optimizer(), "mse")
+    with pytest.warns(UserWarning, match=r"3 .*not built yet.*optimizer.build\(model.trainable_variables\)"):
+        other.load_weights(tmp_path / "m.weights.h5")
