@@ -1,4 +1,4 @@
-"""recompute.batchfit: the batch search on a tiny shape, in fresh worker processes (own process: TF_KERAS=1 TF_USE_LEGACY_KERAS=1)."""
+"""benchmarks.batchfit: the batch search on a tiny shape, in fresh worker processes (own process: TF_KERAS=1 TF_USE_LEGACY_KERAS=1)."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") != "1":
     pytest.skip("run with TF_KERAS=1 TF_USE_LEGACY_KERAS=1 (see README)", allow_module_level=True)
 
-from recompute import batchfit  # noqa: E402  (does not import bert4keras)
+from benchmarks import batchfit  # noqa: E402  (does not import bert4keras)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPE = batchfit.SHAPES["tiny"]  # 2 layers, hidden 64, 8 heads, FFN 256, vocab 1000
@@ -107,7 +107,7 @@ def test_bad_arguments_are_rejected(argv, message, capsys):
 
 def test_command_line_error_exit_code():
     out = subprocess.run(
-        [sys.executable, "-m", "recompute.batchfit", "--max-batch", "zero"],
+        [sys.executable, "-m", "benchmarks.batchfit", "--max-batch", "zero"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert out.returncode == 2
