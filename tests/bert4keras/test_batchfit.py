@@ -112,3 +112,28 @@ def test_command_line_error_exit_code():
     )
     assert out.returncode == 2
     assert "--max-batch: expected a positive integer, got 'zero'" in out.stderr
+
+
+def test_quick_demo_data_is_the_shared_data_or_the_embedded_sentences(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bert_finetune_example", batchfit.EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    shared = tmp_path / "rt-polarity"
+    tsv = batchfit.demo_data(str(tmp_path), shared=str(shared))  # absent: the embedded sentences
+    texts, labels = example.load_data(tsv)
+    assert list(zip(texts, labels)) == list(batchfit.SENTENCES) and set(labels) == {0, 1}
+    shared.mkdir()
+    assert batchfit.demo_data(str(tmp_path), shared=str(shared)) == str(shared)
+
+
+def test_quick_ends_with_the_finetuning_example(tmp_path, capfd):
+    # --quick's fine-tuning demo is examples/bert_finetune.py itself, with both tricks.
+    result = batchfit.finetune_demo(shared=str(tmp_path / "absent"))
+    out = capfd.readouterr()
+    assert "[benchmarks.batchfit] fine-tuning demo: python examples/bert_finetune.py --data " in out.err
+    assert "--recompute --accum-steps 4" in out.err
+    assert "held-out accuracy" in out.out  # the example's own report
+    assert result["recompute"] is True and result["accum_steps"] == 4
+    assert result["weight_updates"] == 8 and result["train_micro_steps"] == 32
