@@ -799,9 +799,8 @@ def parse_args(argv=None):
     parser.add_argument("--plot", metavar="PATH", default="batchfit.png",
                         help="PNG of peak RSS vs batch (default batchfit.png)")
     parser.add_argument("--json", metavar="PATH", help="save all measurements as JSON")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    harness.add_worker_arguments(parser)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     defaults = QUICK if args.quick else FULL

@@ -147,47 +147,34 @@ def lower_median(values):
 # Argument types (argparse adds "--flag: " in front of the messages).
 
 
-def positive_int(text):
+def _number(text, convert, accept, expected):
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        value = None
+    if value is None or not accept(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def positive_int(text):
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    if not value > 0 or value == float("inf"):  # also rejects nan
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+    # `v > 0` also rejects nan.
+    return _number(text, float, lambda v: v > 0 and v != float("inf"), "a positive number")
 
 
 def float_above(bound):
     """Type: a finite number > `bound`."""
-
-    def parse(text):
-        value = positive_float(text) if bound >= 0 else float(text)
-        if value <= bound:
-            raise argparse.ArgumentTypeError(f"expected a number > {bound:g}, got {text!r}")
-        return value
-
-    return parse
+    return lambda text: _number(text, float, lambda v: bound < v < float("inf"),
+                                f"a number > {bound:g}")
 
 
 def fraction(text):
     """Type: a number in [0, 1) (a dropout rate)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
-    return value
+    return _number(text, float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
 
 
 def _items(text):
@@ -220,6 +207,12 @@ def name_list(names, expected=None):
         return tuple(values)
 
     return parse
+
+
+def add_worker_arguments(parser):
+    """The hidden options by which `run_workers` starts a worker: `--worker`, `--out PATH`."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
 
 
 def existing_folder(parser, flag, path):

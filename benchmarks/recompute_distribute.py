@@ -284,8 +284,7 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=harness.positive_float, default=1800.0,
                         help="seconds per RECOMPUTE setting before the workers are killed")
     parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    harness.add_worker_arguments(parser)
     args = parser.parse_args(argv)
     encoder.finish_shape_arguments(parser, args, QUICK if args.quick else DEFAULT,
                                    need_slope=not args.worker)

@@ -188,8 +188,7 @@ def parse_args(argv=None):
                         help="tiny shape (3 blocks, hidden 256, seq 128): about 30 s; "
                              "explicit options still override it")
     parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    harness.add_worker_arguments(parser)
     args = parser.parse_args(argv)
 
     encoder.finish_shape_arguments(parser, args, QUICK if args.quick else FULL,
