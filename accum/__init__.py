@@ -10,7 +10,7 @@ model.fit(x, y, batch_size=4)       # trains like batch_size=32
 Under `tf.distribute.MirroredStrategy` or `MultiWorkerMirroredStrategy`, build
 the model and the optimizer in `strategy.scope()`; each replica accumulates
 locally and the replicas all-reduce once per update, not once per micro-batch
-(`accum._distributed`; `python -m accum.distribute_benchmark` measures it).
+(`accum._distributed`; `python -m benchmarks.accum_distribute` measures it).
 
 The backend split (Keras 3 / tf_keras / tf_keras legacy) is in `accum._backends`.
 """

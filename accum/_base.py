@@ -85,7 +85,7 @@ class AccumOptimizer:
       `fit` under `MultiWorkerMirroredStrategy`, sparse gradients reduced
       dense, non-finite micro-batches dropped per replica):
       `accum._distributed`; traffic and time: `python -m
-      accum.distribute_benchmark`.
+      benchmarks.accum_distribute`.
     - BatchNormalization cannot be accumulated (each micro-batch is normalized
       with its own statistics): a warning is issued when the optimizer is built
       for a model that contains one.

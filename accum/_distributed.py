@@ -37,7 +37,7 @@ A micro-step (one `apply_gradients` per replica):
 
 So the bytes all-reduced per update are those of one gradient (plus one
 scalar), k times less than all-reducing each micro-batch; between updates the
-replicas do not communicate at all. (`python -m accum.distribute_benchmark`,
+replicas do not communicate at all. (`python -m benchmarks.accum_distribute`,
 2 workers on loopback, a 1.6M-parameter MLP, k=8: 1 round and 6.0 MiB per
 effective batch, against 9 rounds and 54.1 MiB when the gradients are
 all-reduced at every micro-step.)

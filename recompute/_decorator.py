@@ -106,7 +106,7 @@ def recompute_grad(call):
     per-replica streams are kept), left as its forward pass leaves it; a
     variable with `SUM`/`MEAN`/`ONLY_FIRST_REPLICA` aggregation updated in the
     call reads back the combined value, as in the forward pass. A replica
-    saves what one device saves (`recompute.distribute_benchmark`: 19.9 ->
+    saves what one device saves (`benchmarks.recompute_distribute`: 19.9 ->
     3.9 MiB per sample per replica at 6 blocks, 38.5 -> 4.3 at 12).
     `recompute_scope` reaches the strategy's replica threads (see
     `recompute_scope`). Tested on both Keras families with 2 replicas on

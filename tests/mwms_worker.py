@@ -37,7 +37,7 @@ def custom_loop(strategy, model, optimizer, data, task, workers):
     def step(x, ids, y):
         strategy.run(replica_step, args=(x, ids, y))
 
-    from accum.distribute_benchmark import AllReduceCounter
+    from benchmarks.allreduce import AllReduceCounter
 
     counter = AllReduceCounter()
     local = B // workers
@@ -82,7 +82,7 @@ def tf_keras(strategy, task, workers):
     import tf_keras as tfk
 
     from accum import AccumOptimizer
-    from accum.distribute_benchmark import AllReduceCounter
+    from benchmarks.allreduce import AllReduceCounter
 
     sys.path.insert(0, os.path.join(HERE, "accum_tf_keras"))
     from tfk_reference import make_data, make_model

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import mwms
 from accum import AccumOptimizer
-from accum.distribute_benchmark import AllReduceCounter
+from benchmarks.allreduce import AllReduceCounter
 from k3_reference import fresh, make_data, make_dense_model, make_model, run, state
 from numerics import assert_grouped_close
 

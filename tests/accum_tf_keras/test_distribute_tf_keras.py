@@ -12,7 +12,7 @@ import tf_keras as tfk
 
 import mwms
 from accum import AccumOptimizer
-from accum.distribute_benchmark import AllReduceCounter
+from benchmarks.allreduce import AllReduceCounter
 from numerics import assert_grouped_close
 from tfk_reference import fresh, make_data, make_model, run, state
 

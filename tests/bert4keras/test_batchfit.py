@@ -1,4 +1,4 @@
-"""recompute.batchfit: the batch search on a tiny shape, in fresh worker processes (own process: TF_KERAS=1 TF_USE_LEGACY_KERAS=1)."""
+"""benchmarks.batchfit: the batch search on a tiny shape, in fresh worker processes (own process: TF_KERAS=1 TF_USE_LEGACY_KERAS=1)."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") != "1":
     pytest.skip("run with TF_KERAS=1 TF_USE_LEGACY_KERAS=1 (see README)", allow_module_level=True)
 
-from recompute import batchfit  # noqa: E402  (does not import bert4keras)
+from benchmarks import batchfit  # noqa: E402  (does not import bert4keras)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPE = batchfit.SHAPES["tiny"]  # 2 layers, hidden 64, 8 heads, FFN 256, vocab 1000
@@ -107,8 +107,33 @@ def test_bad_arguments_are_rejected(argv, message, capsys):
 
 def test_command_line_error_exit_code():
     out = subprocess.run(
-        [sys.executable, "-m", "recompute.batchfit", "--max-batch", "zero"],
+        [sys.executable, "-m", "benchmarks.batchfit", "--max-batch", "zero"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert out.returncode == 2
     assert "--max-batch: expected a positive integer, got 'zero'" in out.stderr
+
+
+def test_quick_demo_data_is_the_shared_data_or_the_embedded_sentences(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bert_finetune_example", batchfit.EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    shared = tmp_path / "rt-polarity"
+    tsv = batchfit.demo_data(str(tmp_path), shared=str(shared))  # absent: the embedded sentences
+    texts, labels = example.load_data(tsv)
+    assert list(zip(texts, labels)) == list(batchfit.SENTENCES) and set(labels) == {0, 1}
+    shared.mkdir()
+    assert batchfit.demo_data(str(tmp_path), shared=str(shared)) == str(shared)
+
+
+def test_quick_ends_with_the_finetuning_example(tmp_path, capfd):
+    # --quick's fine-tuning demo is examples/bert_finetune.py itself, with both tricks.
+    result = batchfit.finetune_demo(shared=str(tmp_path / "absent"))
+    out = capfd.readouterr()
+    assert "[benchmarks.batchfit] fine-tuning demo: python examples/bert_finetune.py --data " in out.err
+    assert "--recompute --accum-steps 4" in out.err
+    assert "held-out accuracy" in out.out  # the example's own report
+    assert result["recompute"] is True and result["accum_steps"] == 4
+    assert result["weight_updates"] == 8 and result["train_micro_steps"] == 32

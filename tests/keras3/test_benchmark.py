@@ -1,4 +1,4 @@
-"""The benchmark runs end to end (quick shape) and its figures are consistent."""
+"""benchmarks.recompute_memory runs end to end (quick shape) and its figures are consistent."""
 
 import json
 import os
@@ -11,12 +11,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_quick_benchmark(tmp_path):
     out_json = tmp_path / "bench.json"
     out = subprocess.run(
-        [sys.executable, "-m", "recompute.benchmark", "--quick", "--json", str(out_json)],
+        [sys.executable, "-m", "benchmarks.recompute_memory", "--quick", "--json", str(out_json)],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "activation memory per sample, off/on" in out.stdout
-    assert "[recompute.benchmark]" in out.stderr  # progress lines
+    assert "[benchmarks.recompute_memory]" in out.stderr  # progress lines
     result = json.loads(out_json.read_text())
     runs = {(r["recompute"], r["batch"]): r for r in result["runs"]}
     assert set(runs) == {("0", 2), ("0", 6), ("1", 2), ("1", 6)}
@@ -29,7 +29,7 @@ def test_quick_benchmark(tmp_path):
 
 def test_benchmark_rejects_bad_arguments():
     out = subprocess.run(
-        [sys.executable, "-m", "recompute.benchmark", "--layers", "0"],
+        [sys.executable, "-m", "benchmarks.recompute_memory", "--layers", "0"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert out.returncode == 2

@@ -160,7 +160,7 @@ def test_input_gradients_wait_for_weight_gradients():
     depends on the block's weight gradients. Otherwise, with other work to run -- the
     other replica on the same host -- the executor let input gradients run ahead of
     postponed weight-gradient ops and held several blocks' recomputed activations
-    (measured with `recompute.distribute_benchmark --strategy mirrored`: 15-17 instead
+    (measured with `benchmarks.recompute_distribute --strategy mirrored`: 15-17 instead
     of 4.6 MiB per sample per replica)."""
     model = keras3_model()
     top_kernel = model.layers[2].d2.kernel  # the second (top) block's last Dense

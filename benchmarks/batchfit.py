@@ -1,8 +1,8 @@
 """What batch fits? The largest micro-batch that trains a bert4keras BERT within a memory budget.
 
-    python -m recompute.batchfit --quick
-    python -m recompute.batchfit --models base,large --seq-len 512 --budget-gib 8
-    python -m recompute.batchfit --models minilm --seq-len 256 --budget-gib 4 \\
+    python -m benchmarks.batchfit --quick
+    python -m benchmarks.batchfit --models base,large --seq-len 512 --budget-gib 8
+    python -m benchmarks.batchfit --models minilm --seq-len 256 --budget-gib 4 \\
         --accum-steps 8 --json out.json --plot out.png
 
 For each model shape (`base`: 12 layers, hidden 768, 12 heads, FFN 3072;
@@ -12,7 +12,7 @@ with its converted weights from `recompute.hf_convert.minilm()`; `tiny`: 2,
 `RECOMPUTE=0` and `RECOMPUTE=1`, the largest micro-batch whose training run
 keeps the peak resident memory of its process within `--budget-gib` is
 searched. Every candidate batch runs in a fresh process
-(`python -m recompute.batchfit --worker ...`, environment `TF_KERAS=1
+(`python -m benchmarks.batchfit --worker ...`, environment `TF_KERAS=1
 TF_USE_LEGACY_KERAS=1 RECOMPUTE=0|1`) that calls `recompute.bert4keras.patch(blocks=True)`,
 builds the model with bert4keras's `build_transformer_model` (dropout 0.1 as in
 BERT) plus a classification head (the CLS token's vector -> `Dense(2)`),
@@ -64,26 +64,26 @@ horizontal line; `--json PATH` saves every measurement.
 
 `--quick` (the first thing to run on a fresh machine, a few minutes on 2 CPU
 cores): the real MiniLM only, sequence length 256, a 2 GiB budget, one
-steady-state step per candidate; then a short fine-tuning run of the real
-MiniLM with `RECOMPUTE=1` and `AccumOptimizer` on a few dozen embedded
-movie-review-like sentences, printing the loss going down and the number of
-real updates (`optimizer.iterations`) against micro-steps.
+steady-state step per candidate; then the fine-tuning example,
+`examples/bert_finetune.py --recompute --accum-steps 4` (8 updates of 4
+micro-batches of 4, seq 32), on the sentence-polarity data at
+`../shared/data/rt-polarity` beside the checkout if it is there, else on 40
+sentences embedded here; its output follows the table and its results go
+into `--json`.
 """
 
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-from .benchmark import MiB, _positive_int, _slope, _vm_hwm_kib
+from . import harness
+from .harness import GiB, MiB
 
-GiB = 1024.0 * MiB
-PREFIX = "[recompute.batchfit]"
+_progress = harness.Progress("benchmarks.batchfit")
 
 # Transformer shapes. `minilm` is the real model: its weights (and exact
 # config) come from `recompute.hf_convert.minilm()` when that is available.
@@ -102,73 +102,8 @@ QUICK = dict(models=("minilm",), seq_len=256, budget_gib=2.0, steps=1)
 ENV = {"TF_KERAS": "1", "TF_USE_LEGACY_KERAS": "1"}
 
 
-def _progress(message):
-    print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
-
-
 def _mib(nbytes):
     return nbytes / MiB
-
-
-# --------------------------------------------------------------------------
-# Memory guards (worker side and parent side).
-
-
-def _proc_status_kib(pid, field):
-    """`field` (e.g. "VmRSS", "VmHWM") of /proc/<pid>/status in KiB, or None."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _mem_available_bytes():
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-class Watchdog(threading.Thread):
-    """Worker-side guard: exits the process as soon as its RSS passes `limit_bytes`.
-
-    TensorFlow releases the GIL while it runs a step, so this thread keeps
-    polling VmRSS (every 10 ms) during the step. On a breach it writes a
-    "does not fit" result to `out_path` and leaves with `os._exit(3)`: a large
-    candidate can take a bounded share of the machine, not all of it.
-    (`RLIMIT_AS` is no use here: TensorFlow reserves far more address space
-    than it touches.)
-    """
-
-    def __init__(self, limit_bytes, out_path, result):
-        super().__init__(daemon=True)
-        self.limit_bytes = limit_bytes
-        self.out_path = out_path
-        self.result = result
-
-    def run(self):
-        pid = os.getpid()
-        while True:
-            rss = _proc_status_kib(pid, "VmRSS")
-            if rss is not None and rss * 1024 > self.limit_bytes:
-                result = dict(self.result, ok=False, fits=False, aborted=True,
-                              peak_rss_mib=(_vm_hwm_kib() or rss) / 1024.0,
-                              error=f"RSS {rss / 1024:.0f} MiB passed the abort limit "
-                                    f"{_mib(self.limit_bytes):.0f} MiB")
-                try:
-                    with open(self.out_path, "w") as f:
-                        json.dump(result, f)
-                finally:
-                    os._exit(3)
-            time.sleep(0.01)
 
 
 # --------------------------------------------------------------------------
@@ -268,17 +203,16 @@ def run_worker(spec, out_path):
     result = dict(model=spec["model"], batch=spec["batch"], seq_len=spec["seq_len"],
                   recompute=os.environ.get("RECOMPUTE", ""), accum_steps=spec["accum_steps"])
     budget = spec["budget_bytes"]
-    Watchdog(spec["abort_bytes"], out_path, result).start()
+    harness.RssWatchdog(spec["abort_bytes"], out_path, result, ok=False, fits=False).start()
     _check_worker_env()
     phases = {}
 
     def mark(name):
-        phases[name] = _vm_hwm_kib() / 1024.0
+        phases[name] = harness.peak_rss_kib() / 1024.0
 
     def write(**fields):
         result.update(fields, phases_hwm_mib=phases)
-        with open(out_path, "w") as f:
-            json.dump(result, f)
+        harness.write_result(out_path, result)
 
     import recompute.bert4keras
 
@@ -305,19 +239,19 @@ def run_worker(spec, out_path):
         losses.append(float(model.train_on_batch(*batches[0])))  # traces the graph
         result.update(first_step_cpu_s=time.process_time() - t0)
         mark("first_step")
-        if _vm_hwm_kib() * 1024 > budget:
+        if harness.peak_rss_kib() * 1024 > budget:
             # Over the budget already: it cannot fit, more steps would only cost time.
             return write(ok=True, fits=False, stopped_after_first_step=True,
-                         peak_rss_mib=_vm_hwm_kib() / 1024.0, loss=losses)
+                         peak_rss_mib=harness.peak_rss_kib() / 1024.0, loss=losses)
         for x, y in batches[1:]:
             c0 = time.process_time()
             losses.append(float(model.train_on_batch(x, y)))
             cpu.append(time.process_time() - c0)
         mark("steady")
     except (MemoryError, tf.errors.ResourceExhaustedError) as e:
-        return write(ok=False, fits=False, aborted=True, peak_rss_mib=_vm_hwm_kib() / 1024.0,
+        return write(ok=False, fits=False, aborted=True, peak_rss_mib=harness.peak_rss_kib() / 1024.0,
                      error=f"out of memory ({type(e).__name__})", loss=losses)
-    peak = _vm_hwm_kib() * 1024
+    peak = harness.peak_rss_kib() * 1024
     write(ok=True, fits=peak <= budget, peak_rss_mib=peak / MiB, cpu_s_per_step=cpu,
           cpu_s_per_sample=sum(cpu) / len(cpu) / spec["batch"], loss=losses,
           stopped_after_first_step=False)
@@ -327,26 +261,12 @@ def run_worker(spec, out_path):
 # Parent: spawn workers, search, report.
 
 
-def _package_env(mode):
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)
-    env.update(ENV)
-    if mode is not None:
-        env["RECOMPUTE"] = mode
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.setdefault("CUDA_VISIBLE_DEVICES", "")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [package_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    )
-    return env
-
-
 def _wait_for_memory(need_bytes, max_wait_s=900):
     """Waits (up to `max_wait_s`) until the machine has `need_bytes` available; warns otherwise."""
     start = time.time()
     warned = False
     while True:
-        available = _mem_available_bytes()
+        available = harness.mem_available_bytes()
         if available is None or available >= need_bytes:
             return
         if time.time() - start > max_wait_s:
@@ -357,48 +277,6 @@ def _wait_for_memory(need_bytes, max_wait_s=900):
                       f"the worker may use up to {_mib(need_bytes):.0f} MiB")
             warned = True
         time.sleep(10)
-
-
-def _run_subprocess(argv, env, abort_bytes=None):
-    """Runs `python -m recompute.batchfit <argv>`; returns (exit code, seen, stderr tail).
-
-    `seen`: the child's peak RSS as polled by the parent (`hwm`, KiB) and
-    whether the parent killed it (`killed`). The child's stdout is discarded.
-
-    Progress lines of the child are forwarded; its other stderr is kept as a
-    tail for errors. If `abort_bytes` is given, a thread kills the child when
-    its RSS passes it (backstop for the worker's own watchdog).
-    """
-    cmd = [sys.executable, "-m", "recompute.batchfit"] + argv
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    seen = {"hwm": 0, "killed": False}
-    done = threading.Event()
-
-    def monitor():
-        while not done.wait(0.05):
-            hwm = _proc_status_kib(proc.pid, "VmHWM")
-            if hwm:
-                seen["hwm"] = max(seen["hwm"], hwm)
-            rss = _proc_status_kib(proc.pid, "VmRSS")
-            if abort_bytes and rss and rss * 1024 > abort_bytes:
-                seen["killed"] = True
-                proc.send_signal(signal.SIGKILL)
-                return
-
-    watcher = threading.Thread(target=monitor, daemon=True)
-    watcher.start()
-    tail = []
-    for line in proc.stderr:
-        if line.startswith(PREFIX):
-            sys.stderr.write(line)
-            sys.stderr.flush()
-        else:
-            tail = (tail + [line])[-40:]
-    code = proc.wait()
-    done.set()
-    watcher.join()
-    return code, seen, "".join(tail)
 
 
 def measure(model, shape, mode, batch, opts, paths=None):
@@ -412,29 +290,25 @@ def measure(model, shape, mode, batch, opts, paths=None):
     _progress(f"{model} seq {opts['seq_len']} RECOMPUTE={mode} batch {batch:>4}: "
               "measuring in a fresh process ...")
     with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+        spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         c0 = time.time()
-        code, seen, tail = _run_subprocess(
-            ["--worker", spec_path, "--out", out], _package_env(mode),
-            abort_bytes=int(abort * 1.05) + 64 * MiB)
+        env = dict(ENV, RECOMPUTE=mode,
+                   CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+        run, = harness.run_workers(_progress, ["--spec", spec_path], [env],
+                                   rss_abort_bytes=int(abort * 1.05) + 64 * MiB)
         wall = time.time() - c0
-        result = None
-        if os.path.exists(out):
-            with open(out) as f:
-                result = json.load(f)
+    result = run.result
     if result is None:
         # Killed (by a signal: the parent's backstop, the kernel's OOM killer)
         # means it does not fit; any other failure is a bug worth stopping for.
-        if code >= 0 and not seen["killed"]:
-            sys.stderr.write(tail)
+        if run.code >= 0 and run.killed is None:
+            sys.stderr.write(run.tail)
             raise RuntimeError(f"worker {model} RECOMPUTE={mode} batch={batch} failed "
-                               f"with exit code {code}; its last stderr lines are above")
-        why = ("killed by the parent's memory backstop" if seen["killed"]
-               else f"killed by signal {-code}")
+                               f"with exit code {run.code}; its last stderr lines are above")
         result = dict(model=model, batch=batch, recompute=mode, ok=False, fits=False,
-                      aborted=True, peak_rss_mib=seen["hwm"] / 1024.0, error=why)
+                      aborted=True, peak_rss_mib=run.peak_rss_kib / 1024.0, error=run.failure())
     result["wall_s"] = wall
     result.setdefault("cpu_s_per_sample", None)
     verdict = "fits" if result["fits"] else "does NOT fit"
@@ -516,7 +390,7 @@ class Search:
         partners = [p for p in points[:-1] if p[0] <= 0.8 * top[0]] or points[:1]
         if partners[-1][0] == top[0]:
             return None
-        slope, intercept = _slope([partners[-1], top])
+        slope, intercept = harness.slope([partners[-1], top])
         return (slope, intercept) if slope > 0 else None
 
     def own_line(self):
@@ -798,7 +672,8 @@ def minilm_paths():
                 vocab_path=str(converted.vocab_path))
 
 
-# ~40 short sentences written for this demo (not from any data set): 1 = positive.
+# 40 short sentences written for the --quick fine-tuning demo (not from any data
+# set; used when the shared sentence-polarity data is absent): 1 = positive.
 SENTENCES = [
     ("a warm, funny and beautifully acted film", 1),
     ("the best movie i have seen this year", 1),
@@ -843,99 +718,42 @@ SENTENCES = [
 ]
 
 
-def run_finetune(spec, out_path):
-    """Fine-tunes MiniLM on `SENTENCES` with RECOMPUTE=1 and AccumOptimizer; prints progress."""
-    _check_worker_env()
-    import numpy as np
+EXAMPLE = os.path.join(harness.CHECKOUT, "examples", "bert_finetune.py")
+SHARED_DATA = os.path.join(os.path.dirname(harness.CHECKOUT), "shared", "data", "rt-polarity")
 
-    import recompute.bert4keras
 
-    recompute.bert4keras.patch(blocks=True)
-    import tf_keras
+def demo_data(folder, shared=SHARED_DATA):
+    """The sentence-polarity directory `shared` if it exists, else `SENTENCES` as a TSV in `folder`."""
+    if os.path.isdir(shared):
+        return shared
+    path = os.path.join(folder, "sentences.tsv")
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(f"{label}\t{text}\n" for text, label in SENTENCES)
+    return path
 
-    import recompute
 
-    tf_keras.utils.set_random_seed(0)
-    k, micro, epochs = spec["accum_steps"], spec["micro_batch"], spec["epochs"]
-    ids, labels = _encode_sentences(spec)
+def finetune_command(data, json_path):
+    """The fine-tuning example with recomputation and accumulation, small settings."""
+    return [sys.executable, EXAMPLE, "--data", data, "--recompute", "--accum-steps", "4",
+            "--batch-size", "4", "--seq-len", "32", "--max-steps", "8", "--lr", "1e-4",
+            "--json", json_path]
+
+
+def finetune_demo(shared=SHARED_DATA):
+    """Runs `examples/bert_finetune.py` (`finetune_command`) on `demo_data`; returns its results.
+
+    Its output goes to this process's stdout and stderr.
+    """
     with tempfile.TemporaryDirectory() as tmp:
-        config_path = _prepare_config(spec, tmp)
-        model = build_classifier(config_path, spec.get("checkpoint_path"))
-    optimizer = make_optimizer(k, spec["learning_rate"])
-    model.compile(optimizer=optimizer,
-                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    x = [ids, np.zeros_like(ids)]
-    _progress(f"fine-tuning {spec['model']} ({'real weights' if spec.get('checkpoint_path') else 'random weights'}) "
-              f"on {len(labels)} sentences: RECOMPUTE={os.environ.get('RECOMPUTE')} "
-              f"(enabled: {recompute.is_enabled()}), micro-batch {micro}, "
-              f"AccumOptimizer(Adam({spec['learning_rate']:g}), steps_per_update={k}) "
-              f"-> effective batch {micro * k}")
-    rng = np.random.RandomState(0)
-    window, history, t0 = [], [], time.process_time()
-    for epoch in range(epochs):
-        order = rng.permutation(len(labels))
-        for start in range(0, len(order) - micro + 1, micro):
-            idx = order[start:start + micro]
-            loss, _ = model.train_on_batch([x[0][idx], x[1][idx]], labels[idx])
-            window.append(float(loss))
-            if len(window) == k:
-                micro_steps = int(optimizer.micro_steps.numpy()) if k > 1 else len(history) + 1
-                updates = int(optimizer.iterations.numpy())
-                history.append(dict(update=updates, micro_steps=micro_steps,
-                                    loss=float(np.mean(window))))
-                _progress(f"  epoch {epoch + 1}: update {updates:>3} after {micro_steps:>3} "
-                          f"micro-steps, mean micro-batch loss {np.mean(window):.4f}")
-                window = []
-    cpu = time.process_time() - t0
-    loss, acc = model.evaluate(x, labels, batch_size=len(labels), verbose=0)
-    result = dict(history=history, final_loss=float(loss), final_accuracy=float(acc),
-                  updates=int(optimizer.iterations.numpy()),
-                  micro_steps=int(optimizer.micro_steps.numpy()) if k > 1 else None,
-                  cpu_s=cpu, peak_rss_mib=_vm_hwm_kib() / 1024.0,
-                  real_weights=bool(spec.get("checkpoint_path")))
-    with open(out_path, "w") as f:
-        json.dump(result, f)
-
-
-def _encode_sentences(spec):
-    import numpy as np
-
-    texts = [t for t, _ in SENTENCES]
-    labels = np.array([y for _, y in SENTENCES])
-    seq = spec["seq_len"]
-    if spec.get("vocab_path"):
-        from bert4keras.tokenizers import Tokenizer
-
-        tokenizer = Tokenizer(spec["vocab_path"], do_lower_case=True)
-        rows = [tokenizer.encode(t, maxlen=seq)[0] for t in texts]
-    else:
-        # No vocabulary (random-weight fallback): a stable hash of each word.
-        import zlib
-
-        vocab = spec["shape"]["vocab"]
-        rows = [[101] + [1000 + zlib.crc32(w.encode()) % (vocab - 1000) for w in t.split()][: seq - 2]
-                + [102] for t in texts]
-    ids = np.zeros((len(rows), max(len(r) for r in rows)), dtype="int32")
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = r
-    return ids, labels
-
-
-def finetune(shape, paths, accum_steps=4, micro_batch=4, epochs=4, learning_rate=1e-4):
-    """Runs the --quick fine-tuning demo in a fresh RECOMPUTE=1 process; returns its result."""
-    spec = dict(model="minilm", shape=shape, seq_len=32, accum_steps=accum_steps,
-                micro_batch=micro_batch, epochs=epochs, learning_rate=learning_rate,
-                **(paths or {}))
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        code, _, tail = _run_subprocess(["--finetune", spec_path, "--out", out], _package_env("1"))
+        data = demo_data(tmp, shared)
+        out = os.path.join(tmp, "finetune.json")
+        cmd = finetune_command(data, out)
+        _progress("fine-tuning demo: python examples/bert_finetune.py " + " ".join(cmd[2:-2]))
+        sys.stdout.flush()
+        code = subprocess.run(cmd, env=harness.worker_env(**ENV)).returncode
         if code != 0 or not os.path.exists(out):
-            sys.stderr.write(tail)
-            raise RuntimeError(f"the fine-tuning run failed with exit code {code} "
-                               "(its last stderr lines are above)")
+            raise RuntimeError(f"the fine-tuning demo (examples/bert_finetune.py) failed with "
+                               f"exit code {code} (its output is above)")
         with open(out) as f:
             return json.load(f)
 
@@ -944,37 +762,14 @@ def finetune(shape, paths, accum_steps=4, micro_batch=4, epochs=4, learning_rate
 # Command line.
 
 
-def _models(text):
-    values = [t for t in text.replace(" ", "").split(",") if t]
-    bad = [v for v in values if v not in SHAPES]
-    if not values or bad or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of distinct names from "
-            f"{','.join(SHAPES)}, got {text!r}")
-    return tuple(values)
-
-
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    if not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _abort_factor(text):
-    value = _positive_float(text)
-    if value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number > 1, got {text!r}")
-    return value
+_models = harness.name_list(tuple(SHAPES))
+_abort_factor = harness.float_above(1.0)
 
 
 def parse_args(argv=None):
     """Parses the command line (see the module docstring); errors name what was expected."""
     parser = argparse.ArgumentParser(
-        prog="python -m recompute.batchfit",
+        prog="python -m benchmarks.batchfit",
         description="Largest micro-batch of a bert4keras BERT that trains within a "
                     "memory budget (peak RSS), with RECOMPUTE=0 and RECOMPUTE=1; each "
                     "candidate batch in a fresh process.",
@@ -982,45 +777,41 @@ def parse_args(argv=None):
     parser.add_argument("--models", type=_models,
                         help=f"comma-separated, from {','.join(SHAPES)} "
                              f"(default {','.join(FULL['models'])}; --quick: minilm)")
-    parser.add_argument("--seq-len", type=_positive_int,
+    parser.add_argument("--seq-len", type=harness.positive_int,
                         help=f"sequence length (default {FULL['seq_len']}; --quick: {QUICK['seq_len']})")
-    parser.add_argument("--budget-gib", type=_positive_float,
+    parser.add_argument("--budget-gib", type=harness.positive_float,
                         help=f"peak RSS budget in GiB (default {FULL['budget_gib']:g}; "
                              f"--quick: {QUICK['budget_gib']:g})")
-    parser.add_argument("--accum-steps", type=_positive_int, default=1,
+    parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
                         help="wrap Adam in AccumOptimizer(steps_per_update=K) when K > 1 "
                              "(default 1: plain Adam)")
-    parser.add_argument("--steps", type=_positive_int,
+    parser.add_argument("--steps", type=harness.positive_int,
                         help=f"steady-state steps timed after the first (default "
                              f"{FULL['steps']}; --quick: {QUICK['steps']})")
-    parser.add_argument("--max-batch", type=_positive_int, default=512,
+    parser.add_argument("--max-batch", type=harness.positive_int, default=512,
                         help="largest batch tried (default 512)")
     parser.add_argument("--abort-factor", type=_abort_factor, default=1.5,
                         help="a worker stops itself above this multiple of the budget (default 1.5)")
     parser.add_argument("--quick", action="store_true",
-                        help="real MiniLM, seq 256, 2 GiB, 1 step, then a short fine-tuning "
-                             "run with RECOMPUTE=1 and AccumOptimizer (a few minutes on 2 cores); "
-                             "explicit options override it")
+                        help="real MiniLM, seq 256, 2 GiB, 1 step, then a short run of "
+                             "examples/bert_finetune.py --recompute --accum-steps 4 (a few "
+                             "minutes on 2 cores); explicit options override it")
     parser.add_argument("--plot", metavar="PATH", default="batchfit.png",
                         help="PNG of peak RSS vs batch (default batchfit.png)")
     parser.add_argument("--json", metavar="PATH", help="save all measurements as JSON")
-    parser.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
-    parser.add_argument("--finetune", metavar="SPEC", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    harness.add_worker_arguments(parser)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if (args.worker or args.finetune) and not args.out:
-        parser.error("--worker/--finetune need --out")
+    if args.worker and not (args.spec and args.out):
+        parser.error("--worker needs --spec and --out")
     for name in ("json", "plot"):
-        value = getattr(args, name)
-        if value:
-            folder = os.path.dirname(os.path.abspath(value))
-            if not os.path.isdir(folder):
-                parser.error(f"--{name}: directory {folder!r} does not exist")
+        if getattr(args, name):
+            harness.existing_folder(parser, f"--{name}", getattr(args, name))
     if args.plot and not args.plot.lower().endswith(".png"):
         parser.error(f"--plot: expected a path ending in .png, got {args.plot!r}")
     for model in args.models:
@@ -1030,7 +821,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """Entry point of `python -m recompute.batchfit`; returns the exit code."""
+    """Entry point of `python -m benchmarks.batchfit`; returns the exit code."""
     try:
         return _main(argv)
     except RuntimeError as e:
@@ -1041,12 +832,8 @@ def main(argv=None):
 def _main(argv=None):
     args = parse_args(argv)
     if args.worker:
-        with open(args.worker) as f:
+        with open(args.spec) as f:
             run_worker(json.load(f), args.out)
-        return 0
-    if args.finetune:
-        with open(args.finetune) as f:
-            run_finetune(json.load(f), args.out)
         return 0
 
     opts = dict(models=args.models, seq_len=args.seq_len, budget_gib=args.budget_gib,
@@ -1074,9 +861,12 @@ def _main(argv=None):
     print_report(rows, opts)
     tune = None
     if args.quick:
-        print("")
-        tune = finetune(SHAPES["minilm"], paths.get("minilm"))
-        print_finetune(tune)
+        print("", flush=True)
+        if paths.get("minilm") is None:
+            _progress("no real MiniLM weights: the fine-tuning demo (examples/bert_finetune.py, "
+                      "which needs them) is skipped")
+        else:
+            tune = finetune_demo()
     if args.plot:
         plot(rows, opts, args.plot)
         _progress(f"plot written to {os.path.abspath(args.plot)}")
@@ -1094,18 +884,6 @@ def _children_cpu():
 
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def print_finetune(tune, out=sys.stdout):
-    """Summary of the fine-tuning demo: loss per update, updates vs micro-steps."""
-    p = lambda *a: print(*a, file=out)  # noqa: E731
-    h = tune["history"]
-    p(f"fine-tuning MiniLM ({'real' if tune['real_weights'] else 'random'} weights) with "
-      f"RECOMPUTE=1 + AccumOptimizer: {tune['updates']} real updates "
-      f"(optimizer.iterations) from {tune['micro_steps']} micro-steps; "
-      f"mean loss per update {h[0]['loss']:.3f} -> {h[-1]['loss']:.3f}; "
-      f"final training loss {tune['final_loss']:.3f}, accuracy {tune['final_accuracy']:.2f}; "
-      f"peak RSS {tune['peak_rss_mib']:.0f} MiB, {tune['cpu_s']:.0f} CPU s")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Benchmark: optimizer-state bytes and time per micro-step of `AccumOptimizer` (Keras 3).
 
-    python -m accum.benchmark            # BERT-base-sized parameter set (110M), k=8
-    python -m accum.benchmark --quick    # 1/16 of the hidden sizes' parameters, a few seconds
-    python -m accum.benchmark --json out.json
+    python -m benchmarks.accum_state            # BERT-base-sized parameter set (110M), k=8
+    python -m benchmarks.accum_state --quick    # 1/16 of the hidden sizes' parameters, a few seconds
+    python -m benchmarks.accum_state --json out.json
 
 Measured in one run, on one parameter set (the shapes of BERT-base's
 weights, or a scaled-down copy with `--quick`), with fixed random dense
@@ -33,6 +33,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from accum import AccumOptimizer  # noqa: E402
+
+from . import harness  # noqa: E402
 
 
 def bert_shapes(hidden=768, layers=12, ffn=3072, vocab=30522, positions=512):
@@ -104,11 +106,12 @@ def run(shapes, k, windows, rounds, jit_compile=False):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="AccumOptimizer state bytes and micro-step time.")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.accum_state",
+                                     description="AccumOptimizer state bytes and micro-step time.")
     parser.add_argument("--quick", action="store_true", help="1/16-size parameter set, fewer rounds")
-    parser.add_argument("--k", type=int, default=8, help="steps_per_update (default 8)")
-    parser.add_argument("--windows", type=int, default=2, help="windows timed per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--k", type=harness.positive_int, default=8, help="steps_per_update (default 8)")
+    parser.add_argument("--windows", type=harness.positive_int, default=2, help="windows timed per round")
+    parser.add_argument("--rounds", type=harness.positive_int, default=5)
     parser.add_argument("--jit", action="store_true", help="jit_compile the step")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
@@ -135,8 +138,8 @@ def main(argv=None):
         r = results[config]
         r["state_vs_plain_bytes"] = r["state_bytes"] - base["state_bytes"]
         r["time_ratio"] = r["seconds_per_micro_step"] / base["seconds_per_micro_step"]
-        print(f"{labels[config]:<34} {r['state_bytes'] / 2**20:10.1f} "
-              f"{r['state_vs_plain_bytes'] / 2**20:+9.1f} {1e3 * r['seconds_per_micro_step']:14.2f} "
+        print(f"{labels[config]:<34} {r['state_bytes'] / harness.MiB:10.1f} "
+              f"{r['state_vs_plain_bytes'] / harness.MiB:+9.1f} {1e3 * r['seconds_per_micro_step']:14.2f} "
               f"{r['time_ratio']:7.3f}")
     saved = results["buffer"]["state_bytes"] - results["momentum"]["state_bytes"]
     large = n_params(bert_shapes(hidden=1024, layers=24, ffn=4096))

@@ -1,11 +1,11 @@
 """Activation memory per replica of `recompute_grad` under `tf.distribute`, off vs on.
 
-    python -m recompute.distribute_benchmark             # 2 workers, 6 blocks x 256, seq 128 (~1.5 min)
-    python -m recompute.distribute_benchmark --quick     # tiny shape (~1 min, mostly start-up)
-    python -m recompute.distribute_benchmark --strategy mirrored
-    python -m recompute.distribute_benchmark --layers 12 --json out.json
+    python -m benchmarks.recompute_distribute             # 2 workers, 6 blocks x 256, seq 128 (~1.5 min)
+    python -m benchmarks.recompute_distribute --quick     # tiny shape (~1 min, mostly start-up)
+    python -m benchmarks.recompute_distribute --strategy mirrored
+    python -m benchmarks.recompute_distribute --layers 12 --json out.json
 
-The model is `recompute.benchmark`'s transformer encoder (post-LN blocks with
+The model is `benchmarks.encoder`'s transformer encoder (the one of `recompute_memory`: post-LN blocks with
 self-attention, GELU FFN and dropout, each block's `call` decorated; Adam), at
 a smaller default shape. It is trained with a custom loop (`strategy.run` in
 `tf.function`: forward, backward, all-reduce of the gradients, update), once
@@ -34,11 +34,11 @@ Figures (2 CPU cores shared with other jobs; default shape, per-replica batches
 
 | run | MiB/sample/replica, off | on | off/on | at batch 24: MiB/replica, off -> on | CPU time on/off |
 |---|---|---|---|---|---|
-| `python -m recompute.distribute_benchmark` (MWMS; worker 0, worker 1) | 19.86, 19.78 | 3.94, 3.74 | x5.04 | 477.0 -> 118.5 (x4.03) | x1.24, x1.33 |
+| `python -m benchmarks.recompute_distribute` (MWMS; worker 0, worker 1) | 19.86, 19.78 | 3.94, 3.74 | x5.04 | 477.0 -> 118.5 (x4.03) | x1.24, x1.33 |
 | `... --strategy mirrored` (half of the shared allocator) | 18.84 | 4.27 | x4.42 | 463.9 -> 119.3 (x3.89) | x1.37, x1.33 |
 | `... --layers 12` (MWMS; worker 0, worker 1) | 38.47, 38.23 | 4.26, 4.69 | x9.03 | 923.8 -> 147.0 (x6.28) | x1.14, x1.33 |
 
-A replica saves what a single device saves: `python -m recompute.benchmark
+A replica saves what a single device saves: `python -m benchmarks.recompute_memory
 --layers 6 --hidden 256 --heads 4 --ffn 1024 --seq 128 --vocab 8000
 --batch-sizes 12,24` gives 20.2 -> 5.0 MiB/sample (x4.0) on one device. Peak
 RSS per process moves less (x1.27 MWMS, x1.44 mirrored, x1.46 at 12 blocks):
@@ -56,39 +56,24 @@ near zero, and the report says so.
 import argparse
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
 
-from .benchmark import (
-    MiB,
-    SHAPE_KEYS,
-    _batch_sizes,
-    _dropout,
-    _positive_int,
-    _slope,
-    _vm_hwm_kib,
-    build_model,
-)
+from . import encoder, harness
+from .harness import MiB
 
 DEFAULT = dict(layers=6, hidden=256, heads=4, ffn=1024, seq=128, vocab=8000,
                batch_sizes=(12, 24), steps=3, dropout=0.1)
 QUICK = dict(layers=3, hidden=64, heads=2, ffn=256, seq=64, vocab=500,
              batch_sizes=(16, 32), steps=2, dropout=0.1)
-PREFIX = "[recompute.distribute_benchmark]"
-RESULT = "RESULT "
-
-
-def _progress(message):
-    print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
+_progress = harness.Progress("benchmarks.recompute_distribute")
 
 
 # --------------------------------------------------------------------------
 # Worker: one replica (mwms) or two (mirrored), one RECOMPUTE setting.
 
 
-def run_worker(cfg, strategy_name, batch_sizes, steps):
+def run_worker(cfg, strategy_name, batch_sizes, steps, out_path):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import tensorflow as tf
 
@@ -109,14 +94,14 @@ def run_worker(cfg, strategy_name, batch_sizes, steps):
         task = 0
     else:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        task = harness.task_index()
     mode = os.environ.get(recompute.ENV_VAR, "")
     local_replicas = len(strategy.extended.worker_devices)
     tag = f"RECOMPUTE={mode} worker {task}"
     _progress(f"{tag}: building the model ({strategy.num_replicas_in_sync} replicas, "
               f"{local_replicas} in this process)")
     with strategy.scope():
-        model, optimizer, _ = build_model(cfg)
+        model, optimizer, _ = encoder.build_model(cfg)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     n_params = int(sum(int(tf.size(v)) for v in model.trainable_variables))
 
@@ -165,14 +150,12 @@ def run_worker(cfg, strategy_name, batch_sizes, steps):
         activations, cpu, wall, losses = [], [], [], []
         for _ in range(steps):
             ids, labels = batch_values()
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-            c0, w0 = time.process_time(), time.perf_counter()
-            losses.append(run(ids, labels))
-            cpu.append(time.process_time() - c0)
-            wall.append(time.perf_counter() - w0)
-            activations.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
-        activation = sorted(activations)[(len(activations) - 1) // 2]  # median (lower)
+            loss, activation, cpu_s, wall_s = harness.allocator_step(lambda: run(ids, labels))
+            losses.append(loss)
+            cpu.append(cpu_s)
+            wall.append(wall_s)
+            activations.append(activation)
+        activation = harness.lower_median(activations)
         result["batches"][str(batch)] = dict(
             activation_bytes=int(activation), activation_bytes_per_step=[int(a) for a in activations],
             cpu_s_per_step=sum(cpu) / len(cpu), wall_s_per_step=sum(wall) / len(wall), loss=losses[0],
@@ -180,98 +163,26 @@ def run_worker(cfg, strategy_name, batch_sizes, steps):
         _progress(f"{tag} batch {batch}/replica: activation memory "
                   f"{activation / MiB / local_replicas:.1f} MiB per replica; "
                   f"{sum(cpu) / len(cpu):.2f} CPU s/step")
-    result["rss_hwm_bytes"] = _vm_hwm_kib() * 1024
-    print(RESULT + json.dumps(result), flush=True)
-    # Stay until the parent has every worker's result: a worker that left at
-    # once could close its sockets while the other still receives the last
-    # all-reduce from it. Then leave without the interpreter's teardown, where
-    # TensorFlow's collective runtime may crash.
-    sys.stdin.read()
-    os._exit(0)
+    result["rss_hwm_bytes"] = harness.peak_rss_kib() * 1024
+    harness.write_result(out_path, result)
+    harness.hold_then_exit()  # until the parent has every worker's result
 
 
 # --------------------------------------------------------------------------
 # Parent: spawn the workers, summarise.
 
 
-def _free_ports(n):
-    import socket
-
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _spawn(cfg, strategy_name, mode, batch_sizes, steps, timeout):
     """Runs one RECOMPUTE setting in fresh processes (2 workers, or 1 for mirrored)."""
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     processes = 1 if strategy_name == "mirrored" else 2
-    ports = _free_ports(processes)
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    cmd = [sys.executable, "-m", "recompute.distribute_benchmark", "--worker",
-           "--strategy", strategy_name, "--batch-sizes", ",".join(map(str, batch_sizes)),
-           "--steps", str(steps)]
-    for key in SHAPE_KEYS:
-        cmd += [f"--{key}", str(cfg[key])]
-    procs = []
+    envs = harness.tf_config_envs(processes) if strategy_name == "mwms" else [dict(TF_CONFIG=None)]
+    argv = ["--strategy", strategy_name, "--batch-sizes", ",".join(map(str, batch_sizes)),
+            "--steps", str(steps), *encoder.shape_argv(cfg)]
     _progress(f"RECOMPUTE={mode}: starting {processes} fresh process(es)")
-    for index in range(processes):
-        env = dict(os.environ, RECOMPUTE=mode, CUDA_VISIBLE_DEVICES="")
-        env.setdefault("KERAS_BACKEND", "tensorflow")
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        env["PYTHONPATH"] = os.pathsep.join(
-            [package_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        if strategy_name == "mwms":
-            env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-        else:
-            env.pop("TF_CONFIG", None)
-        procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      text=True))
-    # Kills every worker when one fails (the others would wait for it in an
-    # all-reduce) or when the time is up.
-    done, why = threading.Event(), []
-
-    def watch():
-        deadline = time.monotonic() + timeout
-        while not done.wait(0.5):
-            failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                why.append(f"worker {failed[0]} failed (exit {procs[failed[0]].returncode}); "
-                           "its stderr is above" if failed else
-                           f"workers did not finish within {timeout:.0f} s")
-                for p in procs:
-                    p.kill()
-                return
-
-    watchdog = threading.Thread(target=watch, daemon=True)
-    watchdog.start()
-    results = []
-    try:
-        for i, p in enumerate(procs):
-            for line in p.stdout:
-                if line.startswith(RESULT):
-                    results.append(json.loads(line[len(RESULT):]))
-                    break
-            if len(results) <= i:
-                p.wait()
-                watchdog.join(2.0)
-                raise RuntimeError(f"RECOMPUTE={mode}: " + (
-                    why[0] if why else f"worker {i} failed (exit {p.returncode}); its stderr is above"))
-    finally:
-        done.set()
-        for p in procs:
-            p.stdin.close()  # the workers may leave now
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    envs = [dict(env, **harness.allocator_env(), RECOMPUTE=mode, CUDA_VISIBLE_DEVICES="")
+            for env in envs]
+    runs = harness.run_workers(_progress, argv, envs, timeout=timeout)
+    results = harness.require_results(runs, f"RECOMPUTE={mode}", timeout)
     return sorted(results, key=lambda r: r["task"])
 
 
@@ -283,7 +194,7 @@ def summarize(runs, batch_sizes):
         for w in workers:
             share = 1.0 / w["local_replicas"]
             activation = {b: w["batches"][str(b)]["activation_bytes"] * share for b in batch_sizes}
-            slope, intercept = _slope(list(activation.items()))
+            slope, intercept = harness.slope(list(activation.items()))
             per_worker.append(dict(
                 activation_bytes_per_replica={str(b): a for b, a in activation.items()},
                 per_sample_bytes_per_replica=slope, fixed_bytes_per_replica=intercept,
@@ -356,51 +267,39 @@ def print_report(cfg, strategy_name, runs, summary, ratios, out=sys.stdout):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m recompute.distribute_benchmark",
+        prog="python -m benchmarks.recompute_distribute",
         description="Per-replica activation memory of a transformer encoder trained under "
                     "tf.distribute with RECOMPUTE=0 vs RECOMPUTE=1 (fresh processes each).",
     )
-    d = DEFAULT
     parser.add_argument("--strategy", choices=("mwms", "mirrored"), default="mwms",
                         help="mwms: 2 MultiWorkerMirroredStrategy processes on loopback (default); "
                              "mirrored: MirroredStrategy on 2 logical CPUs in one process")
-    parser.add_argument("--layers", type=_positive_int, help=f"blocks (default {d['layers']})")
-    parser.add_argument("--hidden", type=_positive_int, help=f"hidden size (default {d['hidden']})")
-    parser.add_argument("--heads", type=_positive_int, help=f"attention heads (default {d['heads']})")
-    parser.add_argument("--ffn", type=_positive_int, help=f"FFN inner size (default {d['ffn']})")
-    parser.add_argument("--seq", type=_positive_int, help=f"sequence length (default {d['seq']})")
-    parser.add_argument("--vocab", type=_positive_int, help=f"vocabulary size (default {d['vocab']})")
-    parser.add_argument("--batch-sizes", type=_batch_sizes,
-                        help="comma-separated per-replica batch sizes; the per-sample memory is "
-                             "the slope between them (default 2,6)")
-    parser.add_argument("--steps", type=_positive_int,
-                        help=f"measured steps after warm-up (default {d['steps']})")
-    parser.add_argument("--dropout", type=_dropout, help=f"dropout rate (default {d['dropout']})")
+    encoder.add_shape_arguments(
+        parser, DEFAULT, steps_help="measured steps after warm-up",
+        batch_help="comma-separated per-replica batch sizes; the per-sample memory is "
+                   f"the slope between them (default {','.join(map(str, DEFAULT['batch_sizes']))})")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shape (3 blocks, hidden 64, seq 64; batches 16, 32): a smoke run; "
                              "explicit options override it")
-    parser.add_argument("--timeout", type=float, default=1800.0,
+    parser.add_argument("--timeout", type=harness.positive_float, default=1800.0,
                         help="seconds per RECOMPUTE setting before the workers are killed")
     parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    harness.add_worker_arguments(parser)
     args = parser.parse_args(argv)
-    defaults = QUICK if args.quick else DEFAULT
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.hidden % args.heads:
-        parser.error(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
-    if not args.worker and len(args.batch_sizes) < 2:
-        parser.error("--batch-sizes needs at least two batch sizes (the per-sample memory is a "
-                     f"slope); got {','.join(map(str, args.batch_sizes))}")
+    encoder.finish_shape_arguments(parser, args, QUICK if args.quick else DEFAULT,
+                                   need_slope=not args.worker)
+    if args.worker and not args.out:
+        parser.error("--worker needs --out")
+    if args.json:
+        harness.existing_folder(parser, "--json", args.json)
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = {key: getattr(args, key) for key in SHAPE_KEYS}
+    cfg = encoder.shape_config(args)
     if args.worker:
-        run_worker(cfg, args.strategy, args.batch_sizes, args.steps)
+        run_worker(cfg, args.strategy, args.batch_sizes, args.steps, args.out)
         return 0
     batch_sizes = sorted(args.batch_sizes)
     start = time.perf_counter()

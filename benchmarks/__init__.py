@@ -1,0 +1,34 @@
+"""Benchmarks of `recompute` and `accum`: tools run from a checkout, not installed.
+
+Each tool runs with `python -m benchmarks.<name>` from the repository root
+(`--help` lists its options, `--quick` is a small smoke run, `--json PATH`
+saves the figures):
+
+- `python -m benchmarks.recompute_memory`: activation memory (TensorFlow's
+  allocator peak per step), peak RSS and CPU time per step of a
+  BERT-base-shaped Keras 3 encoder with `RECOMPUTE=0` vs `1`; per-sample
+  memory as the slope between batch sizes; each configuration in a fresh
+  process.
+- `TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.batchfit`: the
+  largest micro-batch of a bert4keras BERT (base, large, the real MiniLM)
+  whose training keeps the peak RSS within a memory budget, off vs on, each
+  candidate in a fresh process; a table and a plot. `--quick` ends with the
+  fine-tuning example (`examples/bert_finetune.py`) run with
+  `--recompute --accum-steps 4`.
+- `python -m benchmarks.recompute_distribute`: per-replica activation memory
+  and CPU time with `RECOMPUTE=0` vs `1` under `MultiWorkerMirroredStrategy`
+  (2 processes on loopback) or `MirroredStrategy` (2 logical CPUs).
+- `python -m benchmarks.accum_state`: optimizer-state bytes and time per
+  micro-step of `AccumOptimizer` (buffer and momentum modes) against Adam and
+  Keras's `gradient_accumulation_steps`, on BERT-base's parameter shapes.
+- `python -m benchmarks.accum_distribute`: all-reduce rounds and bytes, wall
+  and CPU time per effective batch of `AccumOptimizer` on 2
+  `MultiWorkerMirroredStrategy` workers, against all-reducing every
+  micro-step.
+
+Shared modules (not tools): `harness` (fresh worker processes, peak RSS,
+allocator statistics, free ports, argument types, least squares, progress
+lines), `encoder` (the transformer encoder of the two `recompute_*`
+benchmarks and its shape options) and `allreduce` (`AllReduceCounter`, which
+the tests use too).
+"""

@@ -1,0 +1,132 @@
+"""benchmarks.harness: fresh worker processes (results, failures, timeout, RSS limit),
+argument types, and that `benchmarks` is not installed with the library."""
+
+import argparse
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from benchmarks import harness
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A stand-in for `python -m benchmarks.<tool> --worker ... --out PATH` (no TensorFlow).
+FAKE_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from benchmarks import harness
+
+    args = sys.argv[1:]
+    out = args[args.index("--out") + 1]
+    what = os.environ["FAKE"].split(",")[harness.task_index() if "TF_CONFIG" in os.environ else 0]
+    print("[fake_worker] started", file=sys.stderr, flush=True)
+    print("noise on stderr", file=sys.stderr, flush=True)
+    if what == "ok":
+        harness.write_result(out, {"argv": args, "task": os.environ.get("TF_CONFIG", "")})
+    elif what == "hold":
+        harness.write_result(out, {"held": True})
+        harness.hold_then_exit()
+    elif what == "fail":
+        sys.exit(5)
+    elif what == "sleep":
+        time.sleep(60)
+    elif what == "grow":
+        block = bytearray(300 * 1024 * 1024)
+        block[::4096] = b"x" * len(block[::4096])
+        time.sleep(60)
+    """
+)
+
+
+@pytest.fixture
+def fake(tmp_path):
+    (tmp_path / "fake_worker.py").write_text(FAKE_WORKER)
+    pythonpath = os.pathsep.join([str(tmp_path), ROOT])
+
+    def run(behaviours, cluster=False, **kwargs):
+        envs = harness.tf_config_envs(len(behaviours)) if cluster else [{}]
+        envs = [dict(env, FAKE=",".join(behaviours), PYTHONPATH=pythonpath) for env in envs]
+        return harness.run_workers(harness.Progress("fake_worker"), ["--x", "1"], envs, **kwargs)
+
+    return run
+
+
+def test_a_worker_result_comes_back_with_its_progress_lines(fake, capfd):
+    run, = fake(["ok"])
+    assert run.code == 0 and run.killed is None
+    assert run.result["argv"][:3] == ["--worker", "--x", "1"]
+    assert run.peak_rss_kib > 0
+    err = capfd.readouterr().err
+    assert "[fake_worker] started" in err and "noise" not in err  # progress forwarded
+    assert "noise on stderr" in run.tail and "[fake_worker]" not in run.tail
+    assert harness.require_results([run], "fake") == [run.result]
+
+
+def test_a_cluster_holds_until_every_worker_has_a_result(fake):
+    runs = fake(["hold", "hold"], cluster=True, timeout=60)
+    assert [r.code for r in runs] == [0, 0]
+    assert [r.result for r in runs] == [{"held": True}] * 2
+
+
+def test_a_failing_cluster_worker_stops_the_others(fake, capfd):
+    # Worker 0 would wait for worker 1 forever (as in an all-reduce): it is killed.
+    runs = fake(["sleep", "fail"], cluster=True, timeout=60)
+    assert runs[1].code == 5 and runs[1].killed is None and runs[1].result is None
+    assert runs[0].killed == "peer" and runs[0].code < 0 and runs[0].result is None
+    with pytest.raises(RuntimeError, match=r"^fake: worker 1 failed with exit code 5 "):
+        harness.require_results(runs, "fake")
+    assert "noise on stderr" in capfd.readouterr().err  # the failed worker's tail
+    # A worker that already has its result is left to finish.
+    runs = fake(["hold", "fail"], cluster=True, timeout=60)
+    assert runs[0].code == 0 and runs[0].result == {"held": True} and runs[0].killed is None
+    with pytest.raises(RuntimeError, match=r"^fake: worker 1 failed with exit code 5 "):
+        harness.require_results(runs, "fake")
+
+
+def test_timeout_kills_the_worker(fake):
+    run, = fake(["sleep"], timeout=1)
+    assert run.killed == "timeout" and run.result is None
+    with pytest.raises(RuntimeError, match="fake did not finish within 1 s"):
+        harness.require_results([run], "fake", timeout=1)
+
+
+def test_rss_limit_kills_the_worker(fake):
+    run, = fake(["grow"], rss_abort_bytes=150 * 1024 * 1024, timeout=60)
+    assert run.killed == "memory" and run.result is None
+    assert run.failure() == "killed by the parent's memory backstop"
+    assert run.peak_rss_kib > 150 * 1024
+
+
+@pytest.mark.parametrize("parse, text, message", [
+    (harness.positive_int, "0", "expected a positive integer, got '0'"),
+    (harness.positive_float, "nan", "expected a positive number, got 'nan'"),
+    (harness.float_above(1.0), "1", "expected a number > 1, got '1'"),
+    (harness.fraction, "1", "expected a number in [0, 1), got '1'"),
+    (harness.int_list, "2,x", "expected comma-separated positive integers such as 2,6, got '2,x'"),
+    (harness.int_list, "2,2", "expected distinct values, got '2,2'"),
+    (harness.name_list(("a", "b")), "a,c", "expected a comma-separated list of distinct names "
+                                           "from a,b, got 'a,c'"),
+])
+def test_argument_types_say_what_was_expected(parse, text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^{message.replace('[', '.').replace(')', '.')}$"):
+        parse(text)
+
+
+def test_argument_types_parse():
+    assert harness.int_list(" 2, 6") == (2, 6)
+    assert harness.name_list(("0", "1"))("1,0") == ("1", "0")
+    assert harness.slope([(1, 3.0), (2, 5.0), (3, 7.0)]) == pytest.approx((2.0, 1.0))
+    assert harness.lower_median([3, 1, 2, 4]) == 2
+
+
+def test_benchmarks_are_not_installed(tmp_path):
+    # setup.py's packages: the library only; the tools run from a checkout.
+    out = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    info = next(tmp_path.glob("*.egg-info"))
+    assert (info / "top_level.txt").read_text().split() == ["accum", "recompute"]
+    assert "benchmarks/" not in (info / "SOURCES.txt").read_text()
