@@ -154,6 +154,17 @@ def recomputed_call(adapter, call, layer, args, kwargs):
             "`recompute_scope(False)`."
         )
 
+    if _tf.in_while_loop_body():
+        raise NotImplementedError(
+            "`recompute_grad` cannot recompute a call inside the body of a "
+            "`tf.while_loop` built in a graph (TensorFlow's while-loop gradient "
+            "cannot take the recomputation's variable reads). Received: layer "
+            f"'{layer.name}' called in a while loop, as Keras runs an RNN cell "
+            "with `unroll=False` in `tf.function` or `fit`. Decorate the `call` "
+            "of the layer that runs the loop (e.g. a `keras.layers.RNN` subclass) "
+            "instead, or use `unroll=True`."
+        )
+
     def rebuild(new_xs):
         new_flat = [new_xs[slot_of[id(v)]] if id(v) in slot_of else v for v in flat]
         return tf.nest.pack_sequence_as(structure, new_flat)
@@ -188,7 +199,7 @@ def recomputed_call(adapter, call, layer, args, kwargs):
     @tf.custom_gradient
     def forward(*inputs):
         added_losses = adapter.track_losses(layers)
-        with _tf.stop_recording(), tf.variable_creator_scope(record_creation):
+        with _tf.pause_outer_tapes(), tf.variable_creator_scope(record_creation):
             outputs = run_call(inputs)
         loss_slots = added_losses()
         # Losses the call passes to `add_loss` become outputs too, so that their
