@@ -1,7 +1,7 @@
 """The recomputation itself: one `tf.custom_gradient` around a layer's `call`.
 
-Forward pass: the call runs with every tape paused, so none of its activations
-are kept; only its inputs (and a few small state snapshots: seeds, moving
+Forward pass: the call runs out of reach of the tapes already recording
+(`_tf.pause_outer_tapes`), so none of its activations are kept; only its inputs (and a few small state snapshots: seeds, moving
 statistics) survive until the backward pass. Backward pass: the call runs again
 under a fresh tape, in the same Keras call context (training flag, mixed
 precision autocast), starting from the state the forward pass started from --

@@ -1,9 +1,10 @@
 """The only module that touches TensorFlow internals.
 
 TensorFlow has no public API for these things recomputation needs:
-- pausing every active `GradientTape` on this thread while the forward pass
-  runs (so the tapes do not keep the block's activations alive) -- the same
-  call `tf.recompute_grad` makes internally;
+- pausing every active `GradientTape` on this thread while an eager forward
+  pass runs (so the tapes do not keep the block's activations alive) -- the
+  same call `tf.recompute_grad` makes internally;
+- telling that a `tf.while_loop` body is being built (`in_while_loop_body`);
 - asking whether any tape is recording at all (so that a call outside training
   costs nothing);
 - asking whether a forward-mode accumulator (`tf.autodiff.ForwardAccumulator`)
