@@ -1,7 +1,7 @@
 """The recomputation itself: one `tf.custom_gradient` around a layer's `call`.
 
-Forward pass: the call runs with every tape paused, so none of its activations
-are kept; only its inputs (and a few small state snapshots: seeds, moving
+Forward pass: the call runs out of reach of the tapes already recording
+(`_tf.pause_outer_tapes`), so none of its activations are kept; only its inputs (and a few small state snapshots: seeds, moving
 statistics) survive until the backward pass. Backward pass: the call runs again
 under a fresh tape, in the same Keras call context (training flag, mixed
 precision autocast), starting from the state the forward pass started from --
@@ -151,6 +151,17 @@ def recomputed_call(adapter, call, layer, args, kwargs):
             "`recompute_scope(False)`."
         )
 
+    if _tf.in_while_loop_body():
+        raise NotImplementedError(
+            "`recompute_grad` cannot recompute a call inside the body of a "
+            "`tf.while_loop` built in a graph (TensorFlow's while-loop gradient "
+            "cannot take the recomputation's variable reads). Received: layer "
+            f"'{layer.name}' called in a while loop, as Keras runs an RNN cell "
+            "with `unroll=False` in `tf.function` or `fit`. Decorate the `call` "
+            "of the layer that runs the loop (e.g. a `keras.layers.RNN` subclass) "
+            "instead, or use `unroll=True`."
+        )
+
     def rebuild(new_xs):
         new_flat = [new_xs[slot_of[id(v)]] if id(v) in slot_of else v for v in flat]
         return tf.nest.pack_sequence_as(structure, new_flat)
@@ -185,7 +196,7 @@ def recomputed_call(adapter, call, layer, args, kwargs):
     @tf.custom_gradient
     def forward(*inputs):
         added_losses = adapter.track_losses(layers)
-        with _tf.stop_recording(), tf.variable_creator_scope(record_creation):
+        with _tf.pause_outer_tapes(), tf.variable_creator_scope(record_creation):
             outputs = run_call(inputs)
         loss_slots = added_losses()
         # Only floating tensors go through the custom gradient; every other

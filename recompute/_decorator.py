@@ -116,11 +116,20 @@ def recompute_grad(call):
     `keras.random` calls inside `strategy.run` (Keras creates its global
     `SeedGenerator` per thread, inside the traced function).
 
+    A tape the call opens itself (forces as -dE/dx of an energy) records as
+    usual in `tf.function` and `model.fit`: values and gradients (second order
+    through that tape) are those of the undecorated layer. In eager mode it
+    records nothing in the forward pass (TensorFlow can only pause every tape
+    of a thread): run such a model in a `tf.function`.
+
     Limitations: variables must exist before the recomputation (sublayers are
     built by the forward pass, which always runs first), so sublayers with
     variables or random state -- a `Dropout` with Keras 3 or tf_keras's
     replayable RNG -- are created in `__init__`/`build`, not inside `call`
-    (`VariableCreatedInRecomputationError` otherwise); forward-mode autodiff
+    (`VariableCreatedInRecomputationError` otherwise); a call inside a
+    `tf.while_loop` body in a graph -- an RNN cell with `unroll=False` under
+    `tf.function` or `fit` -- raises `NotImplementedError` (decorate the RNN
+    layer's `call`, or use `unroll=True`); forward-mode autodiff
     (`tf.autodiff.ForwardAccumulator`) is not supported; tf_keras's default
     legacy random ops cannot be replayed -- see the warning they raise (under a
     strategy too: each replica's recomputation sees its forward pass's masks).

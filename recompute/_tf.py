@@ -1,9 +1,10 @@
 """The only module that touches TensorFlow internals.
 
 TensorFlow has no public API for these things recomputation needs:
-- pausing every active `GradientTape` on this thread while the forward pass
-  runs (so the tapes do not keep the block's activations alive) -- the same
-  call `tf.recompute_grad` makes internally;
+- pausing every active `GradientTape` on this thread while an eager forward
+  pass runs (so the tapes do not keep the block's activations alive) -- the
+  same call `tf.recompute_grad` makes internally;
+- telling that a `tf.while_loop` body is being built (`in_while_loop_body`);
 - asking whether any tape is recording at all (so that a call outside training
   costs nothing);
 - asking whether a forward-mode accumulator (`tf.autodiff.ForwardAccumulator`)
@@ -22,6 +23,7 @@ TensorFlow has no public API for these things recomputation needs:
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import record
 
+import contextlib
 import threading
 
 import tensorflow as tf
@@ -29,9 +31,41 @@ import tensorflow as tf
 stop_recording = record.stop_recording
 
 
+def pause_outer_tapes():
+    """The scope of a recomputed call's forward pass: the tapes already recording keep nothing of it.
+
+    Eager: every tape on this thread is paused (TensorFlow cannot pause some
+    tapes and not others, nor list them), so a tape the call opens itself
+    records nothing either. In a graph (`tf.function`, `fit`) nothing is paused:
+    the outer tapes record the call's ops symbolically, but the call's outputs
+    reach them only through the custom gradient, so the backward graph never
+    uses those ops, and a tape opened inside the call (forces as -dE/dx)
+    records and differentiates as usual.
+    """
+    if context_executing_eagerly():
+        return stop_recording()
+    return contextlib.nullcontext()
+
+
 def tape_is_active():
     """True if a `GradientTape` (or forward accumulator) is active on this thread."""
     return record.could_possibly_record()
+
+
+def in_while_loop_body():
+    """True while a `tf.while_loop` body is being built (at any depth of nested graphs).
+
+    Keras runs an RNN cell (`unroll=False`) in such a body inside `tf.function`.
+    """
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import control_flow_util_v2
+
+    graph = ops.get_default_graph()
+    while graph is not None:
+        if isinstance(graph, control_flow_util_v2.WhileBodyFuncGraph):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 def forward_accumulator_watches(tensors):
