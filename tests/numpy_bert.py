@@ -1,6 +1,6 @@
 """A reference BERT encoder in NumPy (float64), written from the BERT equations.
 
-Independent of `recompute.hf_convert`: it reads the Hugging Face weights
+Independent of `recompute.bert4keras.converter`: it reads the Hugging Face weights
 straight from ``model.safetensors`` (HF names) and ``config.json``, and
 computes, for token ids ``x``, segment ids ``s`` and a key mask ``m`` (1 for a
 real token, 0 for padding)::

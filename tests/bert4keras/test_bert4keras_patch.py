@@ -12,6 +12,7 @@ if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") !=
 
 import recompute  # noqa: E402
 import recompute.bert4keras as rb  # noqa: E402
+import recompute.bert4keras._patch as rbp  # noqa: E402
 from recompute import _core  # noqa: E402
 
 # The import hook must patch a bert4keras imported after `patch()`.
@@ -61,7 +62,7 @@ def test_blocks_are_recomputed_units_with_unchanged_outputs(dropout_config_path)
 
 def test_blocks_with_outside_inputs_are_recomputed_per_layer_with_a_warning(config_path):
     """A language model's blocks take a causal attention bias built outside them."""
-    rb._block_warned.clear()
+    rbp._block_warned.clear()
     rb.patch(blocks=True)
     try:
         with pytest.warns(UserWarning, match="recomputed layer by layer.*attention bias"):
@@ -73,11 +74,11 @@ def test_blocks_with_outside_inputs_are_recomputed_per_layer_with_a_warning(conf
 
 
 def test_marked_layers_are_patched_and_unpatch_restores():
-    names = {cls.__name__ for cls in rb.marked_classes(B)}
+    names = {cls.__name__ for cls in rbp.marked_classes(B)}
     assert {"MultiHeadAttention", "FeedForward", "LayerNormalization"} <= names
-    for cls in rb.marked_classes(B):
+    for cls in rbp.marked_classes(B):
         assert hasattr(cls.call, "__recompute_grad_wrapped__"), cls
-    before = {cls: cls.__dict__["call"] for cls in rb.marked_classes(B)}
+    before = {cls: cls.__dict__["call"] for cls in rbp.marked_classes(B)}
     assert hasattr(B.MultiHeadAttention.pay_attention_to, "__wrapped__")
     assert hasattr(B.Dropout, "__wrapped__")
     rb.unpatch()
@@ -87,7 +88,7 @@ def test_marked_layers_are_patched_and_unpatch_restores():
     assert not hasattr(B.MultiHeadAttention.pay_attention_to, "__wrapped__")
     assert B.Dropout is tf.keras.layers.Dropout
     rb.patch()  # bert4keras is imported now: patched directly
-    for cls in rb.marked_classes(B):
+    for cls in rbp.marked_classes(B):
         assert hasattr(cls.call, "__recompute_grad_wrapped__")
     assert hasattr(B.MultiHeadAttention.pay_attention_to, "__wrapped__")
 
@@ -186,11 +187,11 @@ def test_attention_dropout_is_one_sublayer_per_layer(dropout_config_path, replay
     model = build(dropout_config_path)
     layers = attention_layers(model)
     assert len(layers) == 2
-    first = [getattr(l, rb.ATTENTION_DROPOUT_ATTR) for l in layers]
+    first = [getattr(l, rbp.ATTENTION_DROPOUT_ATTR) for l in layers]
     assert all(isinstance(d, tf.keras.layers.Dropout) and d.rate == 0.1 for d in first)
     a = model([token_ids, segment_ids], training=True)
     b = model([token_ids, segment_ids], training=True)
-    assert [getattr(l, rb.ATTENTION_DROPOUT_ATTR) for l in layers] == first
+    assert [getattr(l, rbp.ATTENTION_DROPOUT_ATTR) for l in layers] == first
     assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-4  # dropout is on
     np.testing.assert_array_equal(model([token_ids, segment_ids]), model([token_ids, segment_ids]))
 

@@ -1,4 +1,4 @@
-"""recompute.hf_convert: a HF BERT converted for bert4keras computes what a NumPy BERT computes.
+"""recompute.bert4keras.converter: a HF BERT converted for bert4keras computes what a NumPy BERT computes.
 
 Own process: TF_KERAS=1 TF_USE_LEGACY_KERAS=1. bert4keras is imported inside
 the tests only (test_bert4keras_patch.py checks it is not imported before its
@@ -19,8 +19,8 @@ if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") !=
 
 import safetensors.numpy  # noqa: E402
 
-from recompute import hf_convert  # noqa: E402
-from recompute.hf_convert import ConvertedBert, convert, minilm  # noqa: E402
+from recompute.bert4keras import converter as hf_convert  # noqa: E402
+from recompute.bert4keras.converter import ConvertedBert, convert, minilm  # noqa: E402
 
 import numpy_bert  # noqa: E402
 
@@ -55,7 +55,7 @@ TRICKY = [
     "",
 ]
 
-# Documented differences (see the module docstring of recompute.hf_convert).
+# Documented differences (see the module docstring of recompute.bert4keras.converter).
 KNOWN_DIFFERENCES = [
     "[MASK] [CLS] [SEP]",
     "ΟΔΟΣ",
@@ -213,7 +213,7 @@ def test_minilm_cli_reuses_conversion(converted):
     out_dir = os.path.dirname(converted.config_path)
     before = os.stat(os.path.join(out_dir, "hf_convert.json")).st_mtime_ns
     run = subprocess.run(
-        [sys.executable, "-m", "recompute.hf_convert", "--minilm", out_dir],
+        [sys.executable, "-m", "recompute.bert4keras.converter", "--minilm", out_dir],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )
     assert run.returncode == 0, run.stderr[-2000:]

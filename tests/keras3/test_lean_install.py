@@ -46,6 +46,7 @@ def _run(imports, env=None):
     "imports",
     [
         "import recompute, accum",
+        "import recompute.bert4keras",
         "import keras, recompute, accum; from recompute import recompute_grad; from accum import AccumOptimizer",
     ],
 )

@@ -1,54 +1,4 @@
-"""bert4keras integration: its layers marked for recomputation use `recompute_grad`.
-
-bert4keras (0.11.5, on tf_keras) marks the `call` of its attention,
-feed-forward, layer-norm and a few other layers with its own
-`@recompute_grad`, which fails on TensorFlow 2.21 (`tape.stop_recording` is
-gone) and, once shimmed, gives wrong gradients (the self-attention input is
-watched three times). After `patch()`, those layers recompute with this
-package's exact decorator whenever `RECOMPUTE` is on (read when the layer runs,
-like everywhere in this package):
-
-```python
-import recompute.bert4keras
-recompute.bert4keras.patch()          # before building models; any import order
-
-from bert4keras.models import build_transformer_model
-model = build_transformer_model(config_path, checkpoint_path)
-```
-
-`patch(blocks=True)` also builds each BERT Transformer block as one nested
-model recomputed as a unit (only the block's input is kept: less memory; the
-block's layers are then reached through `model.get_layer("Transformer-<i>")`).
-
-bert4keras needs `TF_KERAS=1 TF_USE_LEGACY_KERAS=1` in the environment and is
-installed with `pip install --no-deps bert4keras==0.11.5` (it pins an ancient
-Keras). Which layers are patched is read from bert4keras's own source: every
-class of `bert4keras.layers` whose `call` is decorated with `@recompute_grad`.
-
-Dropout. bert4keras creates the attention-probability `Dropout` inside the
-attention's `call`, a new layer on every call. While patched, that `Dropout`
-is created once per attention layer and kept as its sublayer
-(`recompute_attention_dropout`), so its random state can be replayed. For
-dropout masks -- hence losses and gradients -- identical to `RECOMPUTE=0`, use
-tf_keras's replayable RNG before building the model:
-
-```python
-import tf_keras
-tf_keras.backend.experimental.enable_tf_random_generator()
-tf_keras.utils.set_random_seed(seed)
-```
-
-Without it (tf_keras's default legacy RNG) the gradients are still exact --
-the recomputation sees the forward pass's masks -- but the masks are not the
-ones a run without recomputation would draw, and a warning says so.
-
-`patch()` is idempotent and `unpatch()` undoes it. If `bert4keras.layers` is
-not imported yet, `patch()` installs an import hook (a `sys.meta_path` finder,
-removed by `unpatch()`) that patches the module right after it loads. What
-changes is bert4keras's: the `call` of the marked classes, the
-`pay_attention_to` of its attention classes and the `Dropout` name in
-`bert4keras.layers`; nothing else in the process.
-"""
+"""`patch()` / `unpatch()`: bert4keras's layers marked for recomputation use `recompute_grad` (see the package docstring)."""
 
 import importlib.abc
 import inspect
@@ -57,7 +7,7 @@ import sys
 import threading
 import warnings
 
-from ._decorator import recompute_grad
+from .._decorator import recompute_grad
 
 MODULE = "bert4keras.layers"
 MODELS_MODULE = "bert4keras.models"

@@ -21,7 +21,7 @@ output directory gets what Google's BERT releases hold:
 
 Usage::
 
-    from recompute.hf_convert import convert, minilm
+    from recompute.bert4keras.converter import convert, minilm
     from bert4keras.models import build_transformer_model
     from bert4keras.tokenizers import Tokenizer
 
@@ -32,8 +32,8 @@ Usage::
 
 or from a shell::
 
-    python -m recompute.hf_convert SRC OUT_DIR [--overwrite]
-    python -m recompute.hf_convert --minilm [OUT_DIR]
+    python -m recompute.bert4keras.converter SRC OUT_DIR [--overwrite]
+    python -m recompute.bert4keras.converter --minilm [OUT_DIR]
 
 What maps to what (bert4keras 0.11.5, ``BERT.variable_mapping``):
 
@@ -672,7 +672,7 @@ def convert(src, out_dir, *, overwrite=False):
         marker = dict(
             fingerprint,
             format=FORMAT_VERSION,
-            converter="recompute.hf_convert",
+            converter="recompute.bert4keras.converter",
             parts=groups,
             variables=len(variables),
             vocab=len(tokens),
@@ -775,7 +775,7 @@ def minilm(out_dir=None):
 def main(argv=None):
     """Command line: ``SRC OUT_DIR [--overwrite]`` or ``--minilm [OUT_DIR]``. Returns the exit code."""
     parser = argparse.ArgumentParser(
-        prog="python -m recompute.hf_convert",
+        prog="python -m recompute.bert4keras.converter",
         usage="%(prog)s SRC OUT_DIR [--overwrite]\n       %(prog)s --minilm [OUT_DIR]",
         description="Convert a Hugging Face BERT (config.json, model.safetensors, "
         "tokenizer.json; a directory or a .zip) into a Google-format TF checkpoint "
