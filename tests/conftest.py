@@ -9,6 +9,26 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def _two_logical_cpus():
+    """Two logical CPU devices, for the `MirroredStrategy` tests of every suite.
+
+    Set here, before any test module initializes TensorFlow's devices, so that
+    each suite runs on its own (`pytest tests/recompute_keras3` alone runs its
+    distribution tests too).
+    """
+    import tensorflow as tf
+
+    try:
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+    except RuntimeError:  # already initialized by the importer: the distribution tests say so
+        pass
+
+
+_two_logical_cpus()
+
+
 @pytest.fixture(scope="session")
 def mirrored_strategy():
     """The one `MirroredStrategy` on the 2 logical CPUs (configured by the suites'
@@ -16,7 +36,7 @@ def mirrored_strategy():
 
     Each strategy numbers its collective ops from the same keys, so two of them
     in one process would run collectives whose keys clash ("Shape mismatch in
-    the collective instance"), e.g. tests/keras3 followed by tests/accum_keras3.
+    the collective instance"), e.g. tests/recompute_keras3 followed by tests/accum_keras3.
     """
     import tensorflow as tf
 

@@ -1,7 +1,7 @@
 """Keras 3 under `tf.distribute`: AccumOptimizer on 2 replicas equals one device at the same
 global batch, and all-reduces once per update (not once per micro-step).
 
-In-process tests use `MirroredStrategy` on 2 logical CPUs (conftest.py); one
+In-process tests use `MirroredStrategy` on 2 logical CPUs (tests/conftest.py); one
 test runs 2 `MultiWorkerMirroredStrategy` worker processes on loopback.
 Keras's built-in `gradient_accumulation_steps` crashes here in graph mode
 (keras-team/keras#20582): `merge_call` inside a `tf.cond`.
@@ -24,7 +24,7 @@ K, B = 4, 6  # B: global micro-batch, 3 per replica
 TOL = 1e-5
 
 pytestmark = pytest.mark.skipif(
-    len(tf.config.list_logical_devices("CPU")) < 2, reason="needs 2 logical CPU devices (see conftest.py)"
+    len(tf.config.list_logical_devices("CPU")) < 2, reason="needs 2 logical CPU devices (see tests/conftest.py)"
 )
 
 

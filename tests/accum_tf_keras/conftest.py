@@ -1,16 +1,8 @@
-"""Fixtures for the tf_keras accum tests; two logical CPU devices for the `MirroredStrategy`
-tests (set before TensorFlow initializes them)."""
+"""Fixtures for the tf_keras accum tests (the two logical CPUs are set up in tests/conftest.py)."""
 
 import pytest
-import tensorflow as tf
 import tf_keras as K
 
-try:
-    tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
-    )
-except RuntimeError:  # already initialized (another suite ran first in this process)
-    pass
 
 
 @pytest.fixture

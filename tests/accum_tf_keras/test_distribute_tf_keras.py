@@ -1,7 +1,7 @@
 """tf_keras (new-style and legacy optimizers) under `tf.distribute`: AccumOptimizer on 2
 replicas equals one device at the same global batch, and all-reduces once per update.
 
-In-process tests use `MirroredStrategy` on 2 logical CPUs (conftest.py); one
+In-process tests use `MirroredStrategy` on 2 logical CPUs (tests/conftest.py); one
 test runs 2 `MultiWorkerMirroredStrategy` worker processes on loopback.
 """
 
@@ -21,7 +21,7 @@ TOL = 1e-5
 O, L = tfk.optimizers, tfk.optimizers.legacy
 
 pytestmark = pytest.mark.skipif(
-    len(tf.config.list_logical_devices("CPU")) < 2, reason="needs 2 logical CPU devices (see conftest.py)"
+    len(tf.config.list_logical_devices("CPU")) < 2, reason="needs 2 logical CPU devices (see tests/conftest.py)"
 )
 
 

@@ -2,7 +2,7 @@
 gradients (inputs and every weight), weights, BatchNormalization statistics and RNG
 states equal those without it (replayable RNG: `enable_tf_random_generator()`).
 
-In-process tests use `MirroredStrategy` on 2 logical CPUs (tests/accum_tf_keras/conftest.py
+In-process tests use `MirroredStrategy` on 2 logical CPUs (tests/conftest.py
 configures them; this suite runs in the same process); one test runs 2
 `MultiWorkerMirroredStrategy` worker processes on loopback.
 """
@@ -20,7 +20,7 @@ from recompute_distributed import CALLS, data, run_custom_loop, state, tf_keras_
 
 pytestmark = pytest.mark.skipif(
     len(tf.config.list_logical_devices("CPU")) < 2,
-    reason="needs 2 logical CPU devices (see tests/accum_tf_keras/conftest.py)",
+    reason="needs 2 logical CPU devices (see tests/conftest.py)",
 )
 B = 8  # global batch: 4 per replica
 

@@ -2,7 +2,7 @@
 gradients (inputs and every weight), weights, BatchNormalization statistics and seed
 states equal those without it.
 
-In-process tests use `MirroredStrategy` on 2 logical CPUs (tests/accum_keras3/conftest.py
+In-process tests use `MirroredStrategy` on 2 logical CPUs (tests/conftest.py
 configures them; this suite runs in the same process); one test runs 2
 `MultiWorkerMirroredStrategy` worker processes on loopback (custom loop: Keras 3's
 `fit` does not run under that strategy, keras-team/keras#20585).
@@ -23,7 +23,7 @@ from recompute_distributed import CALLS, data, keras3_model, run_custom_loop, st
 
 pytestmark = pytest.mark.skipif(
     len(tf.config.list_logical_devices("CPU")) < 2,
-    reason="needs 2 logical CPU devices (see tests/accum_keras3/conftest.py)",
+    reason="needs 2 logical CPU devices (see tests/conftest.py)",
 )
 B = 8  # global batch: 4 per replica
 
