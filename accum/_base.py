@@ -2,6 +2,9 @@
 
 import copy
 import inspect
+import weakref
+
+import tensorflow as tf
 
 from . import _backends
 
@@ -127,6 +130,22 @@ class AccumOptimizer:
         return super().__new__(cls)
 
     @property
+    def steps_per_update(self):
+        """`k`: micro-steps per update. Read-only (compiled train steps read it once, when traced)."""
+        return self._steps_per_update
+
+    @steps_per_update.setter
+    def steps_per_update(self, value):
+        raise AttributeError(
+            "`steps_per_update` is read-only: a compiled train step (`fit`, "
+            "`tf.function`) reads it once, when it is traced, so a new value would "
+            "be reported by `get_config()` but not used. To change it, build a new "
+            "`AccumOptimizer` (e.g. `AccumOptimizer.from_config(config)` with the "
+            "new `steps_per_update`, or around a new inner optimizer) and compile "
+            f"the model again. Received: steps_per_update={value!r}"
+        )
+
+    @property
     def micro_steps(self):
         """Micro-steps so far: the number of `apply_gradients` calls (a variable)."""
         return self._micro_steps_variable()
@@ -167,6 +186,17 @@ class AccumOptimizer:
                 key = f"{base}#{n}"
             seen.add(key)
             pairs.append((key, acc))
+        # The touched flags (`accum._window`), keyed by their model variable.
+        variables = self._model_variables_list()
+        for i, flag in enumerate(getattr(self, "touched", [])):
+            name = getattr(variables[i], "path", None) or variables[i].name
+            base = f"touched:{name.split(':')[0].replace('/', '_')}"
+            key, n = base, 1
+            while key in seen:
+                n += 1
+                key = f"{base}#{n}"
+            seen.add(key)
+            pairs.append((key, flag))
         return pairs
 
     def save_own_variables(self, store):
@@ -177,9 +207,16 @@ class AccumOptimizer:
     def load_own_variables(self, store):
         """Restores counters and buffers by name; state absent from `store` keeps its value."""
         keys = set(store.keys())
-        for key, variable in self._own_state():
+        state = self._own_state()
+        for key, variable in state:
             if key in keys:
                 variable.assign(store[key])
+        if not any(key.startswith("touched:") for key in keys):
+            # Saved before the touched flags existed: a variable with buffered
+            # gradient counts as touched.
+            buffers = [variable for key, variable in state if key.startswith("accumulator:")]
+            for flag, buffer in zip(getattr(self, "touched", []), buffers):
+                flag.assign(tf.cast(tf.reduce_any(tf.not_equal(buffer, 0)), flag.dtype))
 
     # ------------------------------------------------------------- config
     # Each family provides `_FAMILY`, `_serialize_inner()` and
@@ -225,6 +262,33 @@ AccumOptimizer.__signature__ = inspect.Signature(
 )
 
 
+# inner optimizer -> weak reference to the `AccumOptimizer` that wraps it.
+_OWNERS = weakref.WeakKeyDictionary()
+
+
+def claim_inner(wrapper, optimizer):
+    """Records that `wrapper` owns `optimizer` (and the optimizers it wraps), or raises
+    a `ValueError` if another live `AccumOptimizer` already does: both would advance
+    the same `iterations` and slots, each with its own window."""
+    chain = []
+    while optimizer is not None:
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    for inner in chain:
+        ref = _OWNERS.get(inner)
+        owner = ref() if ref is not None else None
+        if owner is not None and owner is not wrapper:
+            raise ValueError(
+                "`optimizer` is already wrapped by another `AccumOptimizer` "
+                f"({getattr(owner, '_name', None) or owner.name!r}); two wrappers would both update its iterations "
+                "and slots, each with its own window. Give each `AccumOptimizer` "
+                "its own inner optimizer (e.g. `optimizer.__class__.from_config("
+                f"optimizer.get_config())`). Received: optimizer={chain[0]!r}"
+            )
+    for inner in chain:
+        _OWNERS[inner] = weakref.ref(wrapper)
+
+
 def check_optimizer(optimizer):
     """Returns the family of `optimizer`, or raises a Keras-style `ValueError`."""
     if isinstance(optimizer, AccumOptimizer):
@@ -239,6 +303,21 @@ def check_optimizer(optimizer):
             raise ValueError(
                 "`optimizer` already wraps an `AccumOptimizer`; accumulation can "
                 f"only be applied once. Received: optimizer={optimizer!r}"
+            )
+        inner = getattr(inner, "inner_optimizer", None)
+    inner = optimizer
+    while inner is not None:
+        steps = getattr(inner, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                "`optimizer` already accumulates gradients "
+                f"(gradient_accumulation_steps={steps}); accumulating twice multiplies "
+                "the windows and Keras's accumulation does not count updates as "
+                "`AccumOptimizer` does. Build the inner optimizer without "
+                "`gradient_accumulation_steps` and pass the total number of "
+                f"micro-steps per update as `steps_per_update` (e.g. "
+                f"`AccumOptimizer(optimizer, steps_per_update={steps})`). "
+                f"Received: optimizer={optimizer!r}"
             )
         inner = getattr(inner, "inner_optimizer", None)
     family = _backends.family_of(optimizer)

@@ -6,7 +6,7 @@ import tensorflow as tf
 import tf_keras
 
 from . import _backends, _batchnorm, _distributed, _validation, _window
-from ._base import AccumOptimizer, check_optimizer
+from ._base import AccumOptimizer, check_optimizer, claim_inner
 
 
 def inner_loss_scale_state(optimizer):
@@ -65,7 +65,7 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
             rule = rule_for(optimizer)
         super().__init__(name=name or "AccumOptimizer")
         self.inner_optimizer = optimizer
-        self.steps_per_update = steps_per_update
+        self._steps_per_update = steps_per_update
         self.mode = mode
         self._rule = rule
         self._warned_pending = False
@@ -84,6 +84,7 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
         self._variables += [self.window_steps, self.window_count]
         self.accumulators = []
         self._model_variables = self._no_dependency([])
+        claim_inner(self, optimizer)
 
     # ------------------------------------------------------------------ state
 

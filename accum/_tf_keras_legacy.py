@@ -5,7 +5,7 @@ import tensorflow as tf
 import tf_keras
 
 from . import _backends, _batchnorm, _distributed, _validation, _window
-from ._base import AccumOptimizer, check_optimizer
+from ._base import AccumOptimizer, check_optimizer, claim_inner
 from ._tf_keras import inner_loss_scale_state, warn_pending
 
 
@@ -43,7 +43,7 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
         super().__init__(name or "AccumOptimizer")
         self._inner = optimizer
         self._track_trackable(optimizer, name="inner_optimizer")
-        self.steps_per_update = steps_per_update
+        self._steps_per_update = steps_per_update
         self.mode = mode
         self._rule = rule
         self._warned_pending = False
@@ -52,6 +52,7 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
         self._model_variables = []
         self._index = {}
         self.accumulators = []
+        claim_inner(self, optimizer)
 
     @property
     def inner_optimizer(self):
