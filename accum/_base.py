@@ -41,6 +41,12 @@ class AccumOptimizer:
 
     - `iterations` counts applied updates (it is the inner optimizer's);
       `micro_steps` counts calls to `apply_gradients`.
+    - A variable missing from a micro-step (absent, or a `None` gradient; e.g.
+      a multi-task loop alternating heads) counts a zero gradient there: the
+      update applies the window's mean to every variable that got a gradient
+      in the window. A variable with no gradient in the whole window is not
+      updated at all (weights and slots unchanged, as the inner optimizer
+      leaves a variable it gets no gradient for at batch `k * b`).
     - `tf.IndexedSlices` gradients (embeddings) are scatter-added into the
       buffer: no full-size dense tensor is built per micro-step.
     - A micro-batch with a non-finite gradient (mixed precision overflow) is
@@ -112,8 +118,11 @@ class AccumOptimizer:
 
     Args:
         optimizer: the optimizer to wrap (Keras 3, tf_keras or tf_keras legacy).
-            Not an `AccumOptimizer`.
-        steps_per_update: `k`, an integer >= 1: micro-steps per update.
+            Not an `AccumOptimizer`, not one with Keras's own
+            `gradient_accumulation_steps`, and not one another live
+            `AccumOptimizer` already wraps.
+        steps_per_update: `k`, an integer from 1 to `2**63 - 1`: micro-steps
+            per update. Read-only once built.
             `k=1` behaves exactly like `optimizer`.
         mode: `"buffer"` (default, exact for every optimizer) or `"momentum"`.
         name: optional name of the wrapper.
