@@ -290,17 +290,14 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
                 touched_of(variable), lambda: update_step(gradient, variable, learning_rate)
             )
 
-        object.__setattr__(innermost, "update_step", guarded_update_step)
-        object.__setattr__(
-            innermost,
-            "_apply_weight_decay",
-            lambda variables: _window.masked_weight_decay(innermost, variables, touched_of),
-        )
-        try:
+        hooks = {
+            "update_step": guarded_update_step,
+            "_apply_weight_decay": lambda variables: _window.masked_weight_decay(
+                innermost, variables, touched_of
+            ),
+        }
+        with _window.instance_hooks(innermost, hooks):
             yield
-        finally:
-            object.__delattr__(innermost, "update_step")
-            object.__delattr__(innermost, "_apply_weight_decay")
 
     def flush(self):
         """Applies the pending partial window now, normalized by the micro-batches it holds.

@@ -53,30 +53,19 @@ def masked_updates(optimizer, variables, touched):
         return flags.get(innermost._var_key(variable))
 
     update_step, update_step_xla = innermost._update_step, innermost._update_step_xla
-    object.__setattr__(
-        innermost,
-        "_update_step",
-        lambda gradient, variable: _window.guarded(
+    hooks = {
+        "_update_step": lambda gradient, variable: _window.guarded(
             touched_of(variable), lambda: update_step(gradient, variable)
         ),
-    )
-    object.__setattr__(
-        innermost,
-        "_update_step_xla",
-        lambda gradient, variable, key: _window.guarded(
+        "_update_step_xla": lambda gradient, variable, key: _window.guarded(
             touched_of(variable), lambda: update_step_xla(gradient, variable, key)
         ),
-    )
-    object.__setattr__(
-        innermost,
-        "_apply_weight_decay",
-        lambda variables: _window.masked_weight_decay(innermost, variables, touched_of),
-    )
-    try:
+        "_apply_weight_decay": lambda variables: _window.masked_weight_decay(
+            innermost, variables, touched_of
+        ),
+    }
+    with _window.instance_hooks(innermost, hooks):
         yield
-    finally:
-        for attribute in ("_update_step", "_update_step_xla", "_apply_weight_decay"):
-            object.__delattr__(innermost, attribute)
 
 
 @tf_keras.saving.register_keras_serializable(package="accum", name="AccumOptimizer")

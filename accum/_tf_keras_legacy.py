@@ -288,11 +288,8 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
             flag = touched[self._keys[_var_key(var)]] if _var_key(var) in self._keys else None
             return _window.guarded(flag, lambda: apply_dense(grad, var, **kwargs))
 
-        object.__setattr__(innermost, "_resource_apply_dense", guarded_apply_dense)
-        try:
+        with _window.instance_hooks(innermost, {"_resource_apply_dense": guarded_apply_dense}):
             yield
-        finally:
-            object.__delattr__(innermost, "_resource_apply_dense")
 
     def _distributed_window(self):
         """The `accum._distributed.Window` of this optimizer (see there)."""

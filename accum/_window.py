@@ -28,6 +28,8 @@ All variables passed here are `tf.Variable`s (Keras 3 backends pass
 `keras.Variable.value`).
 """
 
+import contextlib
+
 import tensorflow as tf
 
 
@@ -186,3 +188,23 @@ def masked_weight_decay(optimizer, variables, touched_of):
         tf.distribute.get_replica_context().merge_call(cross_replica)
     else:
         cross_replica(tf.distribute.get_strategy())
+
+
+@contextlib.contextmanager
+def instance_hooks(obj, hooks):
+    """Sets the instance attributes `hooks` ({name: function}) on `obj` while the update
+    is traced, then removes them. Re-entrant: under a strategy each replica enters
+    (the hooks are the same for all), and the first to enter installs them."""
+    depth = obj.__dict__.get("_accum_hooks_depth", 0)
+    if depth == 0:
+        for name, fn in hooks.items():
+            object.__setattr__(obj, name, fn)
+    object.__setattr__(obj, "_accum_hooks_depth", depth + 1)
+    try:
+        yield
+    finally:
+        depth = obj.__dict__["_accum_hooks_depth"] - 1
+        object.__setattr__(obj, "_accum_hooks_depth", depth)
+        if depth == 0:
+            for name in hooks:
+                object.__delattr__(obj, name)

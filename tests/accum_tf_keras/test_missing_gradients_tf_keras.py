@@ -213,6 +213,8 @@ def test_legacy_unfreeze_matches_plain(kind, mode):
     recompiling after the unfreeze). The wrapper creates buffers for the new variables
     and matches the plain legacy optimizer at batch k*b."""
     if mode == "momentum":
+        if kind == "adam":
+            pytest.skip("mode=\"momentum\" with Adam is approximate (see accum._momentum)")
         kind = "momentum"
     k, b = 2, 4
     x, y = _data(8 * k * b, seed=3)
