@@ -3,8 +3,10 @@
 import copy
 import inspect
 import warnings
+import weakref
 
 import numpy as np
+import tensorflow as tf
 
 from . import _backends
 
@@ -41,6 +43,12 @@ class AccumOptimizer:
 
     - `iterations` counts applied updates (it is the inner optimizer's);
       `micro_steps` counts calls to `apply_gradients`.
+    - A variable missing from a micro-step (absent, or a `None` gradient; e.g.
+      a multi-task loop alternating heads) counts a zero gradient there: the
+      update applies the window's mean to every variable that got a gradient
+      in the window. A variable with no gradient in the whole window is not
+      updated at all (weights and slots unchanged, as the inner optimizer
+      leaves a variable it gets no gradient for at batch `k * b`).
     - `tf.IndexedSlices` gradients (embeddings) are scatter-added into the
       buffer: no full-size dense tensor is built per micro-step.
     - A micro-batch with a non-finite gradient (mixed precision overflow) is
@@ -119,8 +127,11 @@ class AccumOptimizer:
 
     Args:
         optimizer: the optimizer to wrap (Keras 3, tf_keras or tf_keras legacy).
-            Not an `AccumOptimizer`.
-        steps_per_update: `k`, an integer >= 1: micro-steps per update.
+            Not an `AccumOptimizer`, not one with Keras's own
+            `gradient_accumulation_steps`, and not one another live
+            `AccumOptimizer` already wraps.
+        steps_per_update: `k`, an integer from 1 to `2**63 - 1`: micro-steps
+            per update. Read-only once built.
             `k=1` behaves exactly like `optimizer`.
         mode: `"buffer"` (default, exact for every optimizer) or `"momentum"`.
         name: optional name of the wrapper.
@@ -135,6 +146,22 @@ class AccumOptimizer:
             optimizer = kwargs["optimizer"] if "optimizer" in kwargs else (args[0] if args else None)
             cls = _backends.implementation_for(check_optimizer(optimizer))
         return super().__new__(cls)
+
+    @property
+    def steps_per_update(self):
+        """`k`: micro-steps per update. Read-only (compiled train steps read it once, when traced)."""
+        return self._steps_per_update
+
+    @steps_per_update.setter
+    def steps_per_update(self, value):
+        raise AttributeError(
+            "`steps_per_update` is read-only: a compiled train step (`fit`, "
+            "`tf.function`) reads it once, when it is traced, so a new value would "
+            "be reported by `get_config()` but not used. To change it, build a new "
+            "`AccumOptimizer` (e.g. `AccumOptimizer.from_config(config)` with the "
+            "new `steps_per_update`, or around a new inner optimizer) and compile "
+            f"the model again. Received: steps_per_update={value!r}"
+        )
 
     @property
     def micro_steps(self):
@@ -173,6 +200,8 @@ class AccumOptimizer:
             return pairs
         pairs += [("window_steps", self.window_steps), ("window_count", self.window_count)]
         pairs += [(f"accumulator:{i}", acc) for i, acc in enumerate(self.accumulators)]
+        # The touched flags (`accum._window`), by the position of their variable too.
+        pairs += [(f"touched:{i}", flag) for i, flag in enumerate(getattr(self, "touched", []))]
         return pairs
 
     def save_own_variables(self, store):
@@ -239,6 +268,18 @@ class AccumOptimizer:
         state["window_count"].assign(store["window_count"])
         for acc, value in zip(self.accumulators, values):
             acc.assign(value)
+        flags = getattr(self, "touched", [])
+        saved_flags = [store[f"touched:{i}"] for i in range(len(flags)) if f"touched:{i}" in keys]
+        if len(saved_flags) == len(flags) and all(
+            tuple(np.shape(v)) == tuple(f.shape) for v, f in zip(saved_flags, flags)
+        ):
+            for flag, value in zip(flags, saved_flags):
+                flag.assign(value)
+        else:
+            # No flags saved (or not matching): a variable with buffered gradient
+            # counts as touched; with no window pending, none is.
+            for flag, acc in zip(flags, self.accumulators):
+                flag.assign(tf.cast(tf.reduce_any(tf.not_equal(acc, 0)), flag.dtype))
 
     # ------------------------------------------------------------- config
     # Each family provides `_FAMILY`, `_serialize_inner()` and
@@ -284,6 +325,33 @@ AccumOptimizer.__signature__ = inspect.Signature(
 )
 
 
+# inner optimizer -> weak reference to the `AccumOptimizer` that wraps it.
+_OWNERS = weakref.WeakKeyDictionary()
+
+
+def claim_inner(wrapper, optimizer):
+    """Records that `wrapper` owns `optimizer` (and the optimizers it wraps), or raises
+    a `ValueError` if another live `AccumOptimizer` already does: both would advance
+    the same `iterations` and slots, each with its own window."""
+    chain = []
+    while optimizer is not None:
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    for inner in chain:
+        ref = _OWNERS.get(inner)
+        owner = ref() if ref is not None else None
+        if owner is not None and owner is not wrapper:
+            raise ValueError(
+                "`optimizer` is already wrapped by another `AccumOptimizer` "
+                f"({getattr(owner, '_name', None) or owner.name!r}); two wrappers would both update its iterations "
+                "and slots, each with its own window. Give each `AccumOptimizer` "
+                "its own inner optimizer (e.g. `optimizer.__class__.from_config("
+                f"optimizer.get_config())`). Received: optimizer={chain[0]!r}"
+            )
+    for inner in chain:
+        _OWNERS[inner] = weakref.ref(wrapper)
+
+
 def check_optimizer(optimizer):
     """Returns the family of `optimizer`, or raises a Keras-style `ValueError`."""
     if isinstance(optimizer, AccumOptimizer):
@@ -298,6 +366,21 @@ def check_optimizer(optimizer):
             raise ValueError(
                 "`optimizer` already wraps an `AccumOptimizer`; accumulation can "
                 f"only be applied once. Received: optimizer={optimizer!r}"
+            )
+        inner = getattr(inner, "inner_optimizer", None)
+    inner = optimizer
+    while inner is not None:
+        steps = getattr(inner, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                "`optimizer` already accumulates gradients "
+                f"(gradient_accumulation_steps={steps}); accumulating twice multiplies "
+                "the windows and Keras's accumulation does not count updates as "
+                "`AccumOptimizer` does. Build the inner optimizer without "
+                "`gradient_accumulation_steps` and pass the total number of "
+                f"micro-steps per update as `steps_per_update` (e.g. "
+                f"`AccumOptimizer(optimizer, steps_per_update={steps})`). "
+                f"Received: optimizer={optimizer!r}"
             )
         inner = getattr(inner, "inner_optimizer", None)
     family = _backends.family_of(optimizer)

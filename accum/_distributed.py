@@ -176,8 +176,12 @@ class Window:
             the reduced gradients are placed like.
         window_steps, window_count, micro_steps: `fn()` -> the counters
             (`tf.Variable`s; `window_count` replica-local).
-        apply_inner: `fn(grads, indices)`, called in each replica: applies the
-            inner optimizer to the reduced mean, without aggregating it again.
+        touched: `fn(indices)` -> the replica-local touched flags of those
+            variables (scalar `tf.Variable`s, see `accum._window`).
+        apply_inner: `fn(grads, indices, touched)`, called in each replica:
+            applies the inner optimizer to the reduced mean, without
+            aggregating it again, updating only the variables whose `touched`
+            (scalar bool tensors) is true.
         inner_scope: a context manager entered (cross-replica context) around
             the replicas' `apply_inner`, or None.
         loss_scale: `fn()` -> the inner loss-scale variable to divide
@@ -188,8 +192,9 @@ class Window:
 
     def __init__(self, wrapper, buffers, all_buffers, destinations, window_steps,
                  window_count, micro_steps, apply_inner, inner_scope=None,
-                 loss_scale=None, on_skip=None):
+                 loss_scale=None, on_skip=None, touched=None):
         self.wrapper = wrapper
+        self.touched = touched
         self.buffers = buffers
         self.all_buffers = all_buffers
         self.destinations = destinations
@@ -221,8 +226,14 @@ class Window:
             tf.cond(ok, lambda: _window.add_to(buffer, g), lambda: None)
             return tf.constant(0)
 
+        def mark(flag, ok):
+            flag.assign(tf.where(ok, tf.ones((), flag.dtype), flag.read_value()))
+            return tf.constant(0)
+
         for buffer, g in zip(self.buffers(indices), grads):
             distribution.extended.update(buffer, add, args=(g, finite), group=False)
+        for flag in self.touched(indices):
+            distribution.extended.update(flag, mark, args=(finite,), group=False)
         distribution.extended.update(
             self.window_count(),
             lambda count, ok: count.assign_add(tf.cast(ok, count.dtype)),
@@ -234,25 +245,34 @@ class Window:
         _window.maybe_end_window(
             self.wrapper.steps_per_update,
             window_steps,
-            lambda: self.end_window(distribution, indices),
+            lambda: self.end_window(distribution, tuple(range(len(self.all_buffers())))),
         )
         return self.micro_steps().assign_add(1)
 
     def end_window(self, distribution, indices):
-        """The window's update (cross-replica context): one batched all-reduce, then apply."""
+        """The window's update (cross-replica context): one batched all-reduce, then apply.
+
+        `indices`: every variable the wrapper tracks; those no replica touched in
+        the window are left alone (their flags are reduced with the buffers)."""
         buffers = self.buffers(indices)
+        flags = self.touched(indices)
         count = self.window_count()
 
         def read_local():
-            return [b.read_value() for b in buffers] + [tf.cast(count.read_value(), tf.float32)]
+            return [b.read_value() for b in buffers] + [
+                tf.stack([tf.cast(f.read_value(), tf.float32) for f in flags]),
+                tf.cast(count.read_value(), tf.float32),
+            ]
 
         local = distribution.extended.call_for_each_replica(read_local)
         destinations = self.destinations(indices)
         reduced = distribution.extended.batch_reduce_to(
-            _SUM, list(zip(local, destinations + destinations[:1]))
+            _SUM, list(zip(local, destinations + destinations[:1] * 2))
         )
-        sums, kept = reduced[:-1], reduced[-1]
+        sums, touched, kept = reduced[:-2], reduced[-2], reduced[-1]
         kept_total = distribution.experimental_local_results(kept)[0]
+        touched_total = distribution.experimental_local_results(touched)[0]
+        mask = [touched_total[i] > 0 for i in range(len(flags))]
         replicas = float(distribution.num_replicas_in_sync)
         steps = tf.cast(self.window_steps(), tf.float32)
         tf.cond(kept_total < replicas * steps, lambda: self.on_skip(), lambda: None)
@@ -264,13 +284,13 @@ class Window:
                 scale = self.loss_scale()
                 if scale is not None:
                     grads = [g * tf.cast(scale, g.dtype) for g in grads]
-                self.apply_inner(grads, indices)
+                self.apply_inner(grads, indices, mask)
 
             with self.inner_scope():
                 distribution.extended.call_for_each_replica(replica_apply, args=(sums, kept))
 
         tf.cond(kept_total > 0, apply, lambda: None)
-        for buffer in self.all_buffers():
+        for buffer in list(self.all_buffers()) + list(self.touched(indices)):
             distribution.extended.update(
                 buffer, lambda b: b.assign(tf.zeros(b.shape, b.dtype)), group=False
             )

@@ -7,7 +7,7 @@ import keras
 import tensorflow as tf
 
 from . import _backends, _batchnorm, _distributed, _validation, _window
-from ._base import AccumOptimizer, check_optimizer
+from ._base import AccumOptimizer, check_optimizer, claim_inner
 
 _BASE_DEFAULTS = {
     "weight_decay": None,
@@ -54,14 +54,11 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             rule = rule_for(optimizer)
         super().__init__(learning_rate=0.0, name=name or "accum_optimizer")
         self.inner_optimizer = optimizer
-        self.steps_per_update = steps_per_update
+        self._steps_per_update = steps_per_update
         self.mode = mode
         self._rule = rule
         self._warned_pending = False
-        # Indices (into the built variable list) of the variables that got a
-        # gradient in the last `apply`: the ones a flush updates. Ints only, so
-        # nothing is tracked.
-        self._last_indices = None
+        claim_inner(self, optimizer)
 
     # ------------------------------------------------------------------ state
 
@@ -80,6 +77,12 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             self.window_count = self.add_variable(
                 shape=(), dtype="int64", initializer="zeros", name="window_count"
             )
+        with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
+            # One flag per variable: did the window give it a gradient (`accum._window`).
+            self.touched = [
+                self.add_variable(shape=(), dtype="int64", initializer="zeros", name="touched")
+                for _ in var_list
+            ]
         self.inner_optimizer.build(var_list)
         if self.mode == "buffer":
             with _distributed.replica_local_variables():
@@ -149,7 +152,6 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             raise ValueError("No gradients provided for any variable.")
         grads = [g for g, _ in pairs]
         indices = tuple(self._get_variable_index(v) for _, v in pairs)
-        self._last_indices = indices
         if self.steps_per_update == 1 and self.mode == "buffer":
             # k=1: every micro-step is an update; the inner optimizer sees the
             # gradients exactly as given (sparse ones stay sparse).
@@ -168,7 +170,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
                 self._rule.accumulate(self, grads, indices)
             self._iterations.assign_add(1)
             _window.maybe_end_window(
-                self.steps_per_update, self.window_steps.value, lambda: self._end_window(indices)
+                self.steps_per_update, self.window_steps.value, self._end_window
             )
 
     # ---------------------------------------------------- tf.distribute path
@@ -184,9 +186,8 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             window_steps=lambda: self.window_steps.value,
             window_count=lambda: self.window_count.value,
             micro_steps=lambda: self._iterations.value,
-            apply_inner=lambda grads, indices: self.inner_optimizer.apply(
-                grads, [variables[i] for i in indices]
-            ),
+            apply_inner=self._apply_inner,
+            touched=lambda indices: [self.touched[i].value for i in indices],
             inner_scope=self._inner_aggregation_off,
             loss_scale=lambda: None if self._inner_loss_scale() is None else self._inner_loss_scale().value,
             on_skip=self._on_skip,
@@ -229,48 +230,89 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             self.window_count.value,
             loss_scale=None if scale is None else scale.value,
             on_skip=None if scale is None else self._on_skip,
+            touched=[self.touched[i].value for i in indices],
         )
 
-    def _end_window(self, indices):
+    def _end_window(self):
         """Applies the window (if it kept any micro-batch) and starts a new one."""
+        touched = [t.value for t in self.touched]
         if self.mode == "buffer":
             _window.end_window(
                 [a.value for a in self.accumulators],
                 self.window_steps.value,
                 self.window_count.value,
-                lambda: self._apply_mean(indices),
+                self._apply_mean,
+                touched=touched,
             )
         else:
             _window.end_window(
                 [], self.window_steps.value, self.window_count.value,
-                lambda: self._rule.finish(self, indices),
+                lambda: self._rule.finish(self), touched=touched,
             )
 
-    def _apply_mean(self, indices):
+    def _apply_mean(self):
         scale = self._inner_loss_scale()
         grads = _window.mean_gradients(
-            [self.accumulators[i].value for i in indices],
+            [a.value for a in self.accumulators],
             self.window_count.value,
             loss_scale=None if scale is None else scale.value,
         )
-        self.inner_optimizer.apply(grads, [self._trainable_variables[i] for i in indices])
+        indices = tuple(range(len(self._trainable_variables)))
+        self._apply_inner(grads, indices, _window.touched_mask([t.value for t in self.touched]))
+
+    def _apply_inner(self, grads, indices, touched):
+        """The inner optimizer's update of the variables `indices` with `grads`, where
+        only those whose `touched` (scalar bool tensors) is true change."""
+        variables = [self._trainable_variables[i] for i in indices]
+        restore = _window.protect_untouched(variables, touched)
+        with self._masked_updates(variables, touched):
+            self.inner_optimizer.apply(grads, variables)
+        restore()
+
+    @contextlib.contextmanager
+    def _masked_updates(self, variables, touched):
+        """Guards the innermost optimizer's per-variable update (`update_step`) and its
+        weight decay with the variables' touched flags while the update is traced
+        (instance attributes, removed after), so an untouched variable and its slots
+        stay as they are, as if it had no gradient."""
+        innermost = self.inner_optimizer
+        while isinstance(innermost, keras.optimizers.LossScaleOptimizer):
+            innermost = innermost.inner_optimizer
+        flags = {innermost._var_key(v): t for v, t in zip(variables, touched)}
+
+        def touched_of(variable):
+            return flags.get(innermost._var_key(variable))
+
+        update_step = innermost.update_step
+
+        def guarded_update_step(gradient, variable, learning_rate):
+            _window.guarded(
+                touched_of(variable), lambda: update_step(gradient, variable, learning_rate)
+            )
+
+        hooks = {
+            "update_step": guarded_update_step,
+            "_apply_weight_decay": lambda variables: _window.masked_weight_decay(
+                innermost, variables, touched_of
+            ),
+        }
+        with _window.instance_hooks(innermost, hooks):
+            yield
 
     def flush(self):
         """Applies the pending partial window now, normalized by the micro-batches it holds.
 
         Does nothing if the window is empty or the optimizer is not built. The
-        variables updated are those that got a gradient in the last micro-step
-        (all of them after a restore). Works eagerly and inside `tf.function`.
+        variables updated are those that got a gradient in some micro-step of
+        the window. Works eagerly and inside `tf.function`.
         """
         if not self.built:
             return
-        indices = self._last_indices
-        if indices is None:
-            indices = tuple(range(len(self._trainable_variables)))
         if getattr(self, "_accum_strategy", None) is not None:
+            indices = tuple(range(len(self._trainable_variables)))
             self._distributed_window().flush(self._accum_strategy, indices)
             return
-        _window.flush(self.window_steps.value, lambda: self._end_window(indices))
+        _window.flush(self.window_steps.value, self._end_window)
 
     def finalize_variable_values(self, var_list):
         """Called at the end of `fit`: warns once about a pending partial window, then

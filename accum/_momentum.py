@@ -115,14 +115,19 @@ class MomentumRule:
                 raise unsupported(inner, f"variable {v.name} has no moment slot")
 
     def accumulate(self, wrapper, grads, indices):
-        """One micro-step: folds `grads` into the slots (if finite) and counts it."""
+        """One micro-step: folds `grads` into the slots (if finite) and counts it.
+
+        A variable's moments decay at its first kept micro-step in the window
+        (its touched flag is still 0): a variable missing from some micro-steps
+        counts zero gradients there, exactly as at batch `k * b`."""
         k = wrapper.steps_per_update
         variables = [wrapper._model_variables_list()[i] for i in indices]
-        first = tf.equal(wrapper.window_count, 0)
+        flags = [_flag(wrapper.touched[i]) for i in indices]
         hyper = self.adapter.hyper
 
         def add():
-            for g, var in zip(grads, variables):
+            for g, var, flag in zip(grads, variables, flags):
+                first = tf.equal(flag.read_value(), 0)
                 slots = self.adapter.slots(var)
                 if self.kind == SGD:
                     lr = self.adapter.learning_rate(slots[0].dtype)
@@ -130,26 +135,44 @@ class MomentumRule:
                 else:
                     _fold(slots[0], hyper["beta_1"], first, g, (1.0 - hyper["beta_1"]) / k)
                     _fold(slots[1], hyper["beta_2"], first, g, (1.0 - hyper["beta_2"]) / k, square=True)
+            _window.mark_touched(flags)
             wrapper.window_count.assign_add(1)
 
         tf.cond(_window.all_finite(grads), add, lambda: None)
         wrapper.window_steps.assign_add(1)
 
-    def finish(self, wrapper, indices):
-        """End of a window: weight decay, one move of the weights, one iteration."""
-        variables = [wrapper._model_variables_list()[i] for i in indices]
-        self.adapter.apply_weight_decay(variables)
-        hyper = self.adapter.hyper
-        for var in variables:
-            slots = self.adapter.slots(var)
-            dtype = slots[0].dtype
-            if self.kind == SGD:
-                var.assign_add(slots[0].read_value())
-            else:
-                lr = self.adapter.learning_rate(dtype)
-                t = tf.cast(self.adapter.iterations() + 1, dtype)
-                b1, b2 = tf.cast(hyper["beta_1"], dtype), tf.cast(hyper["beta_2"], dtype)
-                alpha = lr * tf.sqrt(1.0 - tf.pow(b2, t)) / (1.0 - tf.pow(b1, t))
-                m, v = slots[0].read_value(), slots[1].read_value()
-                var.assign_sub(alpha * m / (tf.sqrt(v) + tf.cast(hyper["epsilon"], dtype)))
+    def finish(self, wrapper):
+        """End of a window: weight decay, one move of the weights, one iteration.
+
+        Only the variables the window touched move (a variable with no gradient
+        in the whole window is left alone, as at batch `k * b`)."""
+        variables = list(wrapper._model_variables_list())
+        touched = _window.touched_mask([_flag(t) for t in wrapper.touched])
+        for var, t in zip(variables, touched):
+            _window.guarded(t, lambda var=var: self.adapter.apply_weight_decay([var]))
+        for var, t in zip(variables, touched):
+            _window.guarded(t, lambda var=var: self._move(var))
         self.adapter.increment_iterations()
+
+    def _move(self, var):
+        """The weights' move from the folded moments (inside the window's update)."""
+        hyper = self.adapter.hyper
+        slots = self.adapter.slots(var)
+        dtype = slots[0].dtype
+        if self.kind == SGD:
+            var.assign_add(slots[0].read_value())
+        else:
+            lr = self.adapter.learning_rate(dtype)
+            t = tf.cast(self.adapter.iterations() + 1, dtype)
+            b1, b2 = tf.cast(hyper["beta_1"], dtype), tf.cast(hyper["beta_2"], dtype)
+            alpha = lr * tf.sqrt(1.0 - tf.pow(b2, t)) / (1.0 - tf.pow(b1, t))
+            m, v = slots[0].read_value(), slots[1].read_value()
+            var.assign_sub(alpha * m / (tf.sqrt(v) + tf.cast(hyper["epsilon"], dtype)))
+        if getattr(var, "constraint", None) is not None:
+            # As the inner optimizer does after its update.
+            var.assign(var.constraint(var))
+
+
+def _flag(variable):
+    """The `tf.Variable` of a touched flag (Keras 3 flags are `keras.Variable`s)."""
+    return variable if isinstance(variable, tf.Variable) else variable.value

@@ -1,12 +1,13 @@
 """`AccumOptimizer` for tf_keras new-style optimizers (`tf_keras.optimizers.*`)."""
 
+import contextlib
 import warnings
 
 import tensorflow as tf
 import tf_keras
 
 from . import _backends, _batchnorm, _distributed, _validation, _window
-from ._base import AccumOptimizer, check_optimizer
+from ._base import AccumOptimizer, check_optimizer, claim_inner
 
 
 def inner_loss_scale_state(optimizer):
@@ -37,6 +38,36 @@ def warn_pending(optimizer):
         )
 
 
+@contextlib.contextmanager
+def masked_updates(optimizer, variables, touched):
+    """Guards the innermost new-style optimizer's per-variable update (`_update_step`,
+    `_update_step_xla`) and its weight decay with the variables' touched flags while
+    the update is traced (instance attributes, removed after), so an untouched
+    variable and its slots stay as they are, as if it had no gradient."""
+    innermost = optimizer
+    while getattr(innermost, "inner_optimizer", None) is not None:
+        innermost = innermost.inner_optimizer
+    flags = {innermost._var_key(v): t for v, t in zip(variables, touched)}
+
+    def touched_of(variable):
+        return flags.get(innermost._var_key(variable))
+
+    update_step, update_step_xla = innermost._update_step, innermost._update_step_xla
+    hooks = {
+        "_update_step": lambda gradient, variable: _window.guarded(
+            touched_of(variable), lambda: update_step(gradient, variable)
+        ),
+        "_update_step_xla": lambda gradient, variable, key: _window.guarded(
+            touched_of(variable), lambda: update_step_xla(gradient, variable, key)
+        ),
+        "_apply_weight_decay": lambda variables: _window.masked_weight_decay(
+            innermost, variables, touched_of
+        ),
+    }
+    with _window.instance_hooks(innermost, hooks):
+        yield
+
+
 @tf_keras.saving.register_keras_serializable(package="accum", name="AccumOptimizer")
 class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
     """`AccumOptimizer` wrapping a tf_keras optimizer; see `accum.AccumOptimizer`."""
@@ -65,12 +96,11 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
             rule = rule_for(optimizer)
         super().__init__(name=name or "AccumOptimizer")
         self.inner_optimizer = optimizer
-        self.steps_per_update = steps_per_update
+        self._steps_per_update = steps_per_update
         self.mode = mode
         self._rule = rule
         self._warned_pending = False
         self._built_accum = False
-        self._last_indices = None
         # Created here, not in `build`: tf_keras caches an optimizer's checkpoint
         # children the first time they are listed (a restore before the first
         # step), so containers must exist from the start. `build` fills them.
@@ -83,7 +113,10 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
                 )
         self._variables += [self.window_steps, self.window_count]
         self.accumulators = []
+        # One flag per variable: did the window give it a gradient (`accum._window`).
+        self.touched = []
         self._model_variables = self._no_dependency([])
+        claim_inner(self, optimizer)
 
     # ------------------------------------------------------------------ state
 
@@ -98,6 +131,10 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
         self.inner_optimizer.build(var_list)
         super().build(var_list)
         self._model_variables.extend(var_list)
+        with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
+            self.touched.extend(
+                self.add_variable(shape=(), dtype=tf.int64, name="touched") for _ in var_list
+            )
         if self.mode == "buffer":
             with _distributed.replica_local_variables():
                 self.accumulators.extend(
@@ -216,7 +253,6 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
         grads = [g for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
         indices = tuple(self._variable_index(v) for v in variables)
-        self._last_indices = indices
         with tf.name_scope(name or self.name):
             if accumulate_locally:
                 # Each replica accumulates its own gradients; one all-reduce per
@@ -235,7 +271,7 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
                 else:
                     self._rule.accumulate(self, grads, indices)
                 _window.maybe_end_window(
-                    self.steps_per_update, self.window_steps, lambda: self._end_window(indices)
+                    self.steps_per_update, self.window_steps, self._end_window
                 )
             if _distributed.in_replica_context():
                 # A mirrored counter is written in the cross-replica context.
@@ -276,6 +312,7 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
             micro_steps=lambda: self._iterations,
             apply_inner=self._apply_mean_gradients,
             on_skip=None if state is None else on_skip,
+            touched=lambda indices: [self.touched[i] for i in indices],
         )
 
     def _variable_index(self, variable):
@@ -303,43 +340,51 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
             self.window_steps,
             self.window_count,
             on_skip=None if state is None else on_skip,
+            touched=[self.touched[i] for i in indices],
         )
 
-    def _end_window(self, indices):
+    def _end_window(self):
         if self.mode == "buffer":
             _window.end_window(
-                self.accumulators, self.window_steps, self.window_count,
-                lambda: self._apply_mean(indices),
+                self.accumulators, self.window_steps, self.window_count, self._apply_mean,
+                touched=self.touched,
             )
         else:
             _window.end_window(
-                [], self.window_steps, self.window_count, lambda: self._rule.finish(self, indices)
+                [], self.window_steps, self.window_count, lambda: self._rule.finish(self),
+                touched=self.touched,
             )
 
-    def _apply_mean(self, indices):
-        grads = _window.mean_gradients([self.accumulators[i] for i in indices], self.window_count)
-        self._apply_mean_gradients(grads, indices)
+    def _apply_mean(self):
+        grads = _window.mean_gradients(self.accumulators, self.window_count)
+        indices = tuple(range(len(self._model_variables)))
+        self._apply_mean_gradients(grads, indices, _window.touched_mask(self.touched))
 
-    def _apply_mean_gradients(self, grads, indices):
+    def _apply_mean_gradients(self, grads, indices, touched):
+        """The inner optimizer's update of the variables `indices`, where only those
+        whose `touched` (scalar bool tensors) is true change."""
         variables = [self._model_variables[i] for i in indices]
-        self.inner_optimizer.apply_gradients(list(zip(grads, variables)), skip_gradients_aggregation=True)
+        restore = _window.protect_untouched(variables, touched)
+        with masked_updates(self.inner_optimizer, variables, touched):
+            self.inner_optimizer.apply_gradients(
+                list(zip(grads, variables)), skip_gradients_aggregation=True
+            )
+        restore()
 
     def flush(self):
         """Applies the pending partial window now, normalized by the micro-batches it holds.
 
         Does nothing if the window is empty or the optimizer is not built. The
-        variables updated are those that got a gradient in the last micro-step
-        (all of them after a restore). Works eagerly and inside `tf.function`.
+        variables updated are those that got a gradient in some micro-step of
+        the window. Works eagerly and inside `tf.function`.
         """
         if not self._built_accum:
             return
-        indices = self._last_indices
-        if indices is None:
-            indices = tuple(range(len(self._model_variables)))
         if getattr(self, "_accum_strategy", None) is not None:
+            indices = tuple(range(len(self._model_variables)))
             self._distributed_window().flush(self._accum_strategy, indices)
             return
-        _window.flush(self.window_steps, lambda: self._end_window(indices))
+        _window.flush(self.window_steps, self._end_window)
 
     def finalize_variable_values(self, var_list):
         """End of `fit`: warns once about a pending partial window; the inner optimizer finalizes (EMA)."""

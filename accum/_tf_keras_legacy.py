@@ -1,11 +1,13 @@
 """`AccumOptimizer` for tf_keras legacy optimizers (`tf_keras.optimizers.legacy.*`, OptimizerV2)."""
 
+import contextlib
 
 import tensorflow as tf
 import tf_keras
+from tf_keras.src.optimizers.legacy.optimizer_v2 import _var_key
 
 from . import _backends, _batchnorm, _distributed, _validation, _window
-from ._base import AccumOptimizer, check_optimizer
+from ._base import AccumOptimizer, check_optimizer, claim_inner
 from ._tf_keras import inner_loss_scale_state, warn_pending
 
 
@@ -13,8 +15,12 @@ from ._tf_keras import inner_loss_scale_state, warn_pending
 class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer):
     """`AccumOptimizer` wrapping a tf_keras legacy optimizer; see `accum.AccumOptimizer`.
 
-    Counters are optimizer weights and buffers are slots (`get_slot(var,
-    "accumulator")`), so checkpoints restore them by name and by variable.
+    Counters are optimizer weights and buffers and touched flags are slots
+    (`get_slot(var, "accumulator")`, `get_slot(var, "touched")`), so
+    checkpoints restore them by name and by variable. Like the plain legacy
+    optimizers, it accepts variables it has not seen yet (e.g. layers
+    unfrozen after some training): their buffers and the inner optimizer's
+    slots are created then.
     tf_keras's `fit` does not finalize legacy optimizers, so the pending-window
     warning at the end of `fit` is not issued: use `flush_callback()`.
     """
@@ -43,15 +49,17 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
         super().__init__(name or "AccumOptimizer")
         self._inner = optimizer
         self._track_trackable(optimizer, name="inner_optimizer")
-        self.steps_per_update = steps_per_update
+        self._steps_per_update = steps_per_update
         self.mode = mode
         self._rule = rule
         self._warned_pending = False
         self._built_accum = False
-        self._last_indices = None
         self._model_variables = []
         self._index = {}
+        self._keys = {}  # `_var_key` (also of a replica's component) -> index
         self.accumulators = []
+        self.touched = []
+        claim_inner(self, optimizer)
 
     @property
     def inner_optimizer(self):
@@ -61,36 +69,48 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
     # ------------------------------------------------------------------ state
 
     def build(self, var_list):
-        """Creates counters, buffers (`mode="buffer"`) and the inner optimizer's slots."""
-        if self._built_accum:
+        """Creates counters, buffers (`mode="buffer"`) and the inner optimizer's slots;
+        called again with new variables, creates theirs (as OptimizerV2 does)."""
+        new = []
+        for v in var_list:
+            if v.ref() not in self._index and all(v is not n for n in new):
+                new.append(v)
+        if self._built_accum and not new:
             return
-        var_list = list(var_list)
+        first = not self._built_accum
         with tf.init_scope():
-            self._accum_strategy = _distributed.current_strategy()
-            if self._accum_strategy is not None and self.mode != "buffer":
-                raise _distributed.momentum_not_supported()
+            if first:
+                self._accum_strategy = _distributed.current_strategy()
+                if self._accum_strategy is not None and self.mode != "buffer":
+                    raise _distributed.momentum_not_supported()
             # OptimizerV2 has no public `build`; this is what its
-            # `apply_gradients` calls first.
-            self._inner._create_all_weights(var_list)
-            weight = dict(
-                shape=[], dtype=tf.int64, trainable=False,
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-            )
-            self._micro_steps = self.add_weight("micro_steps", **weight)
-            self.window_steps = self.add_weight("window_steps", **weight)
-            # Replica-local under a strategy (see `accum._distributed`).
-            with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
-                self.window_count = self.add_weight("window_count", **weight)
-            for i, v in enumerate(var_list):
-                self._index[v.ref()] = i
+            # `apply_gradients` calls first (slots of new variables only).
+            self._inner._create_all_weights(new)
+            if first:
+                weight = dict(
+                    shape=[], dtype=tf.int64, trainable=False,
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                )
+                self._micro_steps = self.add_weight("micro_steps", **weight)
+                self.window_steps = self.add_weight("window_steps", **weight)
+                # Replica-local under a strategy (see `accum._distributed`).
+                with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
+                    self.window_count = self.add_weight("window_count", **weight)
+            for v in new:
+                self._index[v.ref()] = len(self._model_variables)
+                self._keys[_var_key(v)] = len(self._model_variables)
+                self._model_variables.append(v)
+                # One flag per variable: did the window give it a gradient (`accum._window`).
+                with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
+                    self.touched.append(self.add_slot(v, "touched", shape=[]))
                 if self.mode == "buffer":
                     with _distributed.replica_local_variables():
                         self.accumulators.append(self.add_slot(v, "accumulator"))
-        self._model_variables = var_list
         if self.mode == "momentum":
-            self._rule.check_built(self._inner, var_list)
+            self._rule.check_built(self._inner, new)
         self._built_accum = True
-        _batchnorm.warn_for_training_model(self)
+        if first:
+            _batchnorm.warn_for_training_model(self)
 
     def _create_all_weights(self, var_list):
         self.build(var_list)
@@ -170,7 +190,6 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
         grads = [g for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
         indices = tuple(self._variable_index(v) for v in variables)
-        self._last_indices = indices
         with tf.name_scope(name or self._name):
             if accumulate_locally:
                 # Each replica accumulates its own gradients; one all-reduce per
@@ -188,7 +207,7 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
                 else:
                     self._rule.accumulate(self, grads, indices)
                 _window.maybe_end_window(
-                    self.steps_per_update, self.window_steps, lambda: self._end_window(indices)
+                    self.steps_per_update, self.window_steps, self._end_window
                 )
             return self._micro_steps.assign_add(1)
 
@@ -223,26 +242,54 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
         _window.accumulate(
             [self.accumulators[i] for i in indices], grads, self.window_steps, self.window_count,
             on_skip=None if state is None else on_skip,
+            touched=[self.touched[i] for i in indices],
         )
 
-    def _end_window(self, indices):
+    def _end_window(self):
         if self.mode == "buffer":
             _window.end_window(
-                self.accumulators, self.window_steps, self.window_count,
-                lambda: self._apply_mean(indices),
+                self.accumulators, self.window_steps, self.window_count, self._apply_mean,
+                touched=self.touched,
             )
         else:
             _window.end_window(
-                [], self.window_steps, self.window_count, lambda: self._rule.finish(self, indices)
+                [], self.window_steps, self.window_count, lambda: self._rule.finish(self),
+                touched=self.touched,
             )
 
-    def _apply_mean(self, indices):
-        grads = _window.mean_gradients([self.accumulators[i] for i in indices], self.window_count)
-        self._apply_mean_gradients(grads, indices)
+    def _apply_mean(self):
+        grads = _window.mean_gradients(self.accumulators, self.window_count)
+        indices = tuple(range(len(self._model_variables)))
+        self._apply_mean_gradients(grads, indices, _window.touched_mask(self.touched))
 
-    def _apply_mean_gradients(self, grads, indices):
+    def _apply_mean_gradients(self, grads, indices, touched):
+        """The inner optimizer's update of the variables `indices`, where only those
+        whose `touched` (scalar bool tensors) is true change."""
         variables = [self._model_variables[i] for i in indices]
-        self._inner.apply_gradients(list(zip(grads, variables)), experimental_aggregate_gradients=False)
+        restore = _window.protect_untouched(variables, touched)
+        with self._masked_updates(touched):
+            self._inner.apply_gradients(
+                list(zip(grads, variables)), experimental_aggregate_gradients=False
+            )
+        restore()
+
+    @contextlib.contextmanager
+    def _masked_updates(self, touched):
+        """Guards the innermost optimizer's per-variable dense update
+        (`_resource_apply_dense`; the window's means are dense) with the variables'
+        touched flags while the update is traced (an instance attribute, removed
+        after): an untouched variable and its slots stay as they are."""
+        innermost = self._inner
+        while getattr(innermost, "inner_optimizer", None) is not None:
+            innermost = innermost.inner_optimizer
+        apply_dense = innermost._resource_apply_dense
+
+        def guarded_apply_dense(grad, var, **kwargs):
+            flag = touched[self._keys[_var_key(var)]] if _var_key(var) in self._keys else None
+            return _window.guarded(flag, lambda: apply_dense(grad, var, **kwargs))
+
+        with _window.instance_hooks(innermost, {"_resource_apply_dense": guarded_apply_dense}):
+            yield
 
     def _distributed_window(self):
         """The `accum._distributed.Window` of this optimizer (see there)."""
@@ -262,6 +309,7 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
             micro_steps=lambda: self._micro_steps,
             apply_inner=self._apply_mean_gradients,
             on_skip=None if state is None else on_skip,
+            touched=lambda indices: [self.touched[i] for i in indices],
         )
 
     def flush(self):
@@ -271,13 +319,11 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
         """
         if not self._built_accum:
             return
-        indices = self._last_indices
-        if indices is None:
-            indices = tuple(range(len(self._model_variables)))
         if getattr(self, "_accum_strategy", None) is not None:
+            indices = tuple(range(len(self._model_variables)))
             self._distributed_window().flush(self._accum_strategy, indices)
             return
-        _window.flush(self.window_steps, lambda: self._end_window(indices))
+        _window.flush(self.window_steps, self._end_window)
 
     def finalize_variable_values(self, var_list):
         """Warns once about a pending partial window (call it at the end of training)."""

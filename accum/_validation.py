@@ -4,12 +4,16 @@ import numbers
 
 MODES = ("buffer", "momentum")
 
+# The window counters are int64 variables: `window_steps` reaches `k`.
+MAX_STEPS_PER_UPDATE = 2**63 - 1
+
 
 def check_steps_per_update(steps_per_update):
     """Returns `steps_per_update` as an `int`, or raises a Keras-style `ValueError`.
 
-    Accepts Python and NumPy integers >= 1. Rejects booleans, floats (even
-    integral ones such as `4.0`), strings and everything else.
+    Accepts Python and NumPy integers from 1 to `2**63 - 1` (the window
+    counters are int64). Rejects booleans, floats (even integral ones such as
+    `4.0`), strings and everything else.
     """
     if (
         isinstance(steps_per_update, bool)
@@ -18,6 +22,12 @@ def check_steps_per_update(steps_per_update):
     ):
         raise ValueError(
             "`steps_per_update` must be an integer >= 1. "
+            f"Received: steps_per_update={steps_per_update!r}"
+        )
+    if steps_per_update > MAX_STEPS_PER_UPDATE:
+        raise ValueError(
+            "`steps_per_update` must be an integer >= 1 and <= 2**63 - 1 (the "
+            "window counters are int64). "
             f"Received: steps_per_update={steps_per_update!r}"
         )
     return int(steps_per_update)

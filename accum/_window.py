@@ -7,6 +7,19 @@ and counts itself in `window_steps` and, if kept, in `window_count`. The
 last micro-step of a window calls `apply_fn` with `buffer / window_count`
 (only if some micro-batch was kept), then zeroes the buffers and counters.
 
+A variable missing from a micro-step (absent from `grads_and_vars`, or with a
+`None` gradient) contributes a zero gradient to that micro-step, as if the
+loss did not depend on it: the update applies the window's mean to every
+variable that got a gradient in some kept micro-step of the window. Each
+variable has a *touched* flag (a scalar variable, set when a kept micro-step
+holds a gradient for it); a variable untouched by the whole window is left
+alone, as the inner optimizer at batch `k * b` leaves a variable with no
+gradient (its weights and slots do not move: Adam's moments do not decay).
+The inner optimizer is applied to every variable, with its per-variable
+updates guarded by the flags (`masked_updates` in each family), so the set of
+variables updated is decided at run time, from state that can span several
+traced functions (a multi-task loop alternating heads).
+
 Branching is `tf.cond` on variables, never Python `if` on values, so the same
 code runs eagerly, in `tf.function` and under XLA (`jit_compile=True`), and
 only the branch taken runs.
@@ -14,6 +27,8 @@ only the branch taken runs.
 All variables passed here are `tf.Variable`s (Keras 3 backends pass
 `keras.Variable.value`).
 """
+
+import contextlib
 
 import tensorflow as tf
 
@@ -44,12 +59,25 @@ def add_to(buffer, g):
         buffer.assign_add(tf.cast(g, buffer.dtype))
 
 
-def accumulate(buffers, grads, window_steps, window_count, loss_scale=None, on_skip=None):
+def mark_touched(flags):
+    """Sets the touched flags `flags` (scalar variables) to 1."""
+    for flag in flags:
+        flag.assign(tf.ones((), flag.dtype))
+
+
+def touched_mask(flags):
+    """The touched flags as Python list of scalar bool tensors."""
+    return [flag.read_value() > 0 for flag in flags]
+
+
+def accumulate(buffers, grads, window_steps, window_count, loss_scale=None, on_skip=None,
+               touched=()):
     """One micro-step: adds `grads` to `buffers` (same order) if all are finite.
 
     `loss_scale` (a variable or None): gradients are divided by it before they
     are added, so buffers hold unscaled sums even if the scale changes inside
-    the window. `on_skip` runs when the micro-batch is skipped.
+    the window. `on_skip` runs when the micro-batch is skipped. `touched`: the
+    flags of the variables of `grads`, set if the micro-batch is kept.
     """
 
     def add():
@@ -57,6 +85,7 @@ def accumulate(buffers, grads, window_steps, window_count, loss_scale=None, on_s
             if loss_scale is not None:
                 g = scale_gradient(g, 1.0 / tf.cast(loss_scale, tf.float64))
             add_to(buffer, g)
+        mark_touched(touched)
         window_count.assign_add(1)
 
     def skip():
@@ -78,10 +107,11 @@ def mean_gradients(buffers, window_count, loss_scale=None):
     return means
 
 
-def end_window(all_buffers, window_steps, window_count, apply_fn):
-    """Calls `apply_fn()` if the window kept a micro-batch, then starts a new window."""
+def end_window(all_buffers, window_steps, window_count, apply_fn, touched=()):
+    """Calls `apply_fn()` if the window kept a micro-batch, then starts a new window
+    (buffers, counters and the `touched` flags zeroed)."""
     tf.cond(window_count > 0, apply_fn, lambda: None)
-    for buffer in all_buffers:
+    for buffer in list(all_buffers) + list(touched):
         buffer.assign(tf.zeros(buffer.shape, buffer.dtype))
     window_steps.assign(0)
     window_count.assign(0)
@@ -95,3 +125,86 @@ def maybe_end_window(steps_per_update, window_steps, end_fn):
 def flush(window_steps, end_fn):
     """Calls `end_fn()` (in a `tf.cond`) if the window holds any micro-step."""
     tf.cond(window_steps > 0, end_fn, lambda: None)
+
+
+def guarded(touched, fn):
+    """Runs `fn()` only where the scalar bool tensor `touched` is true (`fn` always if None)."""
+    if touched is None:
+        return fn()
+
+    def run():
+        fn()
+        return tf.constant(True)
+
+    return tf.cond(touched, run, lambda: tf.constant(False))
+
+
+def protect_untouched(variables, touched):
+    """For variables with a constraint (or Keras 3's `overwrite_with_gradient`), which
+    the inner optimizer changes outside its per-variable update: returns a function
+    that restores, after the inner update, those left untouched by the window.
+    A select (`tf.where`), not a branch, so it also works in replica context."""
+    saved = []
+    for variable, flag in zip(variables, touched):
+        if getattr(variable, "constraint", None) is not None or getattr(
+            variable, "overwrite_with_gradient", False
+        ):
+            saved.append((variable, flag, tf.identity(tf.convert_to_tensor(variable))))
+
+    def restore():
+        for variable, flag, old in saved:
+            variable.assign(tf.where(flag, tf.convert_to_tensor(variable), old))
+
+    return restore
+
+
+def masked_weight_decay(optimizer, variables, touched_of):
+    """Decoupled weight decay (`variable -= variable * weight_decay * learning_rate`, the
+    Keras 3 and tf_keras formula) applied only to variables whose flag `touched_of(v)`
+    is true. Written as those optimizers' distributed weight decay, with the branch
+    inside each variable's update (a `tf.cond` around a `merge_call` fails)."""
+    if optimizer.weight_decay is None:
+        return
+
+    def decay(variable):
+        if not optimizer._use_weight_decay(variable):
+            return
+
+        def fn(var):
+            lr = tf.cast(optimizer.learning_rate, var.dtype)
+            wd = tf.cast(optimizer.weight_decay, var.dtype)
+            var.assign_sub(var * wd * lr)
+
+        target = variable if isinstance(variable, tf.Variable) else variable.value  # Keras 3
+        return target, lambda var: guarded(touched_of(var), lambda: fn(var))
+
+    pairs = [p for p in (decay(v) for v in variables) if p is not None]
+
+    def cross_replica(distribution):
+        for target, fn in pairs:
+            distribution.extended.update(target, fn, group=False)
+
+    if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+        tf.distribute.get_replica_context().merge_call(cross_replica)
+    else:
+        cross_replica(tf.distribute.get_strategy())
+
+
+@contextlib.contextmanager
+def instance_hooks(obj, hooks):
+    """Sets the instance attributes `hooks` ({name: function}) on `obj` while the update
+    is traced, then removes them. Re-entrant: under a strategy each replica enters
+    (the hooks are the same for all), and the first to enter installs them."""
+    depth = obj.__dict__.get("_accum_hooks_depth", 0)
+    if depth == 0:
+        for name, fn in hooks.items():
+            object.__setattr__(obj, name, fn)
+    object.__setattr__(obj, "_accum_hooks_depth", depth + 1)
+    try:
+        yield
+    finally:
+        depth = obj.__dict__["_accum_hooks_depth"] - 1
+        object.__setattr__(obj, "_accum_hooks_depth", depth)
+        if depth == 0:
+            for name in hooks:
+                object.__delattr__(obj, name)

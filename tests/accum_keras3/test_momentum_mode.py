@@ -41,9 +41,11 @@ def test_sgd_momentum_is_exact_with_no_buffer(make_inner, compile):
     run(model, opt, data, B, compile)
     run(ref, ref_opt, data, K * B, compile, dense=True)
     assert int(inner.iterations) == UPDATES
-    # Zero per-parameter variables beyond the momentum slots: 3 scalar counters.
+    # Zero per-parameter variables beyond the momentum slots: scalar counters and
+    # one scalar touched flag per variable.
     assert opt.accumulators == []
-    assert [tuple(v.shape) for v in opt.variables[: -len(inner.variables)]] == [()] * 4
+    own = [tuple(v.shape) for v in opt.variables[: -len(inner.variables)]]
+    assert own == [()] * (4 + len(model.trainable_variables))
     ref_slots, slots = slot_values(ref_opt), slot_values(inner)
     assert_grouped_close(
         ref.get_weights() + list(ref_slots.values()),

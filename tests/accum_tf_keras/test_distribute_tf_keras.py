@@ -161,7 +161,8 @@ def test_one_all_reduce_round_per_update(strategy):
     (plain_rounds, plain_bytes, params), (rounds, nbytes, _) = results["plain"], results["accum"]
     assert plain_rounds == n_micro and plain_bytes == n_micro * params
     assert rounds == n_micro // K == 3
-    assert nbytes == rounds * (params + 4)  # gradient + the kept count (float32)
+    # gradient + one touched flag per variable + the kept count (float32)
+    assert nbytes == rounds * (params + 4 * len(model.trainable_variables) + 4)
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["new", "legacy"])
