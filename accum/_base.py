@@ -390,4 +390,14 @@ def check_optimizer(optimizer):
             "(e.g. `keras.optimizers.Adam()`). "
             f"Received: optimizer={optimizer!r} of type {type(optimizer).__name__}"
         )
+    if family == _backends.KERAS3:
+        import keras
+
+        backend = keras.backend.backend()
+        if backend != "tensorflow":
+            raise NotImplementedError(
+                "`AccumOptimizer` supports Keras 3 with the TensorFlow backend only. "
+                f"Received: an optimizer of the {backend!r} backend "
+                f"({type(optimizer).__name__}). Set KERAS_BACKEND=tensorflow."
+            )
     return family

@@ -20,3 +20,8 @@ def adapter_for(layer):
         if module.startswith("tf_keras."):
             return _tf_keras
     return None
+
+
+def check_decoration(fn):
+    """Refuses, at decoration, a Keras backend the decorator cannot serve (see `_keras3`)."""
+    _keras3.check_decoration(fn)

@@ -165,12 +165,15 @@ def recompute_grad(call):
     unbound = call.__func__ if inspect.ismethod(call) else call
     if bound_to is None:
         _check_takes_self(call)
+        _backends.check_decoration(call)
     elif _backends.adapter_for(bound_to) is None:
         raise TypeError(
             "`recompute_grad` decorates the `call` method of a Keras layer "
             "(`keras.layers.Layer` or `tf_keras.layers.Layer`). "
             f"Received: the bound `call` of {_describe(bound_to)}"
         )
+    else:
+        _backends.adapter_for(bound_to).check_supported(bound_to)
 
     @tf.autograph.experimental.do_not_convert
     def run(layer, args, kwargs, autograph_status):

@@ -7,6 +7,7 @@ all read here and nowhere else.
 """
 
 import contextlib
+import sys
 
 from ._errors import created_in_recomputation
 
@@ -19,14 +20,36 @@ def _keras():
     return keras
 
 
+def _refuse_backend(backend, what):
+    raise NotImplementedError(
+        "`recompute_grad` supports Keras 3 with the TensorFlow backend only. "
+        f"Received: {what} on the {backend!r} backend. "
+        "Set KERAS_BACKEND=tensorflow, or unset RECOMPUTE to run without it."
+    )
+
+
 def check_supported(layer):
     backend = _keras().backend.backend()
     if backend != "tensorflow":
-        raise NotImplementedError(
-            "`recompute_grad` supports Keras 3 with the TensorFlow backend only. "
-            f"Received: layer '{layer.name}' running on the {backend!r} backend. "
-            "Set KERAS_BACKEND=tensorflow, or unset RECOMPUTE to run without it."
-        )
+        _refuse_backend(backend, f"layer '{layer.name}' running")
+
+
+def check_decoration(fn):
+    """At decoration: refuses a Keras 3 program on another backend.
+
+    Only when the layer can only be a Keras 3 one (Keras 3 imported, tf_keras
+    not): a tf_keras layer decorated in the same process is still allowed, and
+    then refused at its first call if it is a Keras 3 layer after all.
+    """
+    keras = sys.modules.get("keras")
+    if keras is None or "tf_keras" in sys.modules or not hasattr(keras, "backend"):
+        return
+    backend_fn = getattr(keras.backend, "backend", None)
+    if backend_fn is None:  # bert4keras's `keras` (tf_keras under another name)
+        return
+    backend = backend_fn()
+    if backend != "tensorflow":
+        _refuse_backend(backend, f"`{getattr(fn, '__qualname__', fn)}` decorated")
 
 
 def sublayers(layer):
