@@ -1,4 +1,4 @@
-"""The backend split: which Keras a layer belongs to, and the module that handles it.
+"""The family split: which Keras a layer belongs to, and the adapter (`_adapter.Adapter`) that handles it.
 
 `_keras3` handles Keras 3 layers (the `keras` package, TensorFlow backend);
 `_tf_keras` handles tf_keras layers (Keras 2, which bert4keras runs on).
@@ -22,6 +22,10 @@ def adapter_for(layer):
     return None
 
 
+ADAPTERS = (_keras3, _tf_keras)
+
+
 def check_decoration(fn):
-    """Refuses, at decoration, a Keras backend the decorator cannot serve (see `_keras3`)."""
-    _keras3.check_decoration(fn)
+    """Refuses, at decoration, what no family's setup can serve (a Keras 3 backend other than TensorFlow)."""
+    for adapter in ADAPTERS:
+        adapter.check_decoration(fn)

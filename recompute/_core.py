@@ -170,8 +170,8 @@ def recomputed_call(adapter, call, layer, args, kwargs):
     before = adapter.state_variables(layer)
     pre = {id(adapter.tf_variable(v)): adapter.tf_variable(v).read_value() for v in before}
     layers = adapter.sublayers(layer)
-    legacy = adapter.legacy_rng_in_use(layers)
-    legacy_seed = adapter.draw_legacy_seed() if legacy else None
+    legacy = adapter.legacy_rng(layers)
+    legacy_seed = legacy.draw_seed() if legacy is not None else None
 
     created = {}  # variables the forward call creates (first call): their initial values
 
@@ -183,8 +183,8 @@ def recomputed_call(adapter, call, layer, args, kwargs):
     def run_call(inputs, seed=legacy_seed):
         call_args, call_kwargs = rebuild(inputs)
         with _running_call(layer):
-            if legacy:
-                with adapter.replay_legacy_rng(seed) as replay:
+            if legacy is not None:
+                with legacy.replay(seed) as replay:
                     outputs = call(layer, *call_args, **call_kwargs)
                 if replay.draws:
                     _warn_legacy_rng(layer)
@@ -226,7 +226,7 @@ def recomputed_call(adapter, call, layer, args, kwargs):
                         layer, state, _after(start, first_dy)
                     ) as recomputed_losses:
                         # The legacy seed is a forward-pass tensor too: gated like the state.
-                        seed = _after([legacy_seed], first_dy)[0] if legacy else None
+                        seed = _after([legacy_seed], first_dy)[0] if legacy is not None else None
                         recomputed = run_call(ready, seed)
                 if len(recomputed_losses) != len(losses):
                     raise RuntimeError(

@@ -1,4 +1,4 @@
-"""Keras 3 (`keras`, TensorFlow backend): what a recomputation must capture and restore.
+"""Keras 3 (`keras`, TensorFlow backend): the `_adapter.Adapter` of Keras 3 layers.
 
 Uses a few private Keras names -- the call context that carries `training` to
 sublayers, the autocast scope of mixed precision, the global seed generator and
@@ -230,13 +230,5 @@ def track_losses(layers):
     return added
 
 
-def legacy_rng_in_use(layers):
-    return False  # Keras 3 draws every random number from a SeedGenerator
-
-
-def draw_legacy_seed():
-    raise AssertionError("Keras 3 has no legacy RNG")
-
-
-def replay_legacy_rng(seed):
-    raise AssertionError("Keras 3 has no legacy RNG")
+def legacy_rng(layers):
+    return None  # Keras 3 draws every random number from a SeedGenerator, which replays

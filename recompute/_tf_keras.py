@@ -186,7 +186,7 @@ def track_losses(layers):
     return added
 
 
-def legacy_rng_in_use(layers):
+def _legacy_rng_in_use(layers):
     """True if random numbers drawn in the call may come from legacy stateful ops.
 
     That is the case whenever tf_keras's replayable RNG is off (its default):
@@ -224,7 +224,7 @@ def _active_replay():
     return stack[-1] if stack else None
 
 
-def draw_legacy_seed():
+def _draw_legacy_seed():
     """The seed of one decorated call's legacy random draws.
 
     Outermost call: one int64 pair from the legacy stateful RNG (so it follows
@@ -258,7 +258,7 @@ def _redirecting(original):
 
 
 @contextlib.contextmanager
-def replay_legacy_rng(seed):
+def _replay_legacy_rng(seed):
     """Makes every legacy-RNG draw of tf_keras in this thread a stateless function of `seed`.
 
     Yields the `_LegacyReplay`, whose `draws` counts the draws redirected.
@@ -289,3 +289,18 @@ def replay_legacy_rng(seed):
             if _redirect_users == 0:
                 for name in _REDIRECTED:
                     setattr(RandomGenerator, name, _saved_methods.pop(name))
+
+
+class _LegacyRng:
+    """tf_keras's legacy stateful draws, replayed from one seed per decorated call (`_adapter.LegacyRng`)."""
+
+    draw_seed = staticmethod(_draw_legacy_seed)
+    replay = staticmethod(_replay_legacy_rng)
+
+
+def legacy_rng(layers):
+    return _LegacyRng if _legacy_rng_in_use(layers) else None
+
+
+def check_decoration(fn):
+    pass  # a tf_keras layer has no backend to refuse
