@@ -12,128 +12,42 @@ from . import _backends
 
 
 class AccumOptimizer:
-    """Gradient accumulation: batch `b` that trains like batch `k * b`.
+    """Gradient accumulation: batch `b` that trains exactly like batch `k * b`.
 
     ```python
-    from accum import AccumOptimizer
-
     optimizer = AccumOptimizer(keras.optimizers.Adam(1e-4), steps_per_update=8)
     model.compile(optimizer=optimizer, loss=...)
     model.fit(x, y, batch_size=4)              # trains like batch_size=32
     ```
 
-    `AccumOptimizer(optimizer, k)` wraps a Keras 3 optimizer (TensorFlow
-    backend), a tf_keras optimizer or a tf_keras legacy optimizer
-    (`tf_keras.optimizers.legacy.*`) and returns an optimizer of the same
-    family, usable in `model.compile`, `model.fit` and custom loops
-    (`apply_gradients`). Like Keras's `LossScaleOptimizer`, it exposes
-    `inner_optimizer` and delegates `learning_rate` (so LR callbacks keep
-    working).
+    Wraps a Keras 3 (TensorFlow backend), tf_keras or tf_keras legacy
+    optimizer and is an optimizer of the same family (`compile`, `fit`,
+    custom loops, `tf.distribute`), with `inner_optimizer`, a delegated
+    `learning_rate` and a nested config, like `LossScaleOptimizer`. Each
+    `apply_gradients` call is a micro-step; every `k`-th applies the inner
+    optimizer once to the mean gradient, so everything that counts updates
+    (`iterations`, LR schedules, bias correction, weight decay, clipping, EMA)
+    counts windows. `micro_steps` counts micro-steps. A variable missing from a
+    micro-step counts a zero gradient there; one missing from the whole window
+    is not updated. Non-finite micro-batches are skipped. The window's state is
+    saved with the model: resuming mid-window is bit-exact.
 
-    Semantics (`mode="buffer"`, the default): each call to `apply_gradients`
-    is one *micro-step*. The gradients are summed into one buffer per
-    variable; the weights change only on every `k`-th micro-step, when the
-    inner optimizer is applied once to the mean of the `k` gradients. Everything
-    that counts updates counts windows: the inner optimizer's `iterations`,
-    learning-rate schedules, Adam's bias correction, weight decay, clipping
-    (`clipnorm`, `global_clipnorm` and `clipvalue` act on the mean) and EMA.
-    With a loss that is a mean over the micro-batch, the result equals the
-    inner optimizer trained on batches of `k * b` samples (up to float
-    rounding: <= 1e-6 in float32, <= 1e-12 in float64).
-
-    - `iterations` counts applied updates (it is the inner optimizer's);
-      `micro_steps` counts calls to `apply_gradients`.
-    - A variable missing from a micro-step (absent, or a `None` gradient; e.g.
-      a multi-task loop alternating heads) counts a zero gradient there: the
-      update applies the window's mean to every variable that got a gradient
-      in the window. A variable with no gradient in the whole window is not
-      updated at all (weights and slots unchanged, as the inner optimizer
-      leaves a variable it gets no gradient for at batch `k * b`).
-    - `tf.IndexedSlices` gradients (embeddings) are scatter-added into the
-      buffer: no full-size dense tensor is built per micro-step.
-    - A micro-batch with a non-finite gradient (mixed precision overflow) is
-      skipped: it is not added, and the mean divides by the micro-batches kept.
-      A window with none kept applies no update. With Keras's
-      `LossScaleOptimizer` outside (`LossScaleOptimizer(AccumOptimizer(...))`,
-      what `model.compile` builds under `mixed_float16`), the loss scale
-      reacts to every micro-step and skipped micro-batches never reach the
-      buffer.
-    - Windows are counted in micro-steps and run across epoch boundaries by
-      default: micro-batches left over at the end of an epoch are carried into
-      the next window, never dropped. At the end of `fit` a pending partial
-      window is reported once with a warning. `flush()` applies a partial
-      window now (normalized by the micro-batches it holds), and
-      `flush_callback(at="epoch_end" | "train_end")` does so from `fit`.
-    - State (buffers, counters) is saved with the optimizer (`.keras` files,
-      `save_weights`, tf_keras `.h5` and SavedModel, `tf.train.Checkpoint`),
-      so resuming mid-window is bit-exact in a fresh process. Buffers are
-      stored by the position of their variable, so a different `k` at load
-      time keeps the inner optimizer's slots; buffers that do not match the
-      model's variables raise a `ValueError`. `import accum` registers the
-      classes `load_model` looks up. tf_keras limits (its design, every
-      optimizer): SavedModel `load_model` restores no optimizer state (call
-      `model.optimizer.build(model.trainable_variables)` and
-      `model.load_weights(dir + "/variables/variables")`); `.keras` and
-      `.weights.h5` hold no state of legacy optimizers.
-    - Under a `tf.distribute` strategy (`MirroredStrategy`,
-      `MultiWorkerMirroredStrategy`; every family; `fit` and custom loops
-      with `strategy.run` in `tf.function`): each replica adds its own,
-      unreduced gradients to replica-local buffers, and the replicas
-      all-reduce once per update (one batched round: the window's gradient
-      sums and the count of micro-batches kept), not once per micro-step:
-      `k` times fewer bytes, no communication between updates. The inner
-      optimizer then applies the global mean with its own aggregation turned
-      off, so clipping, weight decay, LR schedules and loss scaling act as on
-      one device: the weights equal one device at the same global batch
-      (measured <= 1e-5 in float32). The window decision is taken in the
-      cross-replica context (no `merge_call` inside a `tf.cond`, what breaks
-      Keras's built-in accumulation, keras-team/keras#20582).
-      `mode="momentum"` raises `NotImplementedError` there; `flush()` is a
-      collective. Details and limits (no `jit_compile` on CPUs, Keras 3's
-      `fit` under `MultiWorkerMirroredStrategy`, sparse gradients reduced
-      dense, non-finite micro-batches dropped per replica):
-      `accum._distributed`; traffic and time: `python -m
-      benchmarks.accum_distribute`.
-    - BatchNormalization cannot be accumulated (each micro-batch is normalized
-      with its own statistics): a warning is issued when the optimizer is built
-      for a model that contains one.
-
-    `mode="momentum"`: accumulation with no extra buffer, for SGD with
-    momentum (exact) and Adam/AdamW (approximate). With the window's mean
-    gradient `g = (1/k) sum_i g_i`, the moment updates `m <- mu m - lr g` (SGD)
-    and `m <- b1 m + (1-b1) g`, `v <- b2 v + (1-b2) g^2` (Adam) are linear in
-    the micro-gradients except Adam's `g^2`. So: decay the moments once at the
-    window's first micro-step (`m <- mu m`; `m <- b1 m`, `v <- b2 v`), add
-    `-lr g_i / k` (SGD) or `(1-b1) g_i / k` and `(1-b2) g_i^2 / k` (Adam) at
-    each micro-step, and move the weights once at the end (after weight
-    decay; Adam with its bias correction at the update's iteration). SGD with
-    momentum is then exactly batch `k * b` with no variable beyond the
-    momentum slots; Adam's `m` is exact and its `v` holds the mean of squares
-    instead of the square of the mean (larger by the micro-gradients'
-    variance, so steps are shorter: approximate, measured in the tests and
-    the benchmark). Nesterov, amsgrad, clipping, EMA, loss scaling inside and
-    other optimizers raise a `ValueError`. A skipped non-finite micro-batch or
-    a flushed partial window counts as zero gradients (the window is divided
-    by `k`). Saves one float32 copy of the parameters (0.41 GiB for
-    BERT-base, 1.25 GiB for BERT-large). Full derivation: `accum._momentum`.
-
-    tf_keras notes: put a `LossScaleOptimizer` inside
-    (`AccumOptimizer(LossScaleOptimizer(opt), k)`): tf_keras's own
-    `LossScaleOptimizer` counts a skipped step as an iteration of the optimizer
-    it wraps, which outside the wrapper would advance the inner optimizer's
-    `iterations` (LR schedule, Adam bias correction) on a skipped micro-step.
-    Legacy optimizers are not finalized by tf_keras's `fit`, so the
-    pending-window warning is not issued for them.
+    Limits: `mode="momentum"` is exact for SGD with momentum only (Adam's
+    second moment is approximate) and refuses other optimizers and
+    `tf.distribute`; BatchNormalization statistics are per micro-batch (a
+    warning says so); with tf_keras, put its `LossScaleOptimizer` inside the
+    wrapper. Semantics, saving and limits in full: docs/accumulation.md;
+    distribution: `accum._distributed`; the momentum derivation:
+    `accum._momentum`.
 
     Args:
-        optimizer: the optimizer to wrap (Keras 3, tf_keras or tf_keras legacy).
-            Not an `AccumOptimizer`, not one with Keras's own
-            `gradient_accumulation_steps`, and not one another live
-            `AccumOptimizer` already wraps.
-        steps_per_update: `k`, an integer from 1 to `2**63 - 1`: micro-steps
-            per update. Read-only once built.
+        optimizer: the optimizer to wrap. Not an `AccumOptimizer`, not one with
+            Keras's `gradient_accumulation_steps`, not one another live
+            `AccumOptimizer` wraps.
+        steps_per_update: `k`, an integer from 1 to `2**63 - 1` (read-only);
             `k=1` behaves exactly like `optimizer`.
-        mode: `"buffer"` (default, exact for every optimizer) or `"momentum"`.
+        mode: `"buffer"` (default; exact for every optimizer) or `"momentum"`
+            (no buffers).
         name: optional name of the wrapper.
     """
 
