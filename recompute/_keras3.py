@@ -207,7 +207,9 @@ def capture_call_state(layer):
 
 
 def copy_output_mask(source, target):
-    """Gives `target` the Keras mask Keras 3 attached to `source` (a call output), if any.
+    """Gives `target` the Keras mask attached to `source` (a call output), if any.
+
+    Keras 3 and tf_keras both keep it in `_keras_mask`; `_tf_keras` uses this too.
 
     A call that sets its outputs' masks itself (a functional model does) would
     otherwise lose them: the tensors `recompute_grad` returns are new ones.

@@ -27,6 +27,7 @@ import threading
 import tensorflow as tf
 
 from . import _tf
+from ._keras3 import copy_output_mask  # noqa: F401  (tf_keras keeps masks in the same attribute)
 
 name = "tf_keras"
 
@@ -153,20 +154,6 @@ def _save_python_state(layers):
             del lst[n:]
 
     return restore
-
-
-def copy_output_mask(source, target):
-    """Gives `target` the Keras mask tf_keras attached to `source` (a call output), if any.
-
-    A call that sets its outputs' masks itself (a functional model does) would
-    otherwise lose them: the tensors `recompute_grad` returns are new ones.
-    """
-    mask = getattr(source, "_keras_mask", None)
-    if mask is not None:
-        try:
-            target._keras_mask = mask
-        except AttributeError:  # tensors that take no attributes carry no mask
-            pass
 
 
 def track_losses(layers):
