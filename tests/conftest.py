@@ -1,12 +1,10 @@
 import os
-import sys
 
 import pytest
 
 # Quieter TensorFlow logs; tests never need a GPU.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 def _two_logical_cpus():

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import accum
 from accum import AccumOptimizer
-from k3_reference import (
+from tests.helpers.k3_reference import (
     concat,
     fresh,
     make_data,
@@ -21,7 +21,7 @@ from k3_reference import (
     state,
     twin,
 )
-from numerics import assert_grouped_close
+from tests.helpers.numerics import assert_grouped_close
 
 K, B = 4, 3
 

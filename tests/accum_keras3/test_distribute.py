@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import mwms
+from tests.helpers import mwms
 from accum import AccumOptimizer
 from benchmarks.allreduce import AllReduceCounter
-from k3_reference import fresh, make_data, make_dense_model, make_model, run, state
-from numerics import assert_grouped_close
+from tests.helpers.k3_reference import fresh, make_data, make_dense_model, make_model, run, state
+from tests.helpers.numerics import assert_grouped_close
 
 K, B = 4, 6  # B: global micro-batch, 3 per replica
 TOL = 1e-5
@@ -168,7 +168,7 @@ def test_mirrored_flush_callback(strategy):
         model.compile(optimizer, "mse")
     model.fit([x, ids], y, batch_size=B, epochs=1, shuffle=False, verbose=0,
               callbacks=[optimizer.flush_callback("train_end")])
-    from k3_reference import run_batches
+    from tests.helpers.k3_reference import run_batches
 
     run_batches(ref, ref_opt, [tuple(a[s:e] for a in (x, ids, y))
                                for s, e in ((0, K * B), (K * B, 2 * K * B), (2 * K * B, n_micro * B))])

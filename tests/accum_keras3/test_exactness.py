@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 from accum import AccumOptimizer
-from k3_reference import fresh, make_data, make_model, run, slot_values, twin
-from numerics import assert_grouped_close
+from tests.helpers.k3_reference import fresh, make_data, make_model, run, slot_values, twin
+from tests.helpers.numerics import assert_grouped_close
 
 K, B, UPDATES = 4, 3, 6
 TOL = {"float32": 1e-6, "float64": 1e-12}

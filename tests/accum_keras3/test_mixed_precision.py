@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 from accum import AccumOptimizer
-from k3_reference import concat, make_data, make_dense_model, make_model, run_batches, state, twin
-from numerics import assert_grouped_close
+from tests.helpers.k3_reference import concat, make_data, make_dense_model, make_model, run_batches, state, twin
+from tests.helpers.numerics import assert_grouped_close
 
 K, B = 4, 3
 

@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 from accum import AccumOptimizer
-from k3_reference import concat, fresh, make_data, make_model, make_step, run, slot_values, twin
-from numerics import assert_grouped_close, max_rel_err
+from tests.helpers.k3_reference import concat, fresh, make_data, make_model, make_step, run, slot_values, twin
+from tests.helpers.numerics import assert_grouped_close, max_rel_err
 
 K, B, UPDATES = 4, 3, 6
 

@@ -7,7 +7,7 @@ The worker is `tests/save_resume_worker.py` (one process for every case)."""
 import numpy as np
 import pytest
 
-import save_resume_worker as worker
+from tests.helpers import save_resume_worker as worker
 
 KINDS = ("sequential", "functional", "subclassed")
 PLAN = {("adam", kind): ["keras", "weights"] for kind in KINDS}

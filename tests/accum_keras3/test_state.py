@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from accum import AccumOptimizer
-from k3_reference import concat, make_data, make_model, make_step, state, twin
+from tests.helpers.k3_reference import concat, make_data, make_model, make_step, state, twin
 
 K, B = 4, 3
 

@@ -8,8 +8,8 @@ import tensorflow as tf
 import tf_keras as K
 
 from accum import AccumOptimizer
-from numerics import assert_grouped_close
-from tfk_reference import (
+from tests.helpers.numerics import assert_grouped_close
+from tests.helpers.tfk_reference import (
     concat,
     fresh,
     make_data,

@@ -10,11 +10,11 @@ import pytest
 import tensorflow as tf
 import tf_keras as tfk
 
-import mwms
+from tests.helpers import mwms
 from accum import AccumOptimizer
 from benchmarks.allreduce import AllReduceCounter
-from numerics import assert_grouped_close
-from tfk_reference import fresh, make_data, make_model, run, state
+from tests.helpers.numerics import assert_grouped_close
+from tests.helpers.tfk_reference import fresh, make_data, make_model, run, state
 
 K, B = 4, 6  # B: global micro-batch, 3 per replica
 TOL = 1e-5

@@ -5,8 +5,8 @@ import pytest
 import tf_keras as K
 
 from accum import AccumOptimizer
-from numerics import assert_grouped_close
-from tfk_reference import fresh, make_data, make_model, optimizer_variables, run, twin
+from tests.helpers.numerics import assert_grouped_close
+from tests.helpers.tfk_reference import fresh, make_data, make_model, optimizer_variables, run, twin
 
 KK, B, UPDATES = 4, 3, 6
 TOL = {"float32": 1e-6, "float64": 1e-12}

@@ -12,7 +12,7 @@ import tensorflow as tf
 import tf_keras as K
 
 from accum import AccumOptimizer
-from tfk_reference import optimizer_variables
+from tests.helpers.tfk_reference import optimizer_variables
 
 
 def _optimizer(family, kind):

@@ -7,8 +7,8 @@ import tensorflow as tf
 import tf_keras as K
 
 from accum import AccumOptimizer
-from numerics import assert_grouped_close
-from tfk_reference import concat, make_data, make_model, run_batches, state, twin
+from tests.helpers.numerics import assert_grouped_close
+from tests.helpers.tfk_reference import concat, make_data, make_model, run_batches, state, twin
 
 KK, B = 4, 3
 

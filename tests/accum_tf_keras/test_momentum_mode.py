@@ -6,8 +6,8 @@ import tensorflow as tf
 import tf_keras as K
 
 from accum import AccumOptimizer
-from numerics import assert_grouped_close
-from tfk_reference import concat, fresh, make_data, make_model, make_step, optimizer_variables, run, twin
+from tests.helpers.numerics import assert_grouped_close
+from tests.helpers.tfk_reference import concat, fresh, make_data, make_model, make_step, optimizer_variables, run, twin
 
 KK, B, UPDATES = 4, 3, 6
 SCHEDULE = lambda: K.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5)  # noqa: E731

@@ -24,7 +24,7 @@ import tensorflow as tf  # noqa: E402
 import bert4keras.layers as B  # noqa: E402
 from bert4keras.models import build_transformer_model  # noqa: E402
 
-from numerics import assert_all_close, to_numpy  # noqa: E402
+from tests.helpers.numerics import assert_all_close, to_numpy  # noqa: E402
 
 
 

@@ -22,7 +22,7 @@ import safetensors.numpy  # noqa: E402
 from recompute.bert4keras import converter as hf_convert  # noqa: E402
 from recompute.bert4keras.converter import ConvertedBert, convert, minilm  # noqa: E402
 
-import numpy_bert  # noqa: E402
+from tests.helpers import numpy_bert  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RT_POLARITY = os.path.join(ROOT, "..", "shared", "data", "rt-polarity")

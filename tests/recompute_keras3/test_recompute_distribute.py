@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import mwms
+from tests.helpers import mwms
 import recompute
-from numerics import assert_all_close, assert_state_equal
+from tests.helpers.numerics import assert_all_close, assert_state_equal
 from recompute import recompute_grad
-from recompute_distributed import CALLS, data, keras3_model, run_custom_loop, state
+from tests.helpers.recompute_distributed import CALLS, data, keras3_model, run_custom_loop, state
 
 pytestmark = pytest.mark.skipif(
     len(tf.config.list_logical_devices("CPU")) < 2,

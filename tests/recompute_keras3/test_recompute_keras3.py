@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import recompute
 from recompute import recompute_grad
-from numerics import assert_all_close, assert_state_equal, max_rel_err, to_numpy
+from tests.helpers.numerics import assert_all_close, assert_state_equal, max_rel_err, to_numpy
 
 CALLS = {"n": 0}
 

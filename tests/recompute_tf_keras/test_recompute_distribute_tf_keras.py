@@ -12,11 +12,11 @@ import pytest
 import tensorflow as tf
 import tf_keras as K
 
-import mwms
+from tests.helpers import mwms
 import recompute
-from numerics import assert_all_close, assert_state_equal
+from tests.helpers.numerics import assert_all_close, assert_state_equal
 from recompute import _core, recompute_grad
-from recompute_distributed import CALLS, data, run_custom_loop, state, tf_keras_model
+from tests.helpers.recompute_distributed import CALLS, data, run_custom_loop, state, tf_keras_model
 
 pytestmark = pytest.mark.skipif(
     len(tf.config.list_logical_devices("CPU")) < 2,

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import recompute
 from recompute import recompute_grad
-from numerics import assert_all_close, to_numpy
+from tests.helpers.numerics import assert_all_close, to_numpy
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ import tf_keras as keras
 
 import recompute
 from recompute import recompute_grad
-from numerics import assert_all_close, to_numpy
+from tests.helpers.numerics import assert_all_close, to_numpy
 
 
 class Forces(keras.layers.Layer):

@@ -13,7 +13,7 @@ import tf_keras as K
 
 import recompute
 from recompute import _core, recompute_grad
-from numerics import assert_all_close, assert_state_equal, to_numpy
+from tests.helpers.numerics import assert_all_close, assert_state_equal, to_numpy
 
 CALLS = {"n": 0}
 

@@ -19,8 +19,7 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE)]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 import numpy as np  # noqa: E402
 
@@ -230,8 +229,8 @@ def run_plan(lib, plan, tmp, timeout=600):
         json.dump(jobs, f)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     env.pop("TF_USE_LEGACY_KERAS", None)
-    proc = subprocess.run([sys.executable, __file__, jobs_file], env=env, capture_output=True,
-                          text=True, timeout=timeout, cwd=HERE)
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.save_resume_worker", jobs_file], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     with open(jobs_file + ".result.json") as f:

@@ -1,6 +1,6 @@
 """One `MultiWorkerMirroredStrategy` worker for the multi-process tests (started by `mwms.py`).
 
-    TF_CONFIG=... python mwms_worker.py keras3|tf_keras OUT_DIR
+    TF_CONFIG=... python -m tests.helpers.mwms_worker keras3|tf_keras OUT_DIR
 
 Trains two tiny models with `AccumOptimizer` (k=4, global micro-batch 6, 2
 updates): "adam" (Adam, LR schedule, clipnorm; dense model) and "sgd" (SGD
@@ -14,8 +14,6 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -55,8 +53,7 @@ def keras3(strategy, task, workers):
 
     from accum import AccumOptimizer
 
-    sys.path.insert(0, os.path.join(HERE, "accum_keras3"))
-    from k3_reference import make_data, make_dense_model, make_model
+    from tests.helpers.k3_reference import make_data, make_dense_model, make_model
 
     data = make_data(K * B * 2)
     out = {}
@@ -84,8 +81,7 @@ def tf_keras(strategy, task, workers):
     from accum import AccumOptimizer
     from benchmarks.allreduce import AllReduceCounter
 
-    sys.path.insert(0, os.path.join(HERE, "accum_tf_keras"))
-    from tfk_reference import make_data, make_model
+    from tests.helpers.tfk_reference import make_data, make_model
 
     x, ids, y = data = make_data(K * B * 2)
     with strategy.scope():

@@ -1,7 +1,7 @@
 """One `MultiWorkerMirroredStrategy` worker for the recompute_grad multi-process tests
 (started by `mwms.py`).
 
-    TF_CONFIG=... python mwms_recompute_worker.py keras3|tf_keras OUT_DIR
+    TF_CONFIG=... python -m tests.helpers.mwms_recompute_worker keras3|tf_keras OUT_DIR
 
 Trains the block model of `recompute_distributed.py` (dropout on, BatchNormalization)
 for 2 steps of SGD in a custom loop, global batch 8 (each worker feeds its own 4
@@ -17,13 +17,11 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from recompute_distributed import data, run_custom_loop  # noqa: E402
+from tests.helpers.recompute_distributed import data, run_custom_loop  # noqa: E402
 
 B, STEPS = 8, 2
 
@@ -36,13 +34,13 @@ def main():
     if family == "keras3":
         import keras
 
-        from recompute_distributed import keras3_model as make_model
+        from tests.helpers.recompute_distributed import keras3_model as make_model
 
         make_optimizer = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
     else:
         import tf_keras
 
-        from recompute_distributed import tf_keras_model as make_model
+        from tests.helpers.recompute_distributed import tf_keras_model as make_model
 
         tf_keras.backend.experimental.enable_tf_random_generator()
         make_optimizer = lambda: tf_keras.optimizers.SGD(0.1)  # noqa: E731

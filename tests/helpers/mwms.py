@@ -1,36 +1,23 @@
-"""Runs `mwms_worker.py` as 2 `MultiWorkerMirroredStrategy` workers on loopback (TF_CONFIG), bounded in time."""
+"""Runs `python -m tests.helpers.mwms_worker` as 2 `MultiWorkerMirroredStrategy` workers on loopback (TF_CONFIG), bounded in time."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "mwms_worker.py")  # AccumOptimizer
-RECOMPUTE_WORKER = os.path.join(HERE, "mwms_recompute_worker.py")  # recompute_grad
+from benchmarks.harness import free_ports
 
-
-def free_ports(n):
-    """`n` distinct free TCP ports on 127.0.0.1 (bound together, then released)."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+WORKER = "tests.helpers.mwms_worker"  # AccumOptimizer
+RECOMPUTE_WORKER = "tests.helpers.mwms_recompute_worker"  # recompute_grad
 
 
 def run_workers(scenario, out_dir, workers=2, timeout=120.0, extra_env=None, worker=WORKER):
-    """Starts `workers` processes of `worker <scenario> <out_dir>` (default:
-    `mwms_worker.py`), waits for all.
+    """Starts `workers` processes of `worker <scenario> <out_dir>` (a module; default:
+    `tests.helpers.mwms_worker`), waits for all.
 
     Each process gets `TF_CONFIG` for its task. If any fails or the time is
     up, all of them are killed and an `AssertionError` carries their output.
@@ -48,8 +35,8 @@ def run_workers(scenario, out_dir, workers=2, timeout=120.0, extra_env=None, wor
         log = open(os.path.join(out_dir, f"worker{index}.log"), "w+")
         logs.append(log)
         procs.append(subprocess.Popen(
-            [sys.executable, worker, scenario, str(out_dir)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=HERE,
+            [sys.executable, "-m", worker, scenario, str(out_dir)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         ))
     deadline = time.monotonic() + timeout
     failed = None
