@@ -116,7 +116,7 @@ def _after(tensors, *gates):
         with tf.control_dependencies([zero]):
             return tf.identity(x)
 
-    return [gated(x) for x in tensors]
+    return [None if x is None else gated(x) for x in tensors]
 
 
 def _forbid_creation(layer):
@@ -242,10 +242,9 @@ def recomputed_call(adapter, call, layer, args, kwargs):
                     if dy is not None and _is_float_tensor(out):
                         targets.append(out)
                         seeds.append(dy)
-                grads = tape.gradient(
-                    targets, list(ready) + variables, output_gradients=seeds,
-                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                )
+                # An input or weight the outputs do not depend on gets None, as
+                # without recomputation (a zero would still move it under weight decay).
+                grads = tape.gradient(targets, list(ready) + variables, output_gradients=seeds)
                 grads = [order.mark(g) for g in grads]
             n = len(ready)
             # The block below recomputes once this block's gradients are all done (see `_after`).
