@@ -72,7 +72,8 @@ def recompute_grad(call):
     block's inputs plus one block's activations.
 
     Nothing else changes: the loss and every gradient (inputs and all weights)
-    are those of the undecorated layer -- with dropout on, because the random
+    are those of the undecorated layer (`None` for an input or weight the
+    outputs do not depend on, as there) -- with dropout on, because the random
     state (Keras 3 `SeedGenerator`s, tf_keras `tf.random.Generator`s) is
     replayed in the recomputation and left where the plain run leaves it; and
     side effects (BatchNormalization moving statistics, metric updates,
