@@ -120,8 +120,11 @@ def recompute_grad(call):
     A tape the call opens itself (forces as -dE/dx of an energy) records as
     usual in `tf.function` and `model.fit`: values and gradients (second order
     through that tape) are those of the undecorated layer. In eager mode it
-    records nothing in the forward pass (TensorFlow can only pause every tape
-    of a thread): run such a model in a `tf.function`.
+    could record nothing in the forward pass (TensorFlow can only pause every
+    tape of a thread), so such a call raises `NotImplementedError` there: run
+    the step in a `tf.function` or `model.fit`, or with RECOMPUTE=0. (Found by
+    reading the code of the call, of methods and module functions it names
+    and of its sublayers' calls for `GradientTape`.)
 
     Limitations: variables must exist before the recomputation (sublayers are
     built by the forward pass, which always runs first), so sublayers with
