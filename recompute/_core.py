@@ -151,7 +151,8 @@ def _unwrap(fn):
 
 
 def _user_function(value):
-    """`value` as a function defined outside the libraries we know open no tape in a call."""
+    """`value` as a function defined outside the libraries we know open no tape in a call
+    to differentiate (Keras, TensorFlow), or None."""
     if isinstance(value, (staticmethod, classmethod)):
         value = value.__func__
     fn = _unwrap(value) if callable(value) else None
@@ -186,12 +187,16 @@ def _opens_tape(fn, cls, seen):
 
 
 def _tape_opener(call, layer, layers):
-    """The qualified name of a function among `call` (of `layer`) and the calls of
-    `layers` that opens a `tf.GradientTape` (statically, see `_opens_tape`), or None.
-    Cached per class and function."""
-    entries = [(call, type(layer))] + [(lyr.call, type(lyr)) for lyr in layers]
+    """The qualified name of a function that opens a `tf.GradientTape` (statically, see
+    `_opens_tape`), or None. Read: `call` (of `layer`), the calls of `layers` and the
+    functions of their `Lambda` layers; not Keras's and TensorFlow's own code (tf_keras's
+    `Lambda` opens a tape only to list the variables it reads). Cached per class and function."""
+    entries = [(call, type(layer))]
+    for lyr in layers:
+        entries.append((lyr.call, type(lyr)))
+        entries.append((lyr.__dict__.get("function"), type(lyr)))  # a `Lambda` layer's
     for entry, cls in entries:
-        fn = _unwrap(entry)
+        fn = _user_function(entry)
         if fn is None:
             continue
         try:

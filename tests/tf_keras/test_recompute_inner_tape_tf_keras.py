@@ -184,8 +184,29 @@ class Holder(keras.layers.Layer):
         return self.d(self.inner(x))
 
 
+class LambdaHolder(keras.layers.Layer):
+    """A decorated call whose `Lambda` sublayer opens the tape (or, `tape=False`, does not)."""
+
+    def __init__(self, tape=True, **kwargs):
+        super().__init__(**kwargs)
+        if tape:
+            self.inner = keras.layers.Lambda(lambda x: forces_of(cubes, x))
+        else:
+            self.inner = keras.layers.Lambda(lambda x: tf.tanh(x) ** 3)
+        self.d = keras.layers.Dense(3)
+
+    @recompute_grad
+    def call(self, x):
+        return self.d(self.inner(x))
+
+
+def cubes(h):
+    return tf.reduce_sum(h**3, -1, keepdims=True)
+
+
 TAPE_BLOCKS = {
     "call": lambda: Forces("plain"),
+    "lambda": LambdaHolder,
     "method": ForcesInMethod,
     "function": ForcesInFunction,
     "sublayer": Holder,
@@ -221,6 +242,21 @@ def test_inner_tape_eager_raises_and_graph_is_exact(where):
     with recompute.recompute_scope(False):  # eager without recomputation: the plain run
         l2, g2 = grads_of(tape_model(where)[0], x, "eager")
     assert_all_close([l0] + g0, [l2] + g2)
+
+
+def test_lambda_without_tape_runs_eagerly():
+    """A `Lambda` sublayer (tf_keras's opens a tape of its own, only to list the
+    variables its function reads) is no reason to refuse an eager call."""
+    x = inputs()
+    results = []
+    for on in (False, True):
+        keras.utils.set_random_seed(0)
+        block = LambdaHolder(tape=False)
+        model = keras.Sequential([keras.Input((3,)), block, keras.layers.Dense(1)])
+        with recompute.recompute_scope(on):
+            loss, grads = grads_of(model, x, "eager")
+        results.append([np.asarray(loss)] + grads)
+    assert_all_close(results[0], results[1])
 
 
 def test_inner_tape_fit_run_eagerly_raises():
