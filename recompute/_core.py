@@ -296,9 +296,8 @@ def recomputed_call(adapter, call, layer, args, kwargs):
             except (TypeError, ValueError, AttributeError) as e:
                 # What a None gradient from a tape opened in the call (one the
                 # static check could not see) raises, with a hint at the cause.
-                if type(e) not in (TypeError, ValueError, AttributeError) or "None" not in str(e):
-                    raise
-                if not _tf.context_executing_eagerly():
+                exact_type = type(e) in (TypeError, ValueError, AttributeError)
+                if not (exact_type and "None" in str(e) and _tf.context_executing_eagerly()):
                     raise
                 raise type(e)(
                     f"{e}\n\nrecompute_grad: this was raised in the eager forward pass "
