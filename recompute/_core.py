@@ -11,8 +11,11 @@ the forward pass). Turning recomputation on changes only memory and time.
 """
 
 import contextlib
+import inspect
 import threading
+import types
 import warnings
+import weakref
 
 import tensorflow as tf
 
@@ -116,7 +119,7 @@ def _after(tensors, *gates):
         with tf.control_dependencies([zero]):
             return tf.identity(x)
 
-    return [gated(x) for x in tensors]
+    return [None if x is None else gated(x) for x in tensors]
 
 
 def _forbid_creation(layer):
@@ -128,6 +131,83 @@ def _forbid_creation(layer):
         raise created_in_recomputation(layer.name, what, tf_keras)
 
     return tf.variable_creator_scope(creator)
+
+
+# --------------------------------------------- a tape opened inside an eager call
+
+_LIBRARIES = frozenset({"builtins", "keras", "numpy", "recompute", "tensorflow", "tf_keras"})
+_tape_cache = weakref.WeakKeyDictionary()  # layer class -> {code object: opens a tape}
+
+
+def _unwrap(fn):
+    """The function behind a (bound, `recompute_grad`-decorated, `functools.wraps`-ed) `fn`."""
+    for _ in range(32):
+        fn = getattr(fn, "__func__", fn)
+        inner = getattr(fn, "__recompute_grad_wrapped__", None) or getattr(fn, "__wrapped__", None)
+        if inner is None:
+            break
+        fn = inner
+    return fn if isinstance(fn, types.FunctionType) else None
+
+
+def _user_function(value):
+    """`value` as a function defined outside the libraries we know open no tape in a call
+    to differentiate (Keras, TensorFlow), or None."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    fn = _unwrap(value) if callable(value) else None
+    if fn is None or (fn.__module__ or "").split(".")[0] in _LIBRARIES:
+        return None
+    return fn
+
+
+def _opens_tape(fn, cls, seen):
+    """True if `fn`'s code names `GradientTape`, or code it reaches does.
+
+    Reached: nested functions, lambdas and comprehensions; methods of `cls` and
+    functions of `fn`'s module that the code names. A static scan: a tape class
+    reached under another name, or through code outside those, is not seen.
+    """
+    codes = [fn.__code__]
+    while codes:
+        code = codes.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        if "GradientTape" in code.co_names:
+            return True
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        for name in code.co_names:
+            for value in (inspect.getattr_static(cls, name, None), fn.__globals__.get(name)):
+                other = _user_function(value)
+                if other is not None and other.__code__ not in seen:
+                    if _opens_tape(other, cls, seen):
+                        return True
+    return False
+
+
+def _tape_opener(call, layer, layers):
+    """The qualified name of a function that opens a `tf.GradientTape` (statically, see
+    `_opens_tape`), or None. Read: `call` (of `layer`), the calls of `layers` and the
+    functions of their `Lambda` layers; not Keras's and TensorFlow's own code (tf_keras's
+    `Lambda` opens a tape only to list the variables it reads). Cached per class and function."""
+    entries = [(call, type(layer))]
+    for lyr in layers:
+        entries.append((lyr.call, type(lyr)))
+        entries.append((lyr.__dict__.get("function"), type(lyr)))  # a `Lambda` layer's
+    for entry, cls in entries:
+        fn = _user_function(entry)
+        if fn is None:
+            continue
+        try:
+            found = _tape_cache.setdefault(cls, {})
+        except TypeError:  # a class that cannot be weakly referenced: no cache
+            found = {}
+        if fn.__code__ not in found:
+            found[fn.__code__] = _opens_tape(fn, cls, set())
+        if found[fn.__code__]:
+            return fn.__qualname__
+    return None
 
 
 def recomputed_call(adapter, call, layer, args, kwargs):
@@ -162,6 +242,21 @@ def recomputed_call(adapter, call, layer, args, kwargs):
             "instead, or use `unroll=True`."
         )
 
+    layers = adapter.sublayers(layer)
+    if _tf.context_executing_eagerly():
+        opener = _tape_opener(call, layer, layers)
+        if opener is not None:
+            raise NotImplementedError(
+                "`recompute_grad` cannot recompute, in eager mode, a call that opens "
+                "its own `tf.GradientTape`: the eager forward pass pauses every tape "
+                "of the thread (TensorFlow cannot pause only the tapes outside the "
+                "call), so that tape would record nothing and its gradients would be "
+                f"None or zero. Received: layer '{layer.name}', whose `{opener}` uses "
+                "`GradientTape`. Run the step in a `tf.function` or with `model.fit` "
+                "(not `run_eagerly=True`), where such a tape is exact, or run this "
+                "model with RECOMPUTE=0 or inside `recompute_scope(False)`."
+            )
+
     def rebuild(new_xs):
         new_flat = [new_xs[slot_of[id(v)]] if id(v) in slot_of else v for v in flat]
         return tf.nest.pack_sequence_as(structure, new_flat)
@@ -169,7 +264,6 @@ def recomputed_call(adapter, call, layer, args, kwargs):
     reenter = adapter.capture_call_state(layer)
     before = adapter.state_variables(layer)
     pre = {id(adapter.tf_variable(v)): adapter.tf_variable(v).read_value() for v in before}
-    layers = adapter.sublayers(layer)
     legacy = adapter.legacy_rng(layers)
     legacy_seed = legacy.draw_seed() if legacy is not None else None
 
@@ -197,7 +291,22 @@ def recomputed_call(adapter, call, layer, args, kwargs):
     def forward(*inputs):
         added_losses = adapter.track_losses(layers)
         with _tf.pause_outer_tapes(), tf.variable_creator_scope(record_creation):
-            outputs = run_call(inputs)
+            try:
+                outputs = run_call(inputs)
+            except (TypeError, ValueError, AttributeError) as e:
+                # What a None gradient from a tape opened in the call (one the
+                # static check could not see) raises, with a hint at the cause.
+                exact_type = type(e) in (TypeError, ValueError, AttributeError)
+                if not (exact_type and "None" in str(e) and _tf.context_executing_eagerly()):
+                    raise
+                raise type(e)(
+                    f"{e}\n\nrecompute_grad: this was raised in the eager forward pass "
+                    f"of layer '{layer.name}', which runs with every GradientTape of the "
+                    "thread paused. If the call opens a `tf.GradientTape` (one not named "
+                    "`GradientTape` in its code), that tape records nothing there and its "
+                    "gradients are None: run the step in a `tf.function` or with "
+                    "`model.fit`, or with RECOMPUTE=0."
+                ) from e
         loss_slots = added_losses()
         # Only floating tensors go through the custom gradient; every other
         # leaf (None, Python values, integer masks, variables) is returned as
@@ -242,10 +351,9 @@ def recomputed_call(adapter, call, layer, args, kwargs):
                     if dy is not None and _is_float_tensor(out):
                         targets.append(out)
                         seeds.append(dy)
-                grads = tape.gradient(
-                    targets, list(ready) + variables, output_gradients=seeds,
-                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                )
+                # An input or weight the outputs do not depend on gets None, as
+                # without recomputation (a zero would still move it under weight decay).
+                grads = tape.gradient(targets, list(ready) + variables, output_gradients=seeds)
                 grads = [order.mark(g) for g in grads]
             n = len(ready)
             # The block below recomputes once this block's gradients are all done (see `_after`).

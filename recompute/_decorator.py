@@ -72,7 +72,8 @@ def recompute_grad(call):
     block's inputs plus one block's activations.
 
     Nothing else changes: the loss and every gradient (inputs and all weights)
-    are those of the undecorated layer -- with dropout on, because the random
+    are those of the undecorated layer (`None` for an input or weight the
+    outputs do not depend on, as there) -- with dropout on, because the random
     state (Keras 3 `SeedGenerator`s, tf_keras `tf.random.Generator`s) is
     replayed in the recomputation and left where the plain run leaves it; and
     side effects (BatchNormalization moving statistics, metric updates,
@@ -119,8 +120,11 @@ def recompute_grad(call):
     A tape the call opens itself (forces as -dE/dx of an energy) records as
     usual in `tf.function` and `model.fit`: values and gradients (second order
     through that tape) are those of the undecorated layer. In eager mode it
-    records nothing in the forward pass (TensorFlow can only pause every tape
-    of a thread): run such a model in a `tf.function`.
+    could record nothing in the forward pass (TensorFlow can only pause every
+    tape of a thread), so such a call raises `NotImplementedError` there: run
+    the step in a `tf.function` or `model.fit`, or with RECOMPUTE=0. (Found by
+    reading the code of the call, of methods and module functions it names
+    and of its sublayers' calls for `GradientTape`.)
 
     Limitations: variables must exist before the recomputation (sublayers are
     built by the forward pass, which always runs first), so sublayers with

@@ -36,7 +36,7 @@ def pause_outer_tapes():
 
     Eager: every tape on this thread is paused (TensorFlow cannot pause some
     tapes and not others, nor list them), so a tape the call opens itself
-    records nothing either. In a graph (`tf.function`, `fit`) nothing is paused:
+    would record nothing either (`recomputed_call` refuses such calls). In a graph (`tf.function`, `fit`) nothing is paused:
     the outer tapes record the call's ops symbolically, but the call's outputs
     reach them only through the custom gradient, so the backward graph never
     uses those ops, and a tape opened inside the call (forces as -dE/dx)

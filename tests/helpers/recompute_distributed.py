@@ -74,6 +74,38 @@ def tf_keras_model(seed=0):
     return tf_keras.Model(inp, L.Dense(1)(h))
 
 
+def unused_model(keras_module, seed=0):
+    """A block whose output uses neither its second input `aux` nor its `unused` sublayer:
+    the weights of both get no gradient (None), with or without recomputation."""
+    from recompute import recompute_grad
+
+    L = keras_module.layers
+
+    class UnusedBlock(L.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.used = L.Dense(UNITS, activation="tanh")
+            self.unused = L.Dense(UNITS, name="unused")
+
+        def build(self, input_shape):
+            self.used.build(input_shape[0])
+            self.unused.build(input_shape[0])
+            super().build(input_shape)
+
+        @recompute_grad
+        def call(self, inputs):
+            CALLS["n"] += 1
+            x, aux = inputs
+            return self.used(x)
+
+    keras_module.utils.set_random_seed(seed)
+    inp = L.Input((UNITS,))
+    aux = L.Dense(UNITS, name="aux")(inp)
+    block = UnusedBlock(name="block")
+    model = keras_module.Model(inp, L.Dense(1)(block([L.Dense(UNITS)(inp), aux])))
+    return model, model.get_layer("aux").weights + block.unused.weights
+
+
 def data(n, seed=0):
     rng = np.random.RandomState(seed)
     return rng.randn(n, UNITS).astype("float32"), rng.randn(n, 1).astype("float32")

@@ -19,7 +19,9 @@ from tests.helpers import mwms
 import recompute
 from tests.helpers.numerics import assert_all_close, assert_state_equal
 from recompute import recompute_grad
-from tests.helpers.recompute_distributed import CALLS, data, keras3_model, run_custom_loop, state
+from tests.helpers.recompute_distributed import (
+    CALLS, data, keras3_model, local, run_custom_loop, state, unused_model,
+)
 
 pytestmark = pytest.mark.skipif(
     len(tf.config.list_logical_devices("CPU")) < 2,
@@ -70,6 +72,27 @@ def test_mirrored_fit(strategy):
     assert_state_equal(results[False][0], results[True][0])
     assert results[True][1] > results[False][1] > 0
 
+
+
+def test_mirrored_fit_unconnected_weights_untouched_by_weight_decay(strategy):
+    """Weights the output does not depend on get no gradient (None, not zero) per
+    replica, so AdamW's weight decay leaves them alone, as without recomputation."""
+    x, y = data(3 * B, seed=1)
+    results = {}
+    for on in (False, True):
+        with strategy.scope():
+            model, unconnected = unused_model(keras)
+            model.compile(keras.optimizers.AdamW(0.01, weight_decay=0.1), "mse")
+        start = [np.asarray(v) for v in unconnected]
+        CALLS["n"] = 0
+        with recompute.recompute_scope(on):
+            model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+        for v, v0 in zip(unconnected, start):
+            for a in local(strategy, v):
+                np.testing.assert_array_equal(a, v0)
+        results[on] = (state(strategy, model), CALLS["n"])
+    assert_state_equal(results[False][0], results[True][0])
+    assert results[True][1] > results[False][1] > 0
 
 class CountingBlock(keras.layers.Layer):
     """Adds the batch mean to an aggregated non-trainable variable, then reads it back."""

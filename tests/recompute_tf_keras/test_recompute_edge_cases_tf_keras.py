@@ -289,3 +289,84 @@ def test_dropout_created_in_call_gets_advice_that_can_be_followed(compile_mode):
             results.append(_dropout_grads(layer, compile_mode))
     assert 0 < np.mean(results[0][0] == 0) < 1  # dropout is on
     assert_all_close(results[0], results[1])
+
+
+# ------------------------------------------------- unconnected gradients: None
+
+
+class UnusedBlock(keras.layers.Layer):
+    """Takes (x, aux) and uses neither `aux` nor its `unused` sublayer for its output."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.used = keras.layers.Dense(4, activation="tanh")
+        self.unused = keras.layers.Dense(4)
+
+    def build(self, input_shape):
+        self.used.build(input_shape[0])
+        self.unused.build(input_shape[0])
+        super().build(input_shape)
+
+    @recompute_grad
+    def call(self, inputs):
+        x, aux = inputs
+        return self.used(x)
+
+
+def unused_model():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((3,))
+    aux = keras.layers.Dense(4, name="aux")(inp)  # reaches the output only through `aux`
+    h = UnusedBlock()([keras.layers.Dense(4)(inp), aux])
+    return keras.Model(inp, keras.layers.Dense(1)(h))
+
+
+@pytest.mark.parametrize("compile_mode", ["eager", "function"])
+def test_unconnected_gradients_are_none(compile_mode):
+    x = tf.random.stateless_normal((6, 3), seed=(1, 2))
+    results = []
+    for on in (False, True):
+        model = unused_model()
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x, training=True) ** 2)
+            return tape.gradient(loss, model.trainable_variables)
+
+        if compile_mode == "function":
+            step = tf.function(step)
+        with recompute.recompute_scope(on):
+            results.append(to_numpy(step(x)))
+    names = [v.name for v in model.trainable_variables]
+    missing = [[n for n, g in zip(names, grads) if g is None] for grads in results]
+    # aux kernel and bias, unused kernel and bias: None, as without recomputation.
+    assert len(missing[0]) == 4 and missing[1] == missing[0]
+    connected = [i for i, g in enumerate(results[0]) if g is not None]
+    assert_all_close(
+        [results[0][i] for i in connected], [results[1][i] for i in connected],
+        [names[i] for i in connected],
+    )
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_unconnected_weights_under_weight_decay_fit_matches(jit_compile):
+    x = np.random.RandomState(0).randn(24, 3).astype("float32")
+    y = np.random.RandomState(1).randn(24, 1).astype("float32")
+    weights = []
+    for on in (False, True):
+        model = unused_model()
+        model.compile(
+            keras.optimizers.AdamW(0.01, weight_decay=0.1), "mse", jit_compile=jit_compile
+        )
+        block = next(lyr for lyr in model.layers if isinstance(lyr, UnusedBlock))
+        unconnected = model.get_layer("aux").weights + block.unused.weights
+        start = [np.asarray(v) for v in unconnected]
+        with recompute.recompute_scope(on):
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        weights.append([np.asarray(v) for v in model.variables])
+        # The unconnected weights are left alone (a zero gradient would decay them).
+        for v, v0 in zip(unconnected, start):
+            np.testing.assert_array_equal(np.asarray(v), v0, err_msg=v.name)
+    names = [v.name for v in model.variables]
+    for name, w0, w1 in zip(names, *weights):
+        np.testing.assert_allclose(w1, w0, rtol=0, atol=1e-6, err_msg=name)

@@ -2,7 +2,8 @@
 
 D4: forces = -dE/dx computed with a tape inside the decorated call must equal
 the plain run's, and so must every gradient (they need the second derivative
-through the inner tape), in `tf.function` and `fit`.
+through the inner tape), in `tf.function` and `fit`. In eager mode such a call
+is refused with a clear error (its tape could not record there).
 D6: a decorated cell in `tf_keras.layers.RNN(unroll=False)` runs inside a
 `tf.while_loop` body in graph mode: refused with a clear error; decorating the
 RNN layer itself, or `unroll=True`, is exact.
@@ -130,16 +131,163 @@ def test_inner_tape_fit_matches(kind):
     assert_all_close(weights[0], weights[1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="eager: TensorFlow can pause only every tape of a thread, so a tape "
-    "opened inside the call records nothing in the forward pass (documented limit)",
-)
-def test_inner_tape_eager_known_limit():
+class ForcesInMethod(keras.layers.Layer):
+    """Opens its tape in a helper method that `call` calls."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.e = keras.layers.Dense(1, use_bias=False)
+
+    def forces(self, x):
+        with tf.GradientTape() as t:
+            t.watch(x)
+            e = self.e(tf.tanh(x))
+        return -t.gradient(e, x)
+
+    @recompute_grad
+    def call(self, x):
+        return self.forces(x)
+
+
+def forces_of(energy, x):
+    with tf.GradientTape() as t:
+        t.watch(x)
+        e = energy(tf.tanh(x))
+    return -t.gradient(e, x)
+
+
+class ForcesInFunction(ForcesInMethod):
+    """Opens its tape in a module-level function that `call` calls."""
+
+    @recompute_grad
+    def call(self, x):
+        return forces_of(self.e, x)
+
+
+class TapeSublayer(ForcesInMethod):
+    """An undecorated layer that opens a tape in its `call`."""
+
+    def call(self, x):
+        return self.forces(x)
+
+
+class Holder(keras.layers.Layer):
+    """A decorated call whose sublayer opens the tape."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = TapeSublayer()
+        self.d = keras.layers.Dense(3)
+
+    @recompute_grad
+    def call(self, x):
+        return self.d(self.inner(x))
+
+
+class LambdaHolder(keras.layers.Layer):
+    """A decorated call whose `Lambda` sublayer opens the tape (or, `tape=False`, does not)."""
+
+    def __init__(self, tape=True, **kwargs):
+        super().__init__(**kwargs)
+        if tape:
+            self.inner = keras.layers.Lambda(lambda x: forces_of(cubes, x))
+        else:
+            self.inner = keras.layers.Lambda(lambda x: tf.tanh(x) ** 3)
+        self.d = keras.layers.Dense(3)
+
+    @recompute_grad
+    def call(self, x):
+        return self.d(self.inner(x))
+
+
+def cubes(h):
+    return tf.reduce_sum(h**3, -1, keepdims=True)
+
+
+TAPE_BLOCKS = {
+    "call": lambda: Forces("plain"),
+    "lambda": LambdaHolder,
+    "method": ForcesInMethod,
+    "function": ForcesInFunction,
+    "sublayer": Holder,
+}
+
+
+def tape_model(where):
+    keras.utils.set_random_seed(0)
+    block = TAPE_BLOCKS[where]()
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), block, keras.layers.Dense(1)])
+    return model, block
+
+
+@pytest.mark.parametrize("where", sorted(TAPE_BLOCKS))
+def test_inner_tape_eager_raises_and_graph_is_exact(where):
+    """Eager: the forward pass pauses every tape of the thread, so the inner tape would
+    record nothing (gradients None, or silently zero): refused at the call. In a
+    `tf.function` the same model is exact."""
     x = inputs()
-    model = build_model("plain", "sequential")
+    model, block = tape_model(where)
     with recompute.recompute_scope(True):
-        grads_of(model, x, "eager")
+        with pytest.raises(NotImplementedError, match="opens its own `tf.GradientTape`") as err:
+            grads_of(model, x, "eager")
+        assert f"layer '{block.name}'" in str(err.value)
+        assert "tf.function" in str(err.value) and "RECOMPUTE=0" in str(err.value)
+        model(x)  # no tape recording: the call runs plainly
+    results = {}
+    for on in (False, True):
+        with recompute.recompute_scope(on):
+            results[on] = grads_of(tape_model(where)[0], x, "function")
+    (l0, g0), (l1, g1) = results[False], results[True]
+    assert_all_close([l0] + g0, [l1] + g1)
+    with recompute.recompute_scope(False):  # eager without recomputation: the plain run
+        l2, g2 = grads_of(tape_model(where)[0], x, "eager")
+    assert_all_close([l0] + g0, [l2] + g2)
+
+
+def test_lambda_without_tape_runs_eagerly():
+    """A `Lambda` sublayer (tf_keras's opens a tape of its own, only to list the
+    variables its function reads) is no reason to refuse an eager call."""
+    x = inputs()
+    results = []
+    for on in (False, True):
+        keras.utils.set_random_seed(0)
+        block = LambdaHolder(tape=False)
+        model = keras.Sequential([keras.Input((3,)), block, keras.layers.Dense(1)])
+        with recompute.recompute_scope(on):
+            loss, grads = grads_of(model, x, "eager")
+        results.append([np.asarray(loss)] + grads)
+    assert_all_close(results[0], results[1])
+
+
+def test_inner_tape_fit_run_eagerly_raises():
+    x = np.random.RandomState(0).randn(8, 3).astype("float32")
+    model, block = tape_model("call")
+    model.compile(keras.optimizers.SGD(0.05), "mse", run_eagerly=True)
+    with recompute.recompute_scope(True):
+        with pytest.raises(NotImplementedError, match=f"layer '{block.name}'"):
+            model.fit(x, x[:, :1], batch_size=8, verbose=0)
+
+
+HiddenTape = tf.GradientTape  # a name the check of the call's code does not follow
+
+
+class ForcesUnderAlias(ForcesInMethod):
+    @recompute_grad
+    def call(self, x):
+        with HiddenTape() as t:
+            t.watch(x)
+            e = self.e(tf.tanh(x))
+        return -t.gradient(e, x)
+
+
+def test_inner_tape_under_another_name_gets_a_hint():
+    """A tape the check cannot see records nothing in eager mode; the resulting error
+    (a None gradient used) says why."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), ForcesUnderAlias(), keras.layers.Dense(1)])
+    with recompute.recompute_scope(True):
+        with pytest.raises(TypeError, match="eager forward pass of layer 'forces_under_alias'"):
+            grads_of(model, inputs(), "eager")
 
 
 # --------------------------------------------------------------------------- D6
