@@ -335,8 +335,10 @@ def run_workers(progress, argv, envs, timeout=None, rss_abort_bytes=None):
         try:
             while True:
                 for i, p in enumerate(procs):
-                    hwm[i] = max(hwm[i], proc_status_kib(p.pid, "VmHWM") or 0)
                     rss = proc_status_kib(p.pid, "VmRSS")
+                    # The peak is read after the current size, and is at least it: the
+                    # peak reported for a worker killed over the limit is over the limit.
+                    hwm[i] = max(hwm[i], proc_status_kib(p.pid, "VmHWM") or 0, rss or 0)
                     if rss_abort_bytes and rss and rss * 1024 > rss_abort_bytes:
                         kill(i, "memory")
                 finished = [p.poll() is not None for p in procs]
