@@ -55,101 +55,46 @@ def recompute_grad(call):
     """Decorates a Keras layer's `call` so that its activations are recomputed in the backward pass.
 
     ```python
-    from recompute import recompute_grad
-
     class Block(keras.layers.Layer):
         @recompute_grad
         def call(self, x, training=None, mask=None):
             ...
     ```
 
-    With `RECOMPUTE=1` in the environment (read each time the layer runs) or
-    inside `recompute.recompute_scope(True)`, and while a `tf.GradientTape` is
-    recording (a custom loop, `model.fit`), the forward pass keeps only the
-    call's inputs; everything computed inside is dropped and recomputed when
-    the gradient is needed. Decorating every block of a deep model turns memory
-    that grows with depth times the block's activations into depth times the
-    block's inputs plus one block's activations.
+    With `RECOMPUTE=1` (read each time the layer runs) or inside
+    `recompute_scope(True)`, and while a `tf.GradientTape` records, the
+    forward pass keeps only the call's inputs and the backward pass recomputes
+    the rest. Nothing else changes: the loss and every gradient equal the
+    undecorated layer's (`None` where it has `None`), dropout included --
+    random state is replayed -- and side effects (moving statistics, metrics,
+    `add_loss`) happen once. Off, or with no tape recording, the original
+    `call` runs with no extra operation. Keras 3 (TensorFlow backend) and
+    tf_keras; eager, `tf.function`, `jit_compile`, `fit`, mixed precision,
+    `tf.distribute`. Nested arguments and outputs; non-float outputs come back
+    as returned. The outermost decorated call is the unit; a functional block
+    is one unit with `block.call = recompute_grad(block.call)` (redo it after
+    `load_model`: it belongs to the instance).
 
-    Nothing else changes: the loss and every gradient (inputs and all weights)
-    are those of the undecorated layer (`None` for an input or weight the
-    outputs do not depend on, as there) -- with dropout on, because the random
-    state (Keras 3 `SeedGenerator`s, tf_keras `tf.random.Generator`s) is
-    replayed in the recomputation and left where the plain run leaves it; and
-    side effects (BatchNormalization moving statistics, metric updates,
-    `add_loss`) happen once. When recomputation is off, or no tape is
-    recording, the original `call` runs with no extra operation.
-
-    Works for Keras 3 layers (TensorFlow backend) and tf_keras layers, in eager
-    mode, `tf.function`, `jit_compile=True` and `model.fit`, and under mixed
-    precision. Arguments may be nested lists/tuples/dicts of tensors; keyword
-    arguments (`training`, `mask`, Python values) pass through; only floating
-    tensors are differentiated; a tensor passed several times gets its gradient
-    once. Outputs may be nested too: their floating tensors carry the gradient,
-    every other leaf (`None`, Python values, integer tensors) is returned as
-    the call returned it.
-
-    Nesting: the outermost decorated call is the unit of recomputation. A
-    decorated call inside it (a decorated sublayer, or `super().call(...)`
-    reaching a decorated parent `call`) runs plainly, so nothing is recomputed
-    twice. A functional model can be made one unit by decorating an instance's
-    bound call (`block.call = recompute_grad(block.call)`); Keras masks its
-    outputs carry are kept. That decoration belongs to the instance and is not
-    saved: after `load_model`, decorate the loaded block's call again
-    (`block = model.get_layer(name); block.call = recompute_grad(block.call)`).
-
-    Distribution: under `tf.distribute.MirroredStrategy` and
-    `MultiWorkerMirroredStrategy` (model built in `strategy.scope()`), each
-    replica recomputes its own blocks in its backward pass, in custom loops
-    (`strategy.run` in `tf.function`) and in `model.fit`: its gradients equal
-    those without recomputation; the state it replays is its own copy (Keras 3
-    seeds and moving statistics, tf_keras `tf.random.Generator`s, whose
-    per-replica streams are kept), left as its forward pass leaves it; a
-    variable with `SUM`/`MEAN`/`ONLY_FIRST_REPLICA` aggregation updated in the
-    call reads back the combined value, as in the forward pass. A replica
-    saves what one device saves (`benchmarks.recompute_distribute`: 19.9 ->
-    3.9 MiB per sample per replica at 6 blocks, 38.5 -> 4.3 at 12).
-    `recompute_scope` reaches the strategy's replica threads (see
-    `recompute_scope`). Tested on both Keras families with 2 replicas on
-    logical CPU devices and with 2 worker processes. Not covered, upstream:
-    `jit_compile=True` under these strategies on CPU, Keras 3's `fit` under
-    `MultiWorkerMirroredStrategy` (keras-team/keras#20585), and unseeded
-    `keras.random` calls inside `strategy.run` (Keras creates its global
-    `SeedGenerator` per thread, inside the traced function).
-
-    A tape the call opens itself (forces as -dE/dx of an energy) records as
-    usual in `tf.function` and `model.fit`: values and gradients (second order
-    through that tape) are those of the undecorated layer. In eager mode it
-    could record nothing in the forward pass (TensorFlow can only pause every
-    tape of a thread), so such a call raises `NotImplementedError` there: run
-    the step in a `tf.function` or `model.fit`, or with RECOMPUTE=0. (Found by
-    reading the code of the call, of methods and module functions it names
-    and of its sublayers' calls for `GradientTape`.)
-
-    Limitations: variables must exist before the recomputation (sublayers are
-    built by the forward pass, which always runs first), so sublayers with
-    variables or random state -- a `Dropout` with Keras 3 or tf_keras's
-    replayable RNG -- are created in `__init__`/`build`, not inside `call`
-    (`VariableCreatedInRecomputationError` otherwise); a call inside a
-    `tf.while_loop` body in a graph -- an RNN cell with `unroll=False` under
-    `tf.function` or `fit` -- raises `NotImplementedError` (decorate the RNN
-    layer's `call`, or use `unroll=True`); forward-mode autodiff
-    (`tf.autodiff.ForwardAccumulator`) is not supported; tf_keras's default
-    legacy random ops cannot be replayed -- see the warning they raise (under a
-    strategy too: each replica's recomputation sees its forward pass's masks).
+    Limits: sublayers with variables or random state must exist before the
+    recomputation (create them in `__init__`/`build`); in eager mode a call
+    that opens its own `GradientTape` is refused (exact in `tf.function`); a
+    call inside a `tf.while_loop` body (an RNN cell, `unroll=False`) is
+    refused; no forward-mode autodiff; tf_keras's legacy RNG gives exact
+    gradients but other masks than RECOMPUTE=0 (a warning says so). In full:
+    docs/recompute.md.
 
     Args:
-        call: the `call` method of a `keras.layers.Layer` or `tf_keras.layers.Layer`
-            subclass (a function defined in the class body), or a bound `call`
-            of a layer instance.
+        call: the `call` of a `keras.layers.Layer` or `tf_keras.layers.Layer`
+            subclass (defined in the class body, first parameter `self`), or a
+            layer instance's bound `call`.
 
     Returns:
         The decorated method.
 
     Raises:
-        TypeError: if `call` is not a function or method named `call`, is not
-            an instance method taking `self` first (a `@staticmethod`, a plain
-            function), or is bound to something that is not a Keras layer.
+        TypeError: `call` is not a layer's `call` (a `@staticmethod`, a plain
+            function, another name, bound to a non-layer).
+        NotImplementedError: a Keras 3 backend other than TensorFlow.
     """
     if isinstance(call, type) or not callable(call) or not (
         inspect.isfunction(call) or inspect.ismethod(call)
