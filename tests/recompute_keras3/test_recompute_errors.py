@@ -1,0 +1,105 @@
+"""recompute_grad on Keras 3: what it refuses, with errors that say what was expected and received."""
+
+import keras
+import pytest
+import tensorflow as tf
+
+import recompute
+from recompute import recompute_grad
+from tests.helpers.numerics import assert_all_close, to_numpy
+from tests.helpers.k3_blocks import Block, inputs
+
+
+class LazyBlock(keras.layers.Layer):
+    """Creates a variable only on its second call: the recomputation would create it."""
+
+    def __init__(self, make_variable, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = 0
+        self.make_variable = make_variable
+
+    def build(self, input_shape):
+        pass
+
+    @recompute_grad
+    def call(self, x):
+        self.calls += 1
+        if self.calls > 1:
+            return x * self.make_variable()
+        return x * 2.0
+
+
+@pytest.mark.parametrize(
+    "make_variable",
+    [lambda: keras.Variable(2.0), lambda: tf.Variable(2.0)],
+    ids=["keras.Variable", "tf.Variable"],
+)
+def test_variable_created_in_recomputation_raises(make_variable):
+    layer = LazyBlock(make_variable)
+    x = inputs((2, 3))
+    with recompute.recompute_scope(True):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+        with pytest.raises(recompute.VariableCreatedInRecomputationError, match="build the layer"):
+            tape.gradient(y, x)
+
+
+def test_forward_mode_autodiff_raises():
+    layer = Block(8)
+    x = inputs()
+    layer(x)
+    with recompute.recompute_scope(True):
+        with tf.autodiff.ForwardAccumulator(x, tf.ones_like(x)):
+            with pytest.raises(NotImplementedError, match="ForwardAccumulator"):
+                layer(x, training=True)
+
+
+def test_decorating_wrong_things_raises():
+    with pytest.raises(TypeError, match="Received: .*Dense"):
+        recompute_grad(keras.layers.Dense(2))
+    with pytest.raises(TypeError, match="Received"):
+        recompute_grad(keras.layers.Dense)
+    with pytest.raises(TypeError, match="named 'forward'"):
+
+        @recompute_grad
+        def forward(self, x):
+            return x
+
+    class NotALayer:
+        @recompute_grad
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="Received: a call on .*NotALayer"):
+        NotALayer().call(tf.ones(2))
+
+
+def test_bound_call_of_an_instance():
+    x = inputs()
+    results = []
+    for on in (False, True):
+        keras.utils.set_random_seed(0)
+        layer = keras.layers.Dense(3)
+        layer(x)
+        layer.call = recompute_grad(layer.call)
+        with recompute.recompute_scope(on):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(layer(x) ** 2)
+        results.append(to_numpy(tape.gradient(loss, [x] + layer.trainable_variables)))
+    assert_all_close(results[0], results[1])
+
+
+def test_non_tensorflow_backend_raises(monkeypatch):
+    # Only the TensorFlow backend can be loaded here (the others need JAX or
+    # PyTorch), so the backend Keras reports is patched for this test.
+    layer = Block(8)
+    x = inputs()
+    layer(x)
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with recompute.recompute_scope(True):
+        with pytest.raises(NotImplementedError, match="'jax' backend"):
+            layer(x)
+    with recompute.recompute_scope(False):
+        layer(x)  # off: the original call runs, whatever the backend

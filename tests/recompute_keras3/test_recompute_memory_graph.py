@@ -1,0 +1,62 @@
+"""recompute_grad on Keras 3: the graph keeps only what it should (recomputed random ops wait for the gradient)."""
+
+import keras
+import tensorflow as tf
+
+import recompute
+from recompute import recompute_grad
+
+
+class MaskBlock(keras.layers.Layer):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(8)
+        self.drop = keras.layers.Dropout(0.5)
+
+    @recompute_grad
+    def call(self, x, training=None):
+        return self.drop(self.dense(x), training=training)
+
+
+def test_recomputed_random_ops_wait_for_the_gradient():
+    """Memory: a recomputed dropout mask is drawn in the backward pass, not kept from the forward."""
+    blocks = [MaskBlock(), MaskBlock()]
+    x = tf.ones([2, 8])
+    for b in blocks:
+        b(x)
+
+    @tf.function
+    def step(x):
+        # (traced with recomputation on; see the scope below)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = x
+            for b in blocks:
+                y = b(y, training=True)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, x)
+
+    with recompute.recompute_scope(True):
+        graph = step.get_concrete_function(x).graph
+    loss_grad = [op for op in graph.get_operations() if op.name.startswith("gradient_tape/")]
+    assert loss_grad
+    random_ops = [op for op in graph.get_operations()
+                  if op.type.startswith("StatelessRandom") and "KeyCounter" not in op.type]
+    # Forward draws: 2; recomputed draws: 2 (created after the first gradient op).
+    first_grad = graph.get_operations().index(loss_grad[0])
+    recomputed = [op for op in random_ops if graph.get_operations().index(op) > first_grad]
+    assert len(recomputed) == 2
+
+    def ancestors(op):
+        seen, stack = set(), [op]
+        while stack:
+            o = stack.pop()
+            if o.name in seen:
+                continue
+            seen.add(o.name)
+            stack.extend(t.op for t in o.inputs)
+            stack.extend(o.control_inputs)
+        return seen
+
+    for op in recomputed:
+        assert any(name.startswith("gradient_tape/") for name in ancestors(op)), op.name

@@ -1,0 +1,87 @@
+"""recompute_grad on Keras 3: side effects (moving statistics, add_loss) happen once."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import recompute
+from recompute import recompute_grad
+from tests.helpers.numerics import assert_all_close, to_numpy
+from tests.helpers.k3_blocks import CALLS, inputs
+
+
+class BNBlock(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(6)
+        self.bn = keras.layers.BatchNormalization(momentum=0.5)
+
+    @recompute_grad
+    def call(self, x, training=None):
+        CALLS["n"] += 1
+        return keras.activations.relu(self.bn(self.dense(x), training=training))
+
+
+@pytest.mark.parametrize("compile_mode", ["eager", "function"])
+@pytest.mark.parametrize("training", [True, False])
+def test_batchnorm_statistics_updated_once(compile_mode, training):
+    def make():
+        keras.utils.set_random_seed(3)
+        inp = keras.Input((5,))
+        bn_block = BNBlock()
+        out = keras.layers.Dense(1)(bn_block(bn_block(keras.layers.Dense(6)(inp))[:, :6]))
+        return keras.Model(inp, out)
+
+    x = inputs((6, 5))
+    results = []
+    for on in (False, True):
+        model = make()
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(model(x, training=training) ** 2)
+            return loss, tape.gradient(loss, [x] + model.trainable_variables)
+
+        if compile_mode == "function":
+            step = tf.function(step)
+        with recompute.recompute_scope(on):
+            for _ in range(3):
+                loss, grads = step(x)
+        results.append(([float(loss)] + to_numpy(grads), [np.asarray(v) for v in model.non_trainable_variables]))
+    assert_all_close(results[0][0], results[1][0])
+    assert_all_close(results[0][1], results[1][1], rtol=1e-6)
+    # Guard: the statistics did move (training) or stayed (inference).
+    moving_mean = results[0][1][0]
+    assert np.any(moving_mean != 0) == training
+
+
+class LossBlock(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4)
+
+    @recompute_grad
+    def call(self, x):
+        h = self.dense(x)
+        self.add_loss(0.1 * tf.reduce_sum(h**2))
+        return h
+
+
+def test_add_loss_applied_once():
+    grads, n_losses = [], []
+    for on in (False, True):
+        keras.utils.set_random_seed(0)
+        layer = LossBlock()
+        x = inputs((3, 4))
+        with recompute.recompute_scope(on):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer(x)
+                loss = tf.reduce_sum(y) + tf.add_n(layer.losses)
+            g = tape.gradient(loss, [x] + layer.trainable_variables)
+        n_losses.append(len(layer.losses))
+        grads.append([float(loss)] + to_numpy(g))
+    assert n_losses == [1, 1]
+    assert_all_close(grads[0], grads[1])
