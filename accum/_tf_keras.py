@@ -132,8 +132,11 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
         super().build(var_list)
         self._model_variables.extend(var_list)
         with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
+            # One name per flag: tf_keras's `.h5` files key optimizer variables by name.
+            first = len(self.touched)
             self.touched.extend(
-                self.add_variable(shape=(), dtype=tf.int64, name="touched") for _ in var_list
+                self.add_variable(shape=(), dtype=tf.int64, name=f"touched_{first + i}")
+                for i in range(len(var_list))
             )
         if self.mode == "buffer":
             with _distributed.replica_local_variables():

@@ -15,9 +15,9 @@ from ._tf_keras import inner_loss_scale_state, warn_pending
 class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer):
     """`AccumOptimizer` wrapping a tf_keras legacy optimizer; see `accum.AccumOptimizer`.
 
-    Counters are optimizer weights and buffers and touched flags are slots
-    (`get_slot(var, "accumulator")`, `get_slot(var, "touched")`), so
-    checkpoints restore them by name and by variable. Like the plain legacy
+    Counters and touched flags are optimizer weights and buffers are slots
+    (`get_slot(var, "accumulator")`), so checkpoints restore them by name and
+    by variable. Like the plain legacy
     optimizers, it accepts variables it has not seen yet (e.g. layers
     unfrozen after some training): their buffers and the inner optimizer's
     slots are created then.
@@ -101,8 +101,14 @@ class LegacyAccumOptimizer(AccumOptimizer, tf_keras.optimizers.legacy.Optimizer)
                 self._keys[_var_key(v)] = len(self._model_variables)
                 self._model_variables.append(v)
                 # One flag per variable: did the window give it a gradient (`accum._window`).
+                # An optimizer weight, not a slot: a scalar slot is revived with its
+                # variable's shape by tf_keras's SavedModel `load_model`. Named by
+                # position, like the saved buffers (`AccumOptimizer._own_state`).
                 with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
-                    self.touched.append(self.add_slot(v, "touched", shape=[]))
+                    self.touched.append(self.add_weight(
+                        f"touched_{len(self.touched)}", shape=[], dtype=tf.int64, trainable=False,
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                    ))
                 if self.mode == "buffer":
                     with _distributed.replica_local_variables():
                         self.accumulators.append(self.add_slot(v, "accumulator"))
