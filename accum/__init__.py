@@ -12,11 +12,12 @@ the model and the optimizer in `strategy.scope()`; each replica accumulates
 locally and the replicas all-reduce once per update, not once per micro-batch
 (`accum._distributed`; `python -m benchmarks.accum_distribute` measures it).
 
-The backend split (Keras 3 / tf_keras / tf_keras legacy) is in `accum._backends`.
+The Keras families (Keras 3 / tf_keras / tf_keras legacy) are told apart in
+`accum._families`; `accum._dispatch` picks the implementation for each.
 """
 
-from ._backends import register_serializable_classes as _register
 from ._base import AccumOptimizer
+from ._dispatch import register_serializable_classes as _register
 from ._batchnorm import has_batch_normalization, warn_if_batch_normalization
 
 __all__ = ["AccumOptimizer", "has_batch_normalization", "warn_if_batch_normalization"]

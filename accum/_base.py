@@ -8,7 +8,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from . import _backends
+from . import _families, _validation, _window
 
 
 class AccumOptimizer:
@@ -51,15 +51,59 @@ class AccumOptimizer:
         name: optional name of the wrapper.
     """
 
+    # `accum._dispatch.implementation_for(family)`, set when `accum` is imported:
+    # the dispatch lives above the family implementations, which import this module.
+    _implementation_for = None
+
     def __new__(cls, *args, **kwargs):
-        # `AccumOptimizer(...)` builds the subclass for the optimizer's family;
-        # its `__init__` then validates every argument. (Permissive arguments:
-        # `copy`/`pickle` call `__new__(cls)` alone; the public signature is
-        # `__signature__` below.)
-        if cls is AccumOptimizer:
+        # `AccumOptimizer(...)` builds the subclass for the optimizer's family.
+        # `optimizer` is checked here, once (the subclass's `__init__` checks the
+        # other arguments). (Permissive arguments: `copy`/`pickle` call
+        # `__new__(cls)` alone, which checks nothing on a subclass; the public
+        # signature is `__signature__` below.)
+        given = args or "optimizer" in kwargs
+        if cls is AccumOptimizer or given:
             optimizer = kwargs["optimizer"] if "optimizer" in kwargs else (args[0] if args else None)
-            cls = _backends.implementation_for(check_optimizer(optimizer))
+            family = check_optimizer(optimizer)
+            if cls is AccumOptimizer:
+                cls = AccumOptimizer._implementation_for(family)
+            elif family != cls._FAMILY:
+                raise ValueError(
+                    f"This `AccumOptimizer` class wraps {cls._FAMILY_DESCRIPTION} optimizers; "
+                    "build it with `accum.AccumOptimizer(optimizer, steps_per_update)`. "
+                    f"Received: optimizer={optimizer!r}"
+                )
         return super().__new__(cls)
+
+    def _check_arguments(self, steps_per_update, mode):
+        """`steps_per_update` and `mode` validated (`optimizer` is checked in `__new__`)."""
+        return _validation.check_steps_per_update(steps_per_update), _validation.check_mode(mode)
+
+    def _momentum_rule(self, optimizer, mode):
+        """The family's `MomentumRule` for `optimizer` with `mode="momentum"` (refuses
+        unsupported optimizers), else None."""
+        return self._momentum_rule_for(optimizer) if mode == "momentum" else None
+
+    def _init_window(self, steps_per_update, mode, rule):
+        """Sets the validated arguments (after the Keras optimizer's `__init__`)."""
+        self._steps_per_update = steps_per_update
+        self.mode = mode
+        self._rule = rule
+        self._warned_pending = False
+
+    @property
+    def iterations(self):
+        """Applied updates: the inner optimizer's `iterations`."""
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        """The inner optimizer's learning rate (settable, for LR callbacks)."""
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
 
     @property
     def steps_per_update(self):
@@ -93,6 +137,58 @@ class AccumOptimizer:
         from ._flush import make_flush_callback
 
         return make_flush_callback(self, at)
+
+    # ------------------------------------------------------------ window
+    # Shared by the families, which provide `_end_window`'s `_apply_mean` and
+    # `_distributed_window()`, and `_tf` below.
+
+    @staticmethod
+    def _tf(variable):
+        """The `tf.Variable` behind one of the wrapper's variables (Keras 3: `.value`)."""
+        return variable
+
+    def _end_window(self):
+        """Applies the window (if it kept any micro-batch) and starts a new one."""
+        touched = [self._tf(t) for t in self.touched]
+        if self.mode == "buffer":
+            buffers, apply = [self._tf(a) for a in self.accumulators], self._apply_mean
+        else:
+            buffers, apply = [], lambda: self._rule.finish(self)
+        _window.end_window(
+            buffers, self._tf(self.window_steps), self._tf(self.window_count), apply, touched=touched
+        )
+
+    def flush(self):
+        """Applies the pending partial window now, normalized by the micro-batches it holds.
+
+        Does nothing if the window is empty or the optimizer is not built. The
+        variables updated are those that got a gradient in some micro-step of
+        the window. Works eagerly and inside `tf.function`.
+        """
+        if not self._has_window_state():
+            return
+        if getattr(self, "_accum_strategy", None) is not None:
+            indices = tuple(range(len(self._model_variables_list())))
+            self._distributed_window().flush(self._accum_strategy, indices)
+            return
+        _window.flush(self._tf(self.window_steps), self._end_window)
+
+    def _warn_pending(self):
+        """Warns once (per optimizer) about micro-steps pending at the end of `fit`
+        (called by `finalize_variable_values`)."""
+        if not self._has_window_state() or self._warned_pending or not tf.executing_eagerly():
+            return
+        pending = int(self.window_steps.numpy())
+        if pending:
+            self._warned_pending = True
+            warnings.warn(
+                f"AccumOptimizer: {pending} micro-step(s) of an incomplete window "
+                f"(steps_per_update={self.steps_per_update}) are pending at the end "
+                "of training. They stay in the buffer and join the next window; call "
+                "`optimizer.flush()` to apply them now, or pass "
+                "`callbacks=[optimizer.flush_callback()]` to `fit`.",
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------ saved state
     # Keras saves an optimizer's variables by position; the inner optimizer
@@ -224,8 +320,8 @@ class AccumOptimizer:
     def from_config(cls, config, custom_objects=None):
         """Creates an `AccumOptimizer` from `get_config()` output (inner optimizer nested)."""
         if cls is AccumOptimizer:
-            family = config.get("family", _backends.KERAS3)
-            cls = _backends.implementation_for(family)
+            family = config.get("family", _families.KERAS3)
+            cls = AccumOptimizer._implementation_for(family)
         return cls._from_config(copy.deepcopy(config), custom_objects)
 
 
@@ -297,14 +393,14 @@ def check_optimizer(optimizer):
                 f"Received: optimizer={optimizer!r}"
             )
         inner = getattr(inner, "inner_optimizer", None)
-    family = _backends.family_of(optimizer)
+    family = _families.family_of(optimizer)
     if family is None:
         raise ValueError(
             "`optimizer` must be a Keras 3 or tf_keras optimizer instance "
             "(e.g. `keras.optimizers.Adam()`). "
             f"Received: optimizer={optimizer!r} of type {type(optimizer).__name__}"
         )
-    if family == _backends.KERAS3:
+    if family == _families.KERAS3:
         import keras
 
         backend = keras.backend.backend()

@@ -1,12 +1,12 @@
 """The flush callback: applies a partial window at the end of each epoch or of training."""
 
-from . import _backends
+from . import _families
 
 _AT = ("epoch_end", "train_end")
 
 
 def _callback_base(family):
-    if family == _backends.KERAS3:
+    if family == _families.KERAS3:
         import keras
 
         return keras.callbacks.Callback
@@ -21,7 +21,7 @@ def make_flush_callback(optimizer, at="epoch_end"):
         raise ValueError(
             f"`at` must be one of {', '.join(repr(a) for a in _AT)}. Received: at={at!r}"
         )
-    base = _callback_base(_backends.family_of(optimizer))
+    base = _callback_base(_families.family_of(optimizer))
 
     class AccumFlushCallback(base):
         """Calls `AccumOptimizer.flush()` at every epoch end or at train end."""

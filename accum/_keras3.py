@@ -1,13 +1,12 @@
 """`AccumOptimizer` for Keras 3 optimizers (TensorFlow backend)."""
 
 import contextlib
-import warnings
 
 import keras
 import tensorflow as tf
 
-from . import _backends, _batchnorm, _distributed, _validation, _window
-from ._base import AccumOptimizer, check_optimizer, claim_inner
+from . import _batchnorm, _distributed, _families, _window
+from ._base import AccumOptimizer, claim_inner
 
 _BASE_DEFAULTS = {
     "weight_decay": None,
@@ -26,17 +25,11 @@ _BASE_DEFAULTS = {
 class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     """`AccumOptimizer` wrapping a Keras 3 optimizer; see `accum.AccumOptimizer`."""
 
-    _FAMILY = _backends.KERAS3
+    _FAMILY = _families.KERAS3
+    _FAMILY_DESCRIPTION = "Keras 3"
 
     def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
-        if check_optimizer(optimizer) != self._FAMILY:
-            raise ValueError(
-                "This `AccumOptimizer` class wraps Keras 3 optimizers; build it "
-                "with `accum.AccumOptimizer(optimizer, steps_per_update)`. "
-                f"Received: optimizer={optimizer!r}"
-            )
-        steps_per_update = _validation.check_steps_per_update(steps_per_update)
-        mode = _validation.check_mode(mode)
+        steps_per_update, mode = self._check_arguments(steps_per_update, mode)
         for arg_name, default in _BASE_DEFAULTS.items():
             if arg_name in kwargs and kwargs.pop(arg_name) != default:
                 raise ValueError(
@@ -47,18 +40,17 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             raise ValueError(
                 f"AccumOptimizer does not support arguments: `{'`, `'.join(kwargs)}`."
             )
-        rule = None
-        if mode == "momentum":
-            from ._momentum_keras3 import rule_for
-
-            rule = rule_for(optimizer)
+        rule = self._momentum_rule(optimizer, mode)
         super().__init__(learning_rate=0.0, name=name or "accum_optimizer")
         self.inner_optimizer = optimizer
-        self._steps_per_update = steps_per_update
-        self.mode = mode
-        self._rule = rule
-        self._warned_pending = False
+        self._init_window(steps_per_update, mode, rule)
         claim_inner(self, optimizer)
+
+    @staticmethod
+    def _momentum_rule_for(optimizer):
+        from ._momentum_keras3 import rule_for
+
+        return rule_for(optimizer)
 
     # ------------------------------------------------------------------ state
 
@@ -106,26 +98,16 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     def _model_variables_list(self):
         return self._trainable_variables
 
-    @property
-    def iterations(self):
-        """Applied updates: the inner optimizer's `iterations`."""
-        return self.inner_optimizer.iterations
-
-    @property
-    def learning_rate(self):
-        """The inner optimizer's learning rate (settable, for LR callbacks)."""
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
     def scale_loss(self, loss):
         """Scales the loss as the inner optimizer does (loss scaling lives there)."""
         return self.inner_optimizer.scale_loss(loss)
 
     def _has_window_state(self):
         return self.built
+
+    @staticmethod
+    def _tf(variable):
+        return variable.value
 
     # --------------------------------------------------------------- updates
 
@@ -233,23 +215,6 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             touched=[self.touched[i].value for i in indices],
         )
 
-    def _end_window(self):
-        """Applies the window (if it kept any micro-batch) and starts a new one."""
-        touched = [t.value for t in self.touched]
-        if self.mode == "buffer":
-            _window.end_window(
-                [a.value for a in self.accumulators],
-                self.window_steps.value,
-                self.window_count.value,
-                self._apply_mean,
-                touched=touched,
-            )
-        else:
-            _window.end_window(
-                [], self.window_steps.value, self.window_count.value,
-                lambda: self._rule.finish(self), touched=touched,
-            )
-
     def _apply_mean(self):
         scale = self._inner_loss_scale()
         grads = _window.mean_gradients(
@@ -299,36 +264,10 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         with _window.instance_hooks(innermost, hooks):
             yield
 
-    def flush(self):
-        """Applies the pending partial window now, normalized by the micro-batches it holds.
-
-        Does nothing if the window is empty or the optimizer is not built. The
-        variables updated are those that got a gradient in some micro-step of
-        the window. Works eagerly and inside `tf.function`.
-        """
-        if not self.built:
-            return
-        if getattr(self, "_accum_strategy", None) is not None:
-            indices = tuple(range(len(self._trainable_variables)))
-            self._distributed_window().flush(self._accum_strategy, indices)
-            return
-        _window.flush(self.window_steps.value, self._end_window)
-
     def finalize_variable_values(self, var_list):
         """Called at the end of `fit`: warns once about a pending partial window, then
         lets the inner optimizer finalize (EMA overwrite)."""
-        if self.built and not self._warned_pending and tf.executing_eagerly():
-            pending = int(self.window_steps.numpy())
-            if pending:
-                self._warned_pending = True
-                warnings.warn(
-                    f"AccumOptimizer: {pending} micro-step(s) of an incomplete "
-                    f"window (steps_per_update={self.steps_per_update}) are pending "
-                    "at the end of training. They stay in the buffer and join the "
-                    "next window; call `optimizer.flush()` to apply them now, or "
-                    "pass `callbacks=[optimizer.flush_callback()]` to `fit`.",
-                    stacklevel=2,
-                )
+        self._warn_pending()
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # --------------------------------------------------------- serialization

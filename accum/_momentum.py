@@ -97,6 +97,21 @@ def _fold(slot, decay, first, g, scale, square=False):
         slot.assign(slot * factor + scale * g)
 
 
+class SlotAdapter:
+    """Base of the families' `MomentumRule` adapters (see `MomentumRule`): the
+    wrapped optimizer, the kind of rule and its `iterations`."""
+
+    def __init__(self, optimizer, kind):
+        self.optimizer = optimizer
+        self.kind = kind
+
+    def iterations(self):
+        return self.optimizer.iterations
+
+    def increment_iterations(self):
+        self.optimizer.iterations.assign_add(1)
+
+
 class MomentumRule:
     """Folds micro-gradients into an inner optimizer's slots (see the module docstring).
 

@@ -6,12 +6,11 @@ import tensorflow as tf
 from . import _momentum
 
 
-class _Keras3Slots:
+class _Keras3Slots(_momentum.SlotAdapter):
     """The `MomentumRule` adapter for a built Keras 3 optimizer."""
 
     def __init__(self, optimizer, kind):
-        self.optimizer = optimizer
-        self.kind = kind
+        super().__init__(optimizer, kind)
         if kind == _momentum.SGD:
             self.hyper = {"momentum": optimizer.momentum}
         else:
@@ -32,12 +31,6 @@ class _Keras3Slots:
 
     def learning_rate(self, dtype):
         return tf.cast(self.optimizer.learning_rate, dtype)
-
-    def iterations(self):
-        return self.optimizer.iterations
-
-    def increment_iterations(self):
-        self.optimizer.iterations.assign_add(1)
 
     def apply_weight_decay(self, variables):
         self.optimizer._apply_weight_decay(variables)

@@ -12,12 +12,8 @@ import tf_keras
 from . import _momentum
 
 
-class _NewStyleSlots:
+class _NewStyleSlots(_momentum.SlotAdapter):
     """The `MomentumRule` adapter for a built `tf_keras.optimizers.*` optimizer."""
-
-    def __init__(self, optimizer, kind):
-        self.optimizer = optimizer
-        self.kind = kind
 
     @property
     def hyper(self):
@@ -38,23 +34,13 @@ class _NewStyleSlots:
         self.optimizer._compute_current_learning_rate()
         return tf.cast(self.optimizer.learning_rate, dtype)
 
-    def iterations(self):
-        return self.optimizer.iterations
-
-    def increment_iterations(self):
-        self.optimizer.iterations.assign_add(1)
-
     def apply_weight_decay(self, variables):
         self.optimizer._compute_current_learning_rate()
         self.optimizer._apply_weight_decay(variables)
 
 
-class _LegacySlots:
+class _LegacySlots(_momentum.SlotAdapter):
     """The `MomentumRule` adapter for a built `tf_keras.optimizers.legacy.*` optimizer."""
-
-    def __init__(self, optimizer, kind):
-        self.optimizer = optimizer
-        self.kind = kind
 
     @property
     def hyper(self):
@@ -73,12 +59,6 @@ class _LegacySlots:
 
     def learning_rate(self, dtype):
         return self.optimizer._decayed_lr(dtype)
-
-    def iterations(self):
-        return self.optimizer.iterations
-
-    def increment_iterations(self):
-        self.optimizer.iterations.assign_add(1)
 
     def apply_weight_decay(self, variables):
         pass  # legacy optimizers have no decoupled weight decay

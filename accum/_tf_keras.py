@@ -1,41 +1,13 @@
 """`AccumOptimizer` for tf_keras new-style optimizers (`tf_keras.optimizers.*`)."""
 
 import contextlib
-import warnings
 
 import tensorflow as tf
 import tf_keras
 
-from . import _backends, _batchnorm, _distributed, _validation, _window
-from ._base import AccumOptimizer, check_optimizer, claim_inner
-
-
-def inner_loss_scale_state(optimizer):
-    """The dynamic loss-scale state of a tf_keras `LossScaleOptimizer`, or None.
-
-    tf_keras exposes the current scale only as a tensor (`loss_scale`); the
-    variables live in the optimizer's `_loss_scale` state object.
-    """
-    if getattr(optimizer, "dynamic", False) and hasattr(optimizer, "get_unscaled_gradients"):
-        return optimizer._loss_scale
-    return None
-
-
-def warn_pending(optimizer):
-    """Warns once (per optimizer) about micro-steps pending at the end of `fit`."""
-    if not optimizer._built_accum or optimizer._warned_pending or not tf.executing_eagerly():
-        return
-    pending = int(optimizer.window_steps.numpy())
-    if pending:
-        optimizer._warned_pending = True
-        warnings.warn(
-            f"AccumOptimizer: {pending} micro-step(s) of an incomplete window "
-            f"(steps_per_update={optimizer.steps_per_update}) are pending at the end "
-            "of training. They stay in the buffer and join the next window; call "
-            "`optimizer.flush()` to apply them now, or pass "
-            "`callbacks=[optimizer.flush_callback()]` to `fit`.",
-            stacklevel=3,
-        )
+from . import _batchnorm, _distributed, _families, _window
+from ._base import AccumOptimizer, claim_inner
+from ._tf_keras_common import TFKerasWindow
 
 
 @contextlib.contextmanager
@@ -69,37 +41,20 @@ def masked_updates(optimizer, variables, touched):
 
 
 @tf_keras.saving.register_keras_serializable(package="accum", name="AccumOptimizer")
-class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
+class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.Optimizer):
     """`AccumOptimizer` wrapping a tf_keras optimizer; see `accum.AccumOptimizer`."""
 
-    _FAMILY = _backends.TF_KERAS
+    _FAMILY = _families.TF_KERAS
+    _FAMILY_DESCRIPTION = "tf_keras (new-style)"
 
     def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
-        if check_optimizer(optimizer) != self._FAMILY:
-            raise ValueError(
-                "This `AccumOptimizer` class wraps tf_keras (new-style) optimizers; "
-                "build it with `accum.AccumOptimizer(optimizer, steps_per_update)`. "
-                f"Received: optimizer={optimizer!r}"
-            )
-        steps_per_update = _validation.check_steps_per_update(steps_per_update)
-        mode = _validation.check_mode(mode)
+        steps_per_update, mode = self._check_arguments(steps_per_update, mode)
         kwargs.pop("is_legacy_optimizer", None)
-        if kwargs:
-            raise ValueError(
-                f"AccumOptimizer does not support arguments: `{'`, `'.join(kwargs)}`. "
-                "Set them on the inner optimizer."
-            )
-        rule = None
-        if mode == "momentum":
-            from ._momentum_tf_keras import rule_for
-
-            rule = rule_for(optimizer)
+        self._check_no_kwargs(kwargs)
+        rule = self._momentum_rule(optimizer, mode)
         super().__init__(name=name or "AccumOptimizer")
         self.inner_optimizer = optimizer
-        self._steps_per_update = steps_per_update
-        self.mode = mode
-        self._rule = rule
-        self._warned_pending = False
+        self._init_window(steps_per_update, mode, rule)
         self._built_accum = False
         # Created here, not in `build`: tf_keras caches an optimizer's checkpoint
         # children the first time they are listed (a restore before the first
@@ -185,55 +140,12 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
                 )
             variable.assign(weight)
 
-    def _has_window_state(self):
-        return self._built_accum
-
-    def _model_variables_list(self):
-        return self._model_variables
-
     def _micro_steps_variable(self):
         return self._iterations
-
-    @property
-    def iterations(self):
-        """Applied updates: the inner optimizer's `iterations`."""
-        return self.inner_optimizer.iterations
-
-    @iterations.setter
-    def iterations(self, variable):
-        self.inner_optimizer.iterations = variable
-
-    @property
-    def learning_rate(self):
-        """The inner optimizer's learning rate (settable, for LR callbacks)."""
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
-    @property
-    def lr(self):
-        """Alias of `learning_rate` (tf_keras LR callbacks use it)."""
-        return self.inner_optimizer.learning_rate
-
-    @lr.setter
-    def lr(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
 
     def compute_gradients(self, loss, var_list, tape=None):
         """The inner optimizer's gradients (a `LossScaleOptimizer` scales and unscales)."""
         return self.inner_optimizer.compute_gradients(loss, var_list, tape=tape)
-
-    def get_scaled_loss(self, loss):
-        """The inner `LossScaleOptimizer`'s scaled loss (`loss` if there is none)."""
-        scale = getattr(self.inner_optimizer, "get_scaled_loss", None)
-        return scale(loss) if scale else loss
-
-    def get_unscaled_gradients(self, grads):
-        """The inner `LossScaleOptimizer`'s unscaled gradients (`grads` if there is none)."""
-        unscale = getattr(self.inner_optimizer, "get_unscaled_gradients", None)
-        return unscale(grads) if unscale else grads
 
     # --------------------------------------------------------------- updates
 
@@ -248,46 +160,15 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
         if not grads_and_vars:
             raise ValueError("No gradients provided for any variable.")
         aggregate = kwargs.pop("experimental_aggregate_gradients", True) and not skip_gradients_aggregation
-        accumulate_locally = self._accumulates_locally()
-        if aggregate and not accumulate_locally:
-            grads_and_vars = self.aggregate_gradients(grads_and_vars)
-        if accumulate_locally and not aggregate:
-            grads_and_vars = _distributed.local_share(self, grads_and_vars)
-        grads = [g for g, _ in grads_and_vars]
-        variables = [v for _, v in grads_and_vars]
-        indices = tuple(self._variable_index(v) for v in variables)
-        with tf.name_scope(name or self.name):
-            if accumulate_locally:
-                # Each replica accumulates its own gradients; one all-reduce per
-                # update (`accum._distributed`). `skip_gradients_aggregation`
-                # (gradients already reduced by the caller) is not supported here.
-                if self.mode != "buffer":
-                    raise _distributed.momentum_not_supported()
-                return self._distributed_window().micro_step(grads, indices)
-            if self.steps_per_update == 1 and self.mode == "buffer":
-                self.inner_optimizer.apply_gradients(
-                    list(zip(grads, variables)), skip_gradients_aggregation=True
-                )
-            else:
-                if self.mode == "buffer":
-                    self._accumulate(grads, indices)
-                else:
-                    self._rule.accumulate(self, grads, indices)
-                _window.maybe_end_window(
-                    self.steps_per_update, self.window_steps, self._end_window
-                )
-            if _distributed.in_replica_context():
-                # A mirrored counter is written in the cross-replica context.
-                return tf.distribute.get_replica_context().merge_call(
-                    lambda _: self._iterations.assign_add(1)
-                )
-            return self._iterations.assign_add(1)
+        return self._micro_step(grads_and_vars, name, aggregate)
 
-    def _accumulates_locally(self):
-        """Under a strategy (replica context), gradients are accumulated unreduced."""
-        return _distributed.in_replica_context() and not (
-            self.steps_per_update == 1 and self.mode == "buffer"
-        )
+    def _count_micro_step(self):
+        if _distributed.in_replica_context():
+            # A mirrored counter is written in the cross-replica context.
+            return tf.distribute.get_replica_context().merge_call(
+                lambda _: self._iterations.assign_add(1)
+            )
+        return self._iterations.assign_add(1)
 
     def aggregate_gradients(self, grads_and_vars):
         """All-reduces gradients, except when they are accumulated locally under a strategy
@@ -296,27 +177,14 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
             return list(grads_and_vars)
         return super().aggregate_gradients(grads_and_vars)
 
-    def _distributed_window(self):
-        """The `accum._distributed.Window` of this optimizer (see there)."""
-        state = inner_loss_scale_state(self.inner_optimizer)
+    def _aggregated(self, grads_and_vars):
+        return self.aggregate_gradients(grads_and_vars)
 
-        def on_skip():
-            # What the inner LossScaleOptimizer does with a non-finite step.
-            state.counter.assign(0)
-            state.current_loss_scale.assign(tf.maximum(state.current_loss_scale * 0.5, 1.0))
+    def _inner_apply(self, grads_and_vars):
+        self.inner_optimizer.apply_gradients(grads_and_vars, skip_gradients_aggregation=True)
 
-        return _distributed.Window(
-            self,
-            buffers=lambda indices: [self.accumulators[i] for i in indices],
-            all_buffers=lambda: self.accumulators,
-            destinations=lambda indices: [self._model_variables[i] for i in indices],
-            window_steps=lambda: self.window_steps,
-            window_count=lambda: self.window_count,
-            micro_steps=lambda: self._iterations,
-            apply_inner=self._apply_mean_gradients,
-            on_skip=None if state is None else on_skip,
-            touched=lambda indices: [self.touched[i] for i in indices],
-        )
+    def _masked_updates(self, variables, touched):
+        return masked_updates(self.inner_optimizer, variables, touched)
 
     def _variable_index(self, variable):
         key = self._var_key(variable)
@@ -327,80 +195,7 @@ class TFKerasAccumOptimizer(AccumOptimizer, tf_keras.optimizers.Optimizer):
             )
         return self._index_dict[key]
 
-    def _accumulate(self, grads, indices):
-        state = inner_loss_scale_state(self.inner_optimizer)
-
-        def on_skip():
-            # What the inner LossScaleOptimizer does with a non-finite step.
-            state.counter.assign(0)
-            state.current_loss_scale.assign(
-                tf.maximum(state.current_loss_scale * 0.5, 1.0)
-            )
-
-        _window.accumulate(
-            [self.accumulators[i] for i in indices],
-            grads,
-            self.window_steps,
-            self.window_count,
-            on_skip=None if state is None else on_skip,
-            touched=[self.touched[i] for i in indices],
-        )
-
-    def _end_window(self):
-        if self.mode == "buffer":
-            _window.end_window(
-                self.accumulators, self.window_steps, self.window_count, self._apply_mean,
-                touched=self.touched,
-            )
-        else:
-            _window.end_window(
-                [], self.window_steps, self.window_count, lambda: self._rule.finish(self),
-                touched=self.touched,
-            )
-
-    def _apply_mean(self):
-        grads = _window.mean_gradients(self.accumulators, self.window_count)
-        indices = tuple(range(len(self._model_variables)))
-        self._apply_mean_gradients(grads, indices, _window.touched_mask(self.touched))
-
-    def _apply_mean_gradients(self, grads, indices, touched):
-        """The inner optimizer's update of the variables `indices`, where only those
-        whose `touched` (scalar bool tensors) is true change."""
-        variables = [self._model_variables[i] for i in indices]
-        restore = _window.protect_untouched(variables, touched)
-        with masked_updates(self.inner_optimizer, variables, touched):
-            self.inner_optimizer.apply_gradients(
-                list(zip(grads, variables)), skip_gradients_aggregation=True
-            )
-        restore()
-
-    def flush(self):
-        """Applies the pending partial window now, normalized by the micro-batches it holds.
-
-        Does nothing if the window is empty or the optimizer is not built. The
-        variables updated are those that got a gradient in some micro-step of
-        the window. Works eagerly and inside `tf.function`.
-        """
-        if not self._built_accum:
-            return
-        if getattr(self, "_accum_strategy", None) is not None:
-            indices = tuple(range(len(self._model_variables)))
-            self._distributed_window().flush(self._accum_strategy, indices)
-            return
-        _window.flush(self.window_steps, self._end_window)
-
     def finalize_variable_values(self, var_list):
         """End of `fit`: warns once about a pending partial window; the inner optimizer finalizes (EMA)."""
-        warn_pending(self)
+        self._warn_pending()
         self.inner_optimizer.finalize_variable_values(var_list)
-
-    # --------------------------------------------------------- serialization
-
-    @classmethod
-    def _deserialize_inner(cls, config, custom_objects):
-        return tf_keras.optimizers.deserialize(
-            config, custom_objects=custom_objects, use_legacy_optimizer=cls._FAMILY == _backends.TF_KERAS_LEGACY
-        )
-
-    def _serialize_inner(self):
-        return tf_keras.optimizers.serialize(self.inner_optimizer)

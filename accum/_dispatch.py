@@ -1,43 +1,22 @@
-"""The backend split: which Keras an optimizer belongs to, and the class that wraps it.
+"""The dispatch, above the three family implementations: the class that wraps an optimizer.
 
-| family            | optimizers                                  | implementation          |
-| ----------------- | ------------------------------------------- | ----------------------- |
-| `KERAS3`          | `keras.optimizers.*` (TensorFlow backend)    | `_keras3`               |
-| `TF_KERAS`        | `tf_keras.optimizers.*` (new-style)          | `_tf_keras`             |
-| `TF_KERAS_LEGACY` | `tf_keras.optimizers.legacy.*` (OptimizerV2) | `_tf_keras_legacy`      |
+`accum._base` (the shared base, `AccumOptimizer`) imports no implementation;
+this module imports them (lazily: tf_keras is loaded only when needed) and
+gives `AccumOptimizer` its `implementation_for` when `accum` is imported.
 
-Detection goes by the optimizer's class hierarchy. tf_keras is imported only
-when the optimizer comes from it or the program already uses tf_keras (see
-`register_serializable_classes`), so a Keras 3 program never loads it (and
-bert4keras-style code that replaces `sys.modules["keras"]` with tf_keras is
-still told apart by the class's module, `tf_keras.src...`).
+| family            | implementation                            |
+| ----------------- | ----------------------------------------- |
+| `KERAS3`          | `_keras3.Keras3AccumOptimizer`            |
+| `TF_KERAS`        | `_tf_keras.TFKerasAccumOptimizer`         |
+| `TF_KERAS_LEGACY` | `_tf_keras_legacy.LegacyAccumOptimizer`   |
 """
 
 import importlib.util
 import os
 import sys
 
-KERAS3 = "keras3"
-TF_KERAS = "tf_keras"
-TF_KERAS_LEGACY = "tf_keras.legacy"
-
-
-def family_of(optimizer):
-    """Returns `KERAS3`, `TF_KERAS`, `TF_KERAS_LEGACY`, or None if `optimizer` is no optimizer."""
-    roots = {cls.__module__.split(".")[0] for cls in type(optimizer).__mro__}
-    if "keras" in roots:
-        from keras.src.optimizers.optimizer import Optimizer
-
-        if isinstance(optimizer, Optimizer):
-            return KERAS3
-    if "tf_keras" in roots:
-        import tf_keras
-
-        if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
-            return TF_KERAS_LEGACY
-        if isinstance(optimizer, tf_keras.optimizers.Optimizer):
-            return TF_KERAS
-    return None
+from ._base import AccumOptimizer
+from ._families import KERAS3, TF_KERAS, TF_KERAS_LEGACY
 
 
 def implementation_for(family):
@@ -81,3 +60,6 @@ def register_serializable_classes():
     legacy_keras = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
     if "tf_keras" in sys.modules or (legacy_keras and importlib.util.find_spec("tf_keras") is not None):
         from . import _tf_keras, _tf_keras_legacy  # noqa: F401
+
+
+AccumOptimizer._implementation_for = staticmethod(implementation_for)

@@ -1,0 +1,179 @@
+"""What the tf_keras implementations (new-style `_tf_keras`, legacy `_tf_keras_legacy`) share.
+
+`TFKerasWindow` is a mixin placed before `AccumOptimizer` and the tf_keras
+optimizer class. A class using it provides: `build`, `_micro_steps_variable()`,
+`_config_name()`, `_variable_index(variable)`, `_aggregated(grads_and_vars)`
+(the tf_keras all-reduce), `_inner_apply(grads_and_vars)` (the inner
+optimizer's `apply_gradients` without aggregation), `_count_micro_step()`
+and `_masked_updates(variables, touched)`; and the attributes
+`_built_accum`, `_model_variables`, `accumulators`, `touched`,
+`window_steps`, `window_count`.
+"""
+
+import tensorflow as tf
+import tf_keras
+
+from . import _distributed, _families, _window
+from ._base import AccumOptimizer
+
+
+def inner_loss_scale_state(optimizer):
+    """The dynamic loss-scale state of a tf_keras `LossScaleOptimizer`, or None.
+
+    tf_keras exposes the current scale only as a tensor (`loss_scale`); the
+    variables live in the optimizer's `_loss_scale` state object.
+    """
+    if getattr(optimizer, "dynamic", False) and hasattr(optimizer, "get_unscaled_gradients"):
+        return optimizer._loss_scale
+    return None
+
+
+def loss_scale_on_skip(optimizer):
+    """`fn()` doing what the inner LossScaleOptimizer does with a non-finite step, or None."""
+    state = inner_loss_scale_state(optimizer)
+    if state is None:
+        return None
+
+    def on_skip():
+        state.counter.assign(0)
+        state.current_loss_scale.assign(tf.maximum(state.current_loss_scale * 0.5, 1.0))
+
+    return on_skip
+
+
+class TFKerasWindow:
+    """The window, delegation and serialization shared by both tf_keras implementations."""
+
+    # ------------------------------------------------------------ delegation
+    # Legacy `OptimizerV2` keeps hyperparameters in `_hyper`; the wrapper sets
+    # none (its `__init__` passes no learning rate), so `learning_rate` and
+    # `lr` (which `OptimizerV2.__setattr__` renames to `learning_rate`) reach
+    # these properties in both families.
+
+    def _has_window_state(self):
+        return self._built_accum
+
+    def _model_variables_list(self):
+        return self._model_variables
+
+    def _check_no_kwargs(self, kwargs):
+        if kwargs:
+            raise ValueError(
+                f"AccumOptimizer does not support arguments: `{'`, `'.join(kwargs)}`. "
+                "Set them on the inner optimizer."
+            )
+
+    @staticmethod
+    def _momentum_rule_for(optimizer):
+        from ._momentum_tf_keras import rule_for
+
+        return rule_for(optimizer)
+
+    @AccumOptimizer.iterations.setter
+    def iterations(self, variable):
+        self.inner_optimizer.iterations = variable
+
+    # `lr`: the same property as `learning_rate` (tf_keras LR callbacks use it).
+    lr = AccumOptimizer.learning_rate
+
+    def get_scaled_loss(self, loss):
+        """The inner `LossScaleOptimizer`'s scaled loss (`loss` if there is none)."""
+        scale = getattr(self.inner_optimizer, "get_scaled_loss", None)
+        return scale(loss) if scale else loss
+
+    def get_unscaled_gradients(self, grads):
+        """The inner `LossScaleOptimizer`'s unscaled gradients (`grads` if there is none)."""
+        unscale = getattr(self.inner_optimizer, "get_unscaled_gradients", None)
+        return unscale(grads) if unscale else grads
+
+    # --------------------------------------------------------------- updates
+
+    def _micro_step(self, grads_and_vars, name, aggregate):
+        """One micro-step on built variables with gradients: all-reduces them if
+        `aggregate` (unless accumulated locally), then accumulates; every
+        `steps_per_update`-th call updates. Returns the micro-step counter's update."""
+        accumulate_locally = self._accumulates_locally()
+        if aggregate and not accumulate_locally:
+            grads_and_vars = self._aggregated(grads_and_vars)
+        if accumulate_locally and not aggregate:
+            grads_and_vars = _distributed.local_share(self, grads_and_vars)
+        grads = [g for g, _ in grads_and_vars]
+        variables = [v for _, v in grads_and_vars]
+        indices = tuple(self._variable_index(v) for v in variables)
+        with tf.name_scope(name or self._config_name()):
+            if accumulate_locally:
+                # Each replica accumulates its own gradients; one all-reduce per
+                # update (`accum._distributed`). Gradients already reduced by the
+                # caller (no aggregation asked) are not supported here.
+                if self.mode != "buffer":
+                    raise _distributed.momentum_not_supported()
+                return self._distributed_window().micro_step(grads, indices)
+            if self.steps_per_update == 1 and self.mode == "buffer":
+                self._inner_apply(list(zip(grads, variables)))
+            else:
+                if self.mode == "buffer":
+                    self._accumulate(grads, indices)
+                else:
+                    self._rule.accumulate(self, grads, indices)
+                _window.maybe_end_window(
+                    self.steps_per_update, self.window_steps, self._end_window
+                )
+            return self._count_micro_step()
+
+    def _accumulates_locally(self):
+        """Under a strategy (replica context), gradients are accumulated unreduced."""
+        return _distributed.in_replica_context() and not (
+            self.steps_per_update == 1 and self.mode == "buffer"
+        )
+
+    def _distributed_window(self):
+        """The `accum._distributed.Window` of this optimizer (see there)."""
+        return _distributed.Window(
+            self,
+            buffers=lambda indices: [self.accumulators[i] for i in indices],
+            all_buffers=lambda: self.accumulators,
+            destinations=lambda indices: [self._model_variables[i] for i in indices],
+            window_steps=lambda: self.window_steps,
+            window_count=lambda: self.window_count,
+            micro_steps=self._micro_steps_variable,
+            apply_inner=self._apply_mean_gradients,
+            on_skip=loss_scale_on_skip(self.inner_optimizer),
+            touched=lambda indices: [self.touched[i] for i in indices],
+        )
+
+    def _accumulate(self, grads, indices):
+        _window.accumulate(
+            [self.accumulators[i] for i in indices],
+            grads,
+            self.window_steps,
+            self.window_count,
+            on_skip=loss_scale_on_skip(self.inner_optimizer),
+            touched=[self.touched[i] for i in indices],
+        )
+
+    def _apply_mean(self):
+        grads = _window.mean_gradients(self.accumulators, self.window_count)
+        indices = tuple(range(len(self._model_variables)))
+        self._apply_mean_gradients(grads, indices, _window.touched_mask(self.touched))
+
+    def _apply_mean_gradients(self, grads, indices, touched):
+        """The inner optimizer's update of the variables `indices`, where only those
+        whose `touched` (scalar bool tensors) is true change."""
+        variables = [self._model_variables[i] for i in indices]
+        restore = _window.protect_untouched(variables, touched)
+        with self._masked_updates(variables, touched):
+            self._inner_apply(list(zip(grads, variables)))
+        restore()
+
+    # --------------------------------------------------------- serialization
+
+    @classmethod
+    def _deserialize_inner(cls, config, custom_objects):
+        return tf_keras.optimizers.deserialize(
+            config,
+            custom_objects=custom_objects,
+            use_legacy_optimizer=cls._FAMILY == _families.TF_KERAS_LEGACY,
+        )
+
+    def _serialize_inner(self):
+        return tf_keras.optimizers.serialize(self.inner_optimizer)
