@@ -122,13 +122,10 @@ def _after(tensors, *gates):
     return [None if x is None else gated(x) for x in tensors]
 
 
-def _forbid_creation(layer):
+def _forbid_creation(layer, adapter):
     def creator(next_creator, **kwargs):
-        from . import _backends, _tf_keras
-
         what = f"a variable ('{kwargs.get('name')}')"
-        tf_keras = _backends.adapter_for(layer) is _tf_keras
-        raise created_in_recomputation(layer.name, what, tf_keras)
+        raise created_in_recomputation(layer.name, what, adapter.name == "tf_keras")
 
     return tf.variable_creator_scope(creator)
 
@@ -331,7 +328,7 @@ def recomputed_call(adapter, call, layer, args, kwargs):
                     tape.watch(ready)
                     tape.watch(variables)
                     # The replayed state waits for the gradient too (see `_after`).
-                    with reenter(), _forbid_creation(layer), adapter.replay_state(
+                    with reenter(), _forbid_creation(layer, adapter), adapter.replay_state(
                         layer, state, _after(start, first_dy)
                     ) as recomputed_losses:
                         # The legacy seed is a forward-pass tensor too: gated like the state.
