@@ -57,7 +57,9 @@ def register_serializable_classes():
     if int(version.split(".")[0]) >= 3:
         from . import _keras3  # noqa: F401
 
-    legacy_keras = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
+    # The values TensorFlow's lazy loader reads as "tf.keras is tf_keras"
+    # (recompute.bert4keras reads them the same way).
+    legacy_keras = os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
     if "tf_keras" in sys.modules or (legacy_keras and importlib.util.find_spec("tf_keras") is not None):
         from . import _tf_keras, _tf_keras_legacy  # noqa: F401
 

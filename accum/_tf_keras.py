@@ -171,11 +171,8 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         return self._iterations.assign_add(1)
 
     def aggregate_gradients(self, grads_and_vars):
-        """All-reduces gradients, except when they are accumulated locally under a strategy
-        (the reduction then happens once per update: `accum._distributed`)."""
-        if self._accumulates_locally():
-            return list(grads_and_vars)
-        return super().aggregate_gradients(grads_and_vars)
+        """All-reduces gradients unless they are accumulated locally (`_aggregated_unless_local`)."""
+        return self._aggregated_unless_local(grads_and_vars, super().aggregate_gradients)
 
     def _aggregated(self, grads_and_vars):
         return self.aggregate_gradients(grads_and_vars)

@@ -126,6 +126,15 @@ class TFKerasWindow:
             self.steps_per_update == 1 and self.mode == "buffer"
         )
 
+    def _aggregated_unless_local(self, grads_and_vars, aggregate):
+        """`aggregate(grads_and_vars)` (the Keras all-reduce), except when the
+        gradients are accumulated locally under a strategy: the reduction then
+        happens once per update (`accum._distributed`). Both implementations'
+        aggregation hooks call this."""
+        if self._accumulates_locally():
+            return list(grads_and_vars)
+        return aggregate(grads_and_vars)
+
     def _distributed_window(self):
         """The `accum._distributed.Window` of this optimizer (see there)."""
         return _distributed.Window(

@@ -134,11 +134,8 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
         return self._micro_steps.assign_add(1)
 
     def _aggregate_gradients(self, grads_and_vars):
-        """All-reduces gradients, except when they are accumulated locally under a strategy
-        (the reduction then happens once per update: `accum._distributed`)."""
-        if self._accumulates_locally():
-            return list(grads_and_vars)
-        return super()._aggregate_gradients(grads_and_vars)
+        """All-reduces gradients unless they are accumulated locally (`_aggregated_unless_local`)."""
+        return self._aggregated_unless_local(grads_and_vars, super()._aggregate_gradients)
 
     def _aggregated(self, grads_and_vars):
         return self.gradient_aggregator(grads_and_vars)

@@ -42,7 +42,8 @@ from . import harness
 from .allreduce import AllReduceCounter
 from .harness import MiB
 
-_progress = harness.Progress("benchmarks.accum_distribute")
+TOOL = "benchmarks.accum_distribute"
+_progress = harness.Progress(TOOL)
 
 # ------------------------------------------------------------------ benchmark
 
@@ -142,6 +143,7 @@ def main(argv=None):
                         help="effective batches timed (default 5)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--timeout", type=harness.positive_float, default=600.0)
+    harness.add_docs_argument(parser, TOOL)
     harness.add_worker_arguments(parser)
     parser.add_argument("--features", type=harness.positive_int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--hidden", type=harness.positive_int, default=None, help=argparse.SUPPRESS)
@@ -149,6 +151,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.worker and not args.out:
         parser.error("--worker needs --out")
+    harness.check_docs_page(parser, args.docs, TOOL)
     quick = args.quick
     args.k = args.k or (4 if quick else 8)
     args.batches = args.batches or (3 if quick else 5)
@@ -167,24 +170,25 @@ def main(argv=None):
         sys.exit(1)
     w0 = results[0]
     params = w0["accum"]["parameters"]
-    print(f"2 workers (MultiWorkerMirroredStrategy, loopback), MLP {params / 1e6:.2f}M parameters "
-          f"({params * 4 / MiB:.1f} MiB float32), k={args.k}, micro-batch {args.micro_batch} per "
-          f"worker, median of {args.batches} effective batches (worker 0)")
-    print(f"{'configuration':<36} {'rounds':>7} {'MiB all-reduced':>16} {'wall s':>8} {'CPU s':>8}"
-          "   per effective batch")
-    labels = {
-        "accum": f"AccumOptimizer(Adam, {args.k})",
-        "reduce_each": "  same, all-reduce every micro-step",
-        "plain": "Adam every micro-batch (no accum)",
-    }
-    for config in CONFIGS:
-        r = w0[config]
-        print(f"{labels[config]:<36} {r['rounds']:7.0f} {r['bytes'] / MiB:16.2f} "
-              f"{r['wall']:8.3f} {r['cpu']:8.3f}")
-    base = w0["reduce_each"]
-    print(f"accumulation on vs per-micro-step all-reduce: {base['bytes'] / w0['accum']['bytes']:.1f}x "
-          f"fewer bytes, wall {w0['accum']['wall'] / base['wall']:.2f}x, "
-          f"CPU {w0['accum']['cpu'] / base['cpu']:.2f}x")
+    with harness.report_to_docs(args.docs, TOOL, argv):
+        print(f"2 workers (MultiWorkerMirroredStrategy, loopback), MLP {params / 1e6:.2f}M parameters "
+              f"({params * 4 / MiB:.1f} MiB float32), k={args.k}, micro-batch {args.micro_batch} per "
+              f"worker, median of {args.batches} effective batches (worker 0)")
+        print(f"{'configuration':<36} {'rounds':>7} {'MiB all-reduced':>16} {'wall s':>8} {'CPU s':>8}"
+              "   per effective batch")
+        labels = {
+            "accum": f"AccumOptimizer(Adam, {args.k})",
+            "reduce_each": "  same, all-reduce every micro-step",
+            "plain": "Adam every micro-batch (no accum)",
+        }
+        for config in CONFIGS:
+            r = w0[config]
+            print(f"{labels[config]:<36} {r['rounds']:7.0f} {r['bytes'] / MiB:16.2f} "
+                  f"{r['wall']:8.3f} {r['cpu']:8.3f}")
+        base = w0["reduce_each"]
+        print(f"accumulation on vs per-micro-step all-reduce: {base['bytes'] / w0['accum']['bytes']:.1f}x "
+              f"fewer bytes, wall {w0['accum']['wall'] / base['wall']:.2f}x, "
+              f"CPU {w0['accum']['cpu'] / base['cpu']:.2f}x")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("json", "out")}, "workers": results},

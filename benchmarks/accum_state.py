@@ -58,6 +58,7 @@ def state_bytes(optimizer):
     return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in optimizer.variables))
 
 
+TOOL = "benchmarks.accum_state"
 CONFIGS = ("plain", "buffer", "momentum", "keras_builtin")
 
 
@@ -114,7 +115,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=harness.positive_int, default=5)
     parser.add_argument("--jit", action="store_true", help="jit_compile the step")
     parser.add_argument("--json", help="also write the results to this file")
+    harness.add_docs_argument(parser, TOOL)
     args = parser.parse_args(argv)
+    harness.check_docs_page(parser, args.docs, TOOL)
 
     if args.quick:
         shapes = bert_shapes(hidden=192, layers=12, ffn=768, vocab=7680)
@@ -125,26 +128,27 @@ def main(argv=None):
     params = n_params(shapes)
     results = run(shapes, args.k, args.windows, rounds, args.jit)
     base = results["plain"]
-    print(f"parameters: {params / 1e6:.1f}M ({'quick' if args.quick else 'BERT-base'} shapes), "
-          f"k={args.k}, {rounds} rounds x {args.windows * args.k} micro-steps, jit={args.jit}")
-    print(f"{'optimizer':<34} {'state MiB':>10} {'vs plain':>9} {'ms/micro-step':>14} {'ratio':>7}")
-    labels = {
-        "plain": "Adam",
-        "buffer": f"AccumOptimizer(Adam, {args.k})",
-        "momentum": f"AccumOptimizer(Adam, {args.k}, 'momentum')",
-        "keras_builtin": f"Adam(gradient_accumulation_steps={args.k})",
-    }
-    for config in CONFIGS:
-        r = results[config]
-        r["state_vs_plain_bytes"] = r["state_bytes"] - base["state_bytes"]
-        r["time_ratio"] = r["seconds_per_micro_step"] / base["seconds_per_micro_step"]
-        print(f"{labels[config]:<34} {r['state_bytes'] / harness.MiB:10.1f} "
-              f"{r['state_vs_plain_bytes'] / harness.MiB:+9.1f} {1e3 * r['seconds_per_micro_step']:14.2f} "
-              f"{r['time_ratio']:7.3f}")
-    saved = results["buffer"]["state_bytes"] - results["momentum"]["state_bytes"]
-    large = n_params(bert_shapes(hidden=1024, layers=24, ffn=4096))
-    print(f"momentum mode saves {saved / 2**30:.2f} GiB here (one float32 copy of the parameters); "
-          f"BERT-base {n_params(bert_shapes()) * 4 / 2**30:.2f} GiB, BERT-large {large * 4 / 2**30:.2f} GiB")
+    with harness.report_to_docs(args.docs, TOOL, argv):
+        print(f"parameters: {params / 1e6:.1f}M ({'quick' if args.quick else 'BERT-base'} shapes), "
+              f"k={args.k}, {rounds} rounds x {args.windows * args.k} micro-steps, jit={args.jit}")
+        print(f"{'optimizer':<34} {'state MiB':>10} {'vs plain':>9} {'ms/micro-step':>14} {'ratio':>7}")
+        labels = {
+            "plain": "Adam",
+            "buffer": f"AccumOptimizer(Adam, {args.k})",
+            "momentum": f"AccumOptimizer(Adam, {args.k}, 'momentum')",
+            "keras_builtin": f"Adam(gradient_accumulation_steps={args.k})",
+        }
+        for config in CONFIGS:
+            r = results[config]
+            r["state_vs_plain_bytes"] = r["state_bytes"] - base["state_bytes"]
+            r["time_ratio"] = r["seconds_per_micro_step"] / base["seconds_per_micro_step"]
+            print(f"{labels[config]:<34} {r['state_bytes'] / harness.MiB:10.1f} "
+                  f"{r['state_vs_plain_bytes'] / harness.MiB:+9.1f} {1e3 * r['seconds_per_micro_step']:14.2f} "
+                  f"{r['time_ratio']:7.3f}")
+        saved = results["buffer"]["state_bytes"] - results["momentum"]["state_bytes"]
+        large = n_params(bert_shapes(hidden=1024, layers=24, ffn=4096))
+        print(f"momentum mode saves {saved / 2**30:.2f} GiB here (one float32 copy of the parameters); "
+              f"BERT-base {n_params(bert_shapes()) * 4 / 2**30:.2f} GiB, BERT-large {large * 4 / 2**30:.2f} GiB")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"parameters": params, "k": args.k, "jit": args.jit, "results": results}, f, indent=2)

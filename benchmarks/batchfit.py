@@ -83,7 +83,8 @@ import time
 from . import harness
 from .harness import GiB, MiB
 
-_progress = harness.Progress("benchmarks.batchfit")
+TOOL = "benchmarks.batchfit"
+_progress = harness.Progress(TOOL)
 
 # Transformer shapes. `minilm` is the real model: its weights (and exact
 # config) come from `recompute.bert4keras.converter.minilm()` when that is available.
@@ -799,9 +800,11 @@ def parse_args(argv=None):
     parser.add_argument("--plot", metavar="PATH", default="batchfit.png",
                         help="PNG of peak RSS vs batch (default batchfit.png)")
     parser.add_argument("--json", metavar="PATH", help="save all measurements as JSON")
+    harness.add_docs_argument(parser, TOOL)
     harness.add_worker_arguments(parser)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    harness.check_docs_page(parser, args.docs, TOOL)
 
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():
@@ -858,7 +861,8 @@ def _main(argv=None):
         results[(model, "1")] = search(model, shape, "1", opts, worker_paths,
                                        first=off["max_batch"] or 1, prior=prior)
     rows = summarize(results, opts)
-    print_report(rows, opts)
+    with harness.report_to_docs(args.docs, TOOL, argv):
+        print_report(rows, opts)
     tune = None
     if args.quick:
         print("", flush=True)

@@ -66,7 +66,8 @@ DEFAULT = dict(layers=6, hidden=256, heads=4, ffn=1024, seq=128, vocab=8000,
                batch_sizes=(12, 24), steps=3, dropout=0.1)
 QUICK = dict(layers=3, hidden=64, heads=2, ffn=256, seq=64, vocab=500,
              batch_sizes=(16, 32), steps=2, dropout=0.1)
-_progress = harness.Progress("benchmarks.recompute_distribute")
+TOOL = "benchmarks.recompute_distribute"
+_progress = harness.Progress(TOOL)
 
 
 # --------------------------------------------------------------------------
@@ -284,8 +285,10 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=harness.positive_float, default=1800.0,
                         help="seconds per RECOMPUTE setting before the workers are killed")
     parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
+    harness.add_docs_argument(parser, TOOL)
     harness.add_worker_arguments(parser)
     args = parser.parse_args(argv)
+    harness.check_docs_page(parser, args.docs, TOOL)
     encoder.finish_shape_arguments(parser, args, QUICK if args.quick else DEFAULT,
                                    need_slope=not args.worker)
     if args.worker and not args.out:
@@ -311,7 +314,8 @@ def main(argv=None):
         return 1
     summary, ratios = summarize(runs, batch_sizes)
     _progress(f"done in {time.perf_counter() - start:.0f} s wall")
-    print_report(cfg, args.strategy, runs, summary, ratios)
+    with harness.report_to_docs(args.docs, TOOL, argv):
+        print_report(cfg, args.strategy, runs, summary, ratios)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(dict(config=dict(cfg, strategy=args.strategy, batch_sizes=batch_sizes,

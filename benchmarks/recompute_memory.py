@@ -37,7 +37,8 @@ FULL = dict(layers=12, hidden=768, heads=12, ffn=3072, seq=512, vocab=30522,
             batch_sizes=(2, 6), steps=3, dropout=0.1)
 QUICK = dict(layers=3, hidden=256, heads=4, ffn=1024, seq=128, vocab=1000,
              batch_sizes=(2, 6), steps=2, dropout=0.1)
-_progress = harness.Progress("benchmarks.recompute_memory")
+TOOL = "benchmarks.recompute_memory"
+_progress = harness.Progress(TOOL)
 
 
 # --------------------------------------------------------------------------
@@ -188,8 +189,10 @@ def parse_args(argv=None):
                         help="tiny shape (3 blocks, hidden 256, seq 128): about 30 s; "
                              "explicit options still override it")
     parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
+    harness.add_docs_argument(parser, TOOL)
     harness.add_worker_arguments(parser)
     args = parser.parse_args(argv)
+    harness.check_docs_page(parser, args.docs, TOOL)
 
     encoder.finish_shape_arguments(parser, args, QUICK if args.quick else FULL,
                                    need_slope=not args.worker)
@@ -226,7 +229,8 @@ def _main(argv=None):
     runs.sort(key=lambda r: (args.modes.index(r["recompute"]), r["batch"]))
     summary, ratios = summarize(runs, args.modes, batch_sizes)
     _progress(f"done in {time.perf_counter() - start:.0f} s wall")
-    print_report(cfg, runs, summary, ratios)
+    with harness.report_to_docs(args.docs, TOOL, argv):
+        print_report(cfg, runs, summary, ratios)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=dict(cfg, batch_sizes=batch_sizes, steps=args.steps),

@@ -219,7 +219,7 @@ class _PatchingLoader(importlib.abc.Loader):
 
 # What bert4keras (`strtobool(TF_KERAS)`) and TensorFlow (`tf.keras` -> tf_keras) accept as on.
 _TF_KERAS_ON = ("y", "yes", "t", "true", "on", "1")
-_LEGACY_KERAS_ON = ("true", "True", "1")
+_LEGACY_KERAS_ON = ("true", "True", "1")  # TensorFlow's lazy loader; accum._dispatch reads it so too
 
 
 def _check_environment():

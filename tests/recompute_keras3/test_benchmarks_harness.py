@@ -130,3 +130,44 @@ def test_benchmarks_are_not_installed(tmp_path):
     info = next(tmp_path.glob("*.egg-info"))
     assert (info / "top_level.txt").read_text().split() == ["accum", "recompute"]
     assert "benchmarks/" not in (info / "SOURCES.txt").read_text()
+
+
+def test_report_to_docs_replaces_the_block_and_keeps_the_rest(tmp_path, capsys):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n<!-- benchmarks.tool -->\nold figures\n<!-- /benchmarks.tool -->\n\nprose\n")
+    with harness.report_to_docs(str(page), "benchmarks.tool", ["--quick", "a b"]):
+        print("new figures")
+        print("x1.23")
+    assert capsys.readouterr().out == "new figures\nx1.23\n"  # printed as well
+    text = page.read_text()
+    assert text.startswith("# Title\n\n<!-- benchmarks.tool -->\n`python -m benchmarks.tool --quick 'a b'`, run ")
+    assert "```text\nnew figures\nx1.23\n```\n<!-- /benchmarks.tool -->\n\nprose\n" in text
+    assert "old figures" not in text
+    with harness.report_to_docs(None, "benchmarks.tool"):  # no page: only printed
+        print("again")
+    assert capsys.readouterr().out == "again\n" and page.read_text() == text
+
+
+def test_docs_page_without_its_block_is_refused_before_the_run(tmp_path, capsys):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- benchmarks.other -->\n<!-- /benchmarks.other -->\n")
+    parser = argparse.ArgumentParser(prog="tool")
+    for path in (page, tmp_path / "missing.md"):
+        with pytest.raises(SystemExit):
+            harness.check_docs_page(parser, str(path), "benchmarks.tool")
+    err = capsys.readouterr().err
+    assert "expected one line `<!-- benchmarks.tool -->` followed by one line `<!-- /benchmarks.tool -->`" in err
+    assert "missing.md" in err
+    harness.check_docs_page(parser, None, "benchmarks.tool")  # no --docs: nothing to check
+
+
+def test_every_docs_block_names_a_benchmark_that_can_write_it():
+    import re
+
+    for name in os.listdir(os.path.join(ROOT, "docs")):
+        with open(os.path.join(ROOT, "docs", name), encoding="utf-8") as f:
+            text = f.read()
+        for tool in re.findall(r"^<!-- (benchmarks\.\w+) -->$", text, re.M):
+            harness._docs_block(text, tool)  # one well-formed block
+            with open(os.path.join(ROOT, *tool.split(".")) + ".py", encoding="utf-8") as f:
+                assert "harness.report_to_docs(args.docs, TOOL" in f.read(), tool
