@@ -29,6 +29,7 @@ class Adapter(Protocol):
     """What `_core.recomputed_call` needs to know about a layer of one Keras family."""
 
     name: str  # the family, for messages
+    attention_core: str  # the method of a `MultiHeadAttention` that policy="attention" recomputes
 
     def check_decoration(self, fn: Callable) -> None:
         """Raises at decoration if this family's setup cannot serve `fn` (e.g. a backend)."""
@@ -57,6 +58,12 @@ class Adapter(Protocol):
 
     def track_losses(self, layers: Sequence[Any]) -> Callable[[], list]:
         """Starts tracking `add_loss`; the returned function gives (list, index) slots."""
+
+    def attention_layers(self, layers: Sequence[Any]) -> Sequence[Any]:
+        """The family's `MultiHeadAttention` layers (subclasses included) among `layers`."""
+
+    def scores_asked(self, args: tuple, kwargs: dict) -> bool:
+        """From the arguments of an attention core: whether its caller uses the scores it returns."""
 
     def legacy_rng(self, layers: Sequence[Any]) -> Optional[LegacyRng]:
         """The legacy draws the call may make, or None if all its random state replays."""

@@ -5,7 +5,7 @@ import inspect
 
 import tensorflow as tf
 
-from . import _backends, _config, _core, _tf
+from . import _backends, _config, _core, _policies, _tf
 
 
 def _describe(obj):
@@ -51,51 +51,60 @@ def _autographed(fn, status):
     return tf.__internal__.autograph.tf_convert(fn, status)
 
 
-def recompute_grad(call):
+def recompute_grad(call=None, *, policy="full"):
     """Decorates a Keras layer's `call` so that its activations are recomputed in the backward pass.
 
     ```python
     class Block(keras.layers.Layer):
-        @recompute_grad
+        @recompute_grad                      # or @recompute_grad(policy="attention")
         def call(self, x, training=None, mask=None):
             ...
     ```
 
     With `RECOMPUTE=1` (read each time the layer runs) or inside
     `recompute_scope(True)`, and while a `tf.GradientTape` records, the
-    forward pass keeps only the call's inputs and the backward pass recomputes
-    the rest. Nothing else changes: the loss and every gradient equal the
-    undecorated layer's (`None` where it has `None`), dropout included --
-    random state is replayed -- and side effects (moving statistics, metrics,
-    `add_loss`) happen once. Off, or with no tape recording, the original
-    `call` runs with no extra operation. Keras 3 (TensorFlow backend) and
-    tf_keras; eager, `tf.function`, `jit_compile`, `fit`, mixed precision,
-    `tf.distribute`. Nested arguments and outputs; non-float outputs come back
-    as returned. The outermost decorated call is the unit; a functional block
-    is one unit with `block.call = recompute_grad(block.call)` (redo it after
-    `load_model`: it belongs to the instance).
+    forward pass keeps less and the backward pass recomputes the rest:
+    `policy="full"`, the whole call (it keeps only its inputs);
+    `policy="attention"`, only the attention core (scores, mask, softmax,
+    dropout) of the `MultiHeadAttention` layers the layer contains. Nothing
+    else changes: the loss and every gradient equal the undecorated layer's
+    (`None` where it has `None`), dropout included -- random state is replayed
+    -- and side effects (moving statistics, metrics, `add_loss`) happen once.
+    Off, or with no tape recording, `call` runs as written. Keras 3
+    (TensorFlow backend) and tf_keras; eager, `tf.function`, `jit_compile`,
+    `fit`, mixed precision, `tf.distribute`. The outermost decorated call is
+    the unit; a functional block: `block.call = recompute_grad(block.call)`.
 
     Limits: sublayers with variables or random state must exist before the
-    recomputation (create them in `__init__`/`build`); in eager mode a call
-    that opens its own `GradientTape` is refused (exact in `tf.function`); a
-    call inside a `tf.while_loop` body (an RNN cell, `unroll=False`) is
-    refused; no forward-mode autodiff; tf_keras's legacy RNG gives exact
-    gradients but other masks than RECOMPUTE=0 (a warning says so). In full:
-    docs/recompute.md.
+    recomputation; in eager mode a call that opens its own `GradientTape` is
+    refused; so is a call inside a `tf.while_loop` body; no forward-mode
+    autodiff; tf_keras's legacy RNG gives exact gradients but other masks
+    than RECOMPUTE=0 (a warning says so). In full: docs/recompute.md.
 
     Args:
         call: the `call` of a `keras.layers.Layer` or `tf_keras.layers.Layer`
-            subclass (defined in the class body, first parameter `self`), or a
-            layer instance's bound `call`.
+            subclass (first parameter `self`), or a layer instance's bound `call`.
+        policy: "full" (default) or "attention" (keyword only).
 
     Returns:
-        The decorated method.
+        The decorated method (a decorator if `call` is omitted).
 
     Raises:
-        TypeError: `call` is not a layer's `call` (a `@staticmethod`, a plain
-            function, another name, bound to a non-layer).
+        TypeError: `call` is not a layer's `call`.
+        ValueError: an unknown `policy`; at the call, policy="attention" on a
+            layer without `MultiHeadAttention` layers.
         NotImplementedError: a Keras 3 backend other than TensorFlow.
     """
+    if call is None:
+        _policies.check_policy(policy)
+        return functools.partial(recompute_grad, policy=policy)
+    if isinstance(call, str):
+        raise TypeError(
+            "`recompute_grad` takes the policy as a keyword argument: "
+            f"`@recompute_grad(policy={call!r})`. Received: recompute_grad({call!r})"
+        )
+    _policies.check_policy(policy)
+    run_policy = _policies.POLICIES[policy]
     if isinstance(call, type) or not callable(call) or not (
         inspect.isfunction(call) or inspect.ismethod(call)
     ):
@@ -139,7 +148,7 @@ def recompute_grad(call):
         adapter.check_supported(layer)
         if not _tf.tape_is_active() or _core.inside_recomputed_call():
             return fn(layer, *args, **kwargs)
-        return _core.recomputed_call(adapter, fn, layer, args, kwargs)
+        return run_policy(adapter, fn, layer, args, kwargs)
 
     # The wrappers are two lines so that AutoGraph, which converts them when it
     # converts the caller, passes its status on; `run` is never converted.
@@ -159,4 +168,5 @@ def recompute_grad(call):
     # `mask` only to a `call` that declares them, Keras 3 reads it too.
     wrapper.__signature__ = inspect.signature(call)
     wrapper.__recompute_grad_wrapped__ = unbound
+    wrapper.__recompute_grad_policy__ = policy
     return wrapper

@@ -12,6 +12,7 @@ import sys
 from ._errors import created_in_recomputation
 
 name = "Keras 3"
+attention_core = "_compute_attention"
 
 
 def _keras():
@@ -234,3 +235,15 @@ def track_losses(layers):
 
 def legacy_rng(layers):
     return None  # Keras 3 draws every random number from a SeedGenerator, which replays
+
+
+def attention_layers(layers):
+    mha = _keras().layers.MultiHeadAttention
+    return [layer for layer in layers if isinstance(layer, mha)]
+
+
+def scores_asked(args, kwargs):
+    """`return_attention_scores`, which `MultiHeadAttention.call` passes its core
+    as the sixth argument (query, key, value, attention_mask, training, ...)."""
+    asked = args[5] if len(args) > 5 else kwargs.get("return_attention_scores", False)
+    return bool(asked)

@@ -30,6 +30,7 @@ from . import _tf
 from ._keras3 import copy_output_mask  # noqa: F401  (tf_keras keeps masks in the same attribute)
 
 name = "tf_keras"
+attention_core = "_compute_attention"
 
 
 def check_supported(layer):
@@ -291,3 +292,16 @@ def legacy_rng(layers):
 
 def check_decoration(fn):
     pass  # a tf_keras layer has no backend to refuse
+
+
+def attention_layers(layers):
+    from tf_keras.layers import MultiHeadAttention
+
+    return [layer for layer in layers if isinstance(layer, MultiHeadAttention)]
+
+
+def scores_asked(args, kwargs):
+    """Always True: tf_keras's core is not told whether `call` returns the scores,
+    so they are an output of the recomputation (their gradient, zero when
+    unused, flows through the softmax)."""
+    return True

@@ -1,5 +1,6 @@
 """`patch()` / `unpatch()`: bert4keras's layers marked for recomputation use `recompute_grad` (see the package docstring)."""
 
+import functools
 import importlib.abc
 import inspect
 import os
@@ -7,6 +8,7 @@ import sys
 import threading
 import warnings
 
+from .. import _backends, _config, _policies
 from .._decorator import recompute_grad
 
 MODULE = "bert4keras.layers"
@@ -81,8 +83,41 @@ def _owned_dropout(dropout_cls):
     return Dropout
 
 
-def _attending_to(pay_attention_to):
+POLICIES = ("layer", "block", "attention")
+_policy = "layer"  # the policy of `patch()`, taken by each patched layer at its first call
+_POLICY_ATTR = "_recompute_bert4keras_policy"
+
+
+def _policy_of(layer):
+    """The policy `layer` was built under (the current one at its first call)."""
+    policy = layer.__dict__.get(_POLICY_ATTR)
+    if policy is None:
+        policy = _policy
+        object.__setattr__(layer, _POLICY_ATTR, policy)  # a plain attribute, not tracked
+    return policy
+
+
+def _marked_call(call):
+    """A marked class's `call`: recomputed as a unit under the "layer" and "block"
+    policies (within a recomputed block it runs plainly), as written under "attention"."""
+    decorated = recompute_grad(call)
+
     def wrapper(self, *args, **kwargs):
+        if _policy_of(self) == "attention":
+            return call(self, *args, **kwargs)
+        return decorated(self, *args, **kwargs)
+
+    functools.update_wrapper(wrapper, call)
+    wrapper.__signature__ = inspect.signature(call)  # tf_keras passes `mask`/`training` by it
+    wrapper.__recompute_grad_wrapped__ = call
+    return wrapper
+
+
+def _attending_to(pay_attention_to):
+    """`pay_attention_to`, which creates its `Dropout` once (`_owned_dropout`) and,
+    under the "attention" policy, keeps only its inputs and is recomputed."""
+
+    def attending(self, *args, **kwargs):
         stack = getattr(_attending, "stack", None)
         if stack is None:
             stack = _attending.stack = []
@@ -92,9 +127,15 @@ def _attending_to(pay_attention_to):
         finally:
             stack.pop()
 
-    wrapper.__name__ = pay_attention_to.__name__
-    wrapper.__doc__ = pay_attention_to.__doc__
-    wrapper.__wrapped__ = pay_attention_to
+    def wrapper(self, *args, **kwargs):
+        if _policy_of(self) == "attention" and _config.is_enabled():
+            adapter = _backends.adapter_for(self)
+            adapter.check_supported(self)
+            keep = bool(getattr(self, "return_attention_scores", True))
+            return _policies.recompute_core(adapter, attending, self, args, kwargs, keep)
+        return attending(self, *args, **kwargs)
+
+    functools.update_wrapper(wrapper, pay_attention_to)
     return wrapper
 
 
@@ -103,7 +144,7 @@ def _patch_module(module):
         if (cls, "call") not in _replaced:
             current = cls.__dict__["call"]
             _replaced[cls, "call"] = current
-            cls.call = recompute_grad(_undecorated(current))
+            cls.call = _marked_call(_undecorated(current))
     for cls in _attention_classes(module):
         if (cls, "pay_attention_to") not in _replaced:
             current = cls.__dict__["pay_attention_to"]
@@ -115,7 +156,6 @@ def _patch_module(module):
 
 
 _block_warned = set()  # model classes warned about per-layer recomputation
-_blocks = False  # patch(blocks=True): build BERT blocks as recomputed units
 
 
 def _block_inputs_ok(model, inputs, index):
@@ -149,7 +189,7 @@ def _recomputed_blocks(apply_main_layers, keras):
     """
 
     def wrapper(self, inputs, index):
-        if not _blocks:
+        if _policy != "block":
             return apply_main_layers(self, inputs, index)
         reason = _block_inputs_ok(self, inputs, index)
         if reason is not None:
@@ -240,7 +280,7 @@ def _check_environment():
     )
 
 
-def patch(blocks=False):
+def patch(policy=None, *, blocks=None):
     """Makes bert4keras recompute with `recompute_grad` (idempotent).
 
     Turn recomputation on with `RECOMPUTE=1` or `recompute.recompute_scope(True)`.
@@ -248,24 +288,46 @@ def patch(blocks=False):
     does); without them, `patch()` raises `RuntimeError` naming both.
 
     Args:
-        blocks: `False` (default): the layers bert4keras marks (attention,
-            feed-forward, layer norm, ...) are recomputed one by one; the model
-            is built exactly as bert4keras builds it. `True`: each BERT
-            Transformer block of models built from now on is one nested model
-            `Transformer-<i>`, recomputed as a unit -- less memory (only the
-            block's input is kept), but the block's layers are then reached
-            through it (`model.get_layer("Transformer-3").get_layer(
-            "Transformer-3-FeedForward-Norm")`), not `model.get_layer(...)`.
-            Weights, checkpoint loading and outputs are unchanged. The last
-            call's value applies to models built afterwards. A model reloaded
-            with `load_model` has undecorated blocks: decorate each block's
-            bound call again (see `recompute_grad`).
+        policy: what is recomputed (the trade-off is measured in docs/bert.md).
+            "layer" (default): each layer bert4keras marks (attention,
+            feed-forward, layer norm, ...) is a unit; the model is built as
+            bert4keras builds it. "block": each BERT Transformer block of models
+            built from now on is one nested model `Transformer-<i>`, recomputed
+            as a unit: the least memory (only the block's input is kept), but
+            the block's layers are reached through it
+            (`model.get_layer("Transformer-3").get_layer(...)`) and a model
+            reloaded with `load_model` has undecorated blocks (decorate each
+            block's bound call again). "attention": only the attention
+            probabilities (scores, mask, softmax, dropout) are recomputed and
+            everything else is kept: most of the memory for the least time.
+            Layers take the policy in effect at their first call (when the
+            model is built); weights, checkpoints and outputs are the same
+            under every policy.
+        blocks: the older spelling: `blocks=True` is `policy="block"`,
+            `blocks=False` is `policy="layer"`.
+
+    Raises:
+        ValueError: an unknown policy, or `blocks` contradicting `policy`.
+        RuntimeError: the environment variables above are missing.
     """
-    global _blocks
-    if not isinstance(blocks, bool):
+    global _policy
+    if blocks is not None and not isinstance(blocks, bool):
         raise TypeError(f"`blocks` must be True or False. Received: blocks={blocks!r}")
+    if policy is not None and policy not in POLICIES:
+        raise ValueError(
+            f"`policy` must be one of {', '.join(repr(p) for p in POLICIES)}. "
+            f"Received: policy={policy!r}"
+        )
+    if blocks is not None:
+        implied = "block" if blocks else "layer"
+        if policy is not None and policy != implied:
+            raise ValueError(
+                f"`blocks={blocks}` means policy={implied!r}; pass one of them. "
+                f"Received: policy={policy!r}, blocks={blocks!r}"
+            )
+        policy = implied
     _check_environment()
-    _blocks = blocks
+    _policy = policy or "layer"
     global _hook
     waiting = False
     for name, patch_module in _PATCHERS.items():
@@ -285,8 +347,8 @@ def unpatch():
     Models built while patched keep their structure (blocks as nested models)
     and still recompute when `RECOMPUTE` is on.
     """
-    global _hook, _blocks
-    _blocks = False
+    global _hook, _policy
+    _policy = "layer"
     if _hook is not None:
         if _hook in sys.meta_path:
             sys.meta_path.remove(_hook)

@@ -28,10 +28,10 @@ from tests.helpers.numerics import assert_all_close, to_numpy  # noqa: E402
 
 
 
-@pytest.fixture(params=[False, True], ids=["layers", "blocks"])
-def blocks(request):
-    """Per-layer recomputation (default) or whole Transformer blocks."""
-    rb.patch(blocks=request.param)
+@pytest.fixture(params=["layer", "block", "attention"])
+def policy(request):
+    """Each policy: per marked layer (default), whole Transformer blocks, attention only."""
+    rb.patch(policy=request.param)
     yield request.param
     rb.patch()
 
@@ -120,7 +120,7 @@ def build(config_path):
 
 
 # Dropout off here; with dropout on, see the tests at the end (replayable RNG).
-def test_gradients_match_with_padding(config_path, monkeypatch, blocks):
+def test_gradients_match_with_padding(config_path, monkeypatch, policy):
     calls = {"n": 0}
     real = _core.recomputed_call
 
@@ -145,7 +145,7 @@ def test_gradients_match_with_padding(config_path, monkeypatch, blocks):
     assert calls["n"] > 0  # the recomputation really ran
 
 
-def test_fit_matches(config_path, blocks):
+def test_fit_matches(config_path, policy):
     token_ids, segment_ids, labels = batch()
     x = [np.tile(token_ids, (4, 1)), np.tile(segment_ids, (4, 1))]
     y = np.tile(labels, 4)
@@ -201,9 +201,16 @@ def test_default_patch_keeps_bert4keras_structure(config_path):
     assert "Transformer-1-FeedForward-Norm" in names and "Transformer-1" not in names
     with pytest.raises(TypeError, match="`blocks` must be True or False. Received: blocks='yes'"):
         rb.patch(blocks="yes")
+    with pytest.raises(ValueError, match="`policy` must be one of 'layer', 'block', 'attention'. "
+                                         "Received: policy='full'"):
+        rb.patch(policy="full")
+    with pytest.raises(ValueError, match="`blocks=True` means policy='block'"):
+        rb.patch(policy="attention", blocks=True)
+    rb.patch(policy="block", blocks=True)  # consistent: accepted
+    rb.patch()
 
 
-def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, monkeypatch, blocks):
+def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, monkeypatch, policy):
     calls = {"n": 0}
     real = _core.recomputed_call
 
@@ -227,11 +234,11 @@ def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, m
     assert all(g is not None for g in results[1])
     assert_all_close(results[0], results[1])
     # Each step: the two Transformer blocks (or their attention, feed-forward
-    # and two layer norms) and the embedding layer norm.
-    assert calls["n"] == 2 * (2 + 1 if blocks else 2 * 4 + 1)
+    # and two layer norms) and the embedding layer norm; or the two attention cores.
+    assert calls["n"] == 2 * {"block": 2 + 1, "layer": 2 * 4 + 1, "attention": 2}[policy]
 
 
-def test_dropout_on_fit_matches(dropout_config_path, replayable_rng, blocks):
+def test_dropout_on_fit_matches(dropout_config_path, replayable_rng, policy):
     token_ids, segment_ids, labels = batch()
     x = [np.tile(token_ids, (4, 1)), np.tile(segment_ids, (4, 1))]
     y = np.tile(labels, 4)
@@ -245,3 +252,31 @@ def test_dropout_on_fit_matches(dropout_config_path, replayable_rng, blocks):
         weights.append([np.asarray(w) for w in model.weights])
     assert losses[0] == losses[1]
     assert_all_close(weights[0], weights[1])
+
+
+def test_attention_policy_keeps_no_attention_matrix(dropout_config_path, replayable_rng):
+    """Under policy="attention" the backward pass reads no [.., seq, seq] tensor of
+    the forward pass; under "layer" with recomputation off it reads the softmax."""
+    from tests.helpers.attention_blocks import forward_tensors_kept
+
+    token_ids, segment_ids, labels = batch()
+    kept = {}
+    for policy, on in (("layer", False), ("attention", True)):
+        rb.patch(policy=policy)
+        try:
+            model = build(dropout_config_path)
+        finally:
+            rb.patch()
+
+        @tf.function
+        def step(token_ids, segment_ids):
+            with tf.GradientTape() as tape:
+                logits = model([token_ids, segment_ids], training=True)
+                loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+            return tape.gradient(loss, model.trainable_weights)
+
+        with recompute.recompute_scope(on):
+            graph = step.get_concrete_function(tf.constant(token_ids), tf.constant(segment_ids)).graph
+        kept[policy] = forward_tensors_kept(graph, token_ids.shape[1:] * 2)
+    assert "Softmax" in kept["layer"], kept
+    assert not kept["attention"], kept

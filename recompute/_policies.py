@@ -1,0 +1,117 @@
+"""Recomputation policies: what a call decorated with `recompute_grad` recomputes.
+
+A policy is one small function `policy(adapter, fn, layer, args, kwargs)` that
+runs the decorated call `fn(layer, *args, **kwargs)` when recomputation is on
+and a tape records (`recompute_grad` decides that and passes the layer's
+`_adapter.Adapter`). `POLICIES` names them; `recompute_grad(policy=...)` picks one.
+
+- `full`: the call is one unit (`_core.recomputed_call`). The forward pass keeps
+  only the call's inputs; the backward pass runs the whole call again: about
+  one extra forward pass of the layer.
+- `attention`: the call runs as usual and keeps its activations, except in the
+  *attention core* of every multi-head attention layer it contains (Keras's
+  `MultiHeadAttention._compute_attention`: scaled scores, mask, softmax,
+  dropout, probabilities × values). Each core keeps only its inputs (the
+  projected queries, keys and values and the mask) and runs again in the
+  backward pass: the selective recomputation of Megatron-LM (Korthikanti et
+  al., 2022). The [heads, seq, seq] tensors, which grow with seq², are not
+  kept; the recomputation costs the attention's share of the forward pass.
+
+`recompute_core` recomputes one such core; `recompute.bert4keras` uses it for
+bert4keras's `pay_attention_to`.
+"""
+
+import contextlib
+
+from . import _core, _tf
+
+
+def full(adapter, fn, layer, args, kwargs):
+    """The whole call is recomputed."""
+    return _core.recomputed_call(adapter, fn, layer, args, kwargs)
+
+
+def attention(adapter, fn, layer, args, kwargs):
+    """Only the attention cores of the call's multi-head attention layers are recomputed."""
+    layers = adapter.attention_layers(adapter.sublayers(layer))
+    if not layers:
+        raise ValueError(
+            "`recompute_grad(policy='attention')` recomputes the attention core of the "
+            f"`MultiHeadAttention` layers ({adapter.name}) that the decorated layer "
+            f"contains. Received: layer '{layer.name}', which contains none. Create them in "
+            "`__init__` or `build` (as attributes of the layer), or use policy='full'."
+        )
+    with _cores_recomputed(adapter, layers):
+        return fn(layer, *args, **kwargs)
+
+
+POLICIES = {"full": full, "attention": attention}
+
+
+def check_policy(policy):
+    """Raises unless `policy` names a policy of `POLICIES`."""
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ValueError(
+            f"`policy` must be one of {', '.join(repr(p) for p in POLICIES)}. "
+            f"Received: policy={policy!r}"
+        )
+
+
+def recompute_core(adapter, core, layer, args, kwargs, keep_scores):
+    """Runs `core(layer, *args, **kwargs)`, which returns `(output, scores)`, so that
+    it keeps only its inputs and is recomputed for the gradient.
+
+    `scores` comes back as None unless `keep_scores` (then it is an output of
+    the recomputation too). Runs `core` plainly when no tape records or inside
+    a recomputed call (which recomputes the core with everything else).
+    """
+    if not _tf.tape_is_active() or _core.inside_recomputed_call():
+        return core(layer, *args, **kwargs)
+
+    def output_and_asked_scores(lyr, *a, **k):
+        output, scores = core(lyr, *a, **k)
+        return output, (scores if keep_scores else None)
+
+    return _core.recomputed_call(adapter, output_and_asked_scores, layer, args, kwargs)
+
+
+_MARK = "__recompute_core__"
+
+
+@contextlib.contextmanager
+def _cores_recomputed(adapter, layers):
+    """While active, the attention core of each of `layers` is recomputed.
+
+    The core is the layer's method `adapter.attention_core`; it is shadowed by
+    an instance attribute (the class and other instances are untouched) and
+    restored on exit. A core shadowed already -- by an enclosing decorated call
+    -- is left as it is.
+    """
+    name = adapter.attention_core
+    installed = []
+    try:
+        for layer in layers:
+            own = vars(layer).get(name)
+            if getattr(own, _MARK, False):
+                continue
+            if own is None:
+                original = getattr(type(layer), name)
+            else:  # an instance's own core (bound): recomputed too
+
+                def original(lyr, *a, _own=own, **k):
+                    return _own(*a, **k)
+
+            def core(*args, _layer=layer, _original=original, **kwargs):
+                keep = adapter.scores_asked(args, kwargs)
+                return recompute_core(adapter, _original, _layer, args, kwargs, keep)
+
+            setattr(core, _MARK, True)
+            object.__setattr__(layer, name, core)  # not tracked by Keras: a plain attribute
+            installed.append((layer, own))
+        yield
+    finally:
+        for layer, own in installed:
+            if own is None:
+                object.__delattr__(layer, name)
+            else:
+                object.__setattr__(layer, name, own)

@@ -1,0 +1,130 @@
+"""A standard transformer block (MultiHeadAttention, GELU FFN, LayerNorm, dropout) for
+the policy tests of both Keras families: `K` is `keras` or `tf_keras`.
+
+`run(K, policy, on, mode)` trains the same seeded model one step with padding
+and dropout on, and returns the loss, every gradient (input included), how
+often each block and attention core ran, and the step's graph (modes
+"function"/"jit") for the memory checks.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import recompute
+from recompute import recompute_grad
+from tests.helpers.numerics import to_numpy
+
+SEQ, WIDTH, HEADS, BATCH = 6, 16, 2, 3
+COUNTS = {"block": 0, "core": 0}
+
+
+def block_class(K, policy):
+    """A block class whose `call` is decorated with `policy` (None: undecorated)."""
+
+    class CountingAttention(K.layers.MultiHeadAttention):
+        def _compute_attention(self, *args, **kwargs):
+            COUNTS["core"] += 1
+            return super()._compute_attention(*args, **kwargs)
+
+    class AttentionBlock(K.layers.Layer):
+        def __init__(self, rate=0.2, **kwargs):
+            super().__init__(**kwargs)
+            self.attention = CountingAttention(HEADS, WIDTH // HEADS, dropout=rate)
+            self.drop1 = K.layers.Dropout(rate)
+            self.norm1 = K.layers.LayerNormalization()
+            self.ffn1 = K.layers.Dense(2 * WIDTH, activation="gelu")
+            self.ffn2 = K.layers.Dense(WIDTH)
+            self.drop2 = K.layers.Dropout(rate)
+            self.norm2 = K.layers.LayerNormalization()
+
+        def call(self, x, mask, training=None):
+            COUNTS["block"] += 1
+            a = self.attention(x, x, attention_mask=mask, training=training)
+            x = self.norm1(x + self.drop1(a, training=training))
+            h = self.ffn2(self.ffn1(x))
+            return self.norm2(x + self.drop2(h, training=training))
+
+    if policy is not None:
+        AttentionBlock.call = recompute_grad(AttentionBlock.call, policy=policy)
+    return AttentionBlock
+
+
+def build_model(K, policy, depth=2, seed=0):
+    K.utils.set_random_seed(seed)
+    cls = block_class(K, policy)
+    x = K.Input((SEQ, WIDTH))
+    mask = K.Input((SEQ, SEQ), dtype="bool")
+    h = x
+    for _ in range(depth):
+        h = cls()(h, mask)
+    y = K.layers.Dense(1)(K.layers.GlobalAveragePooling1D()(h))
+    return K.Model([x, mask], y)
+
+
+def inputs():
+    x = tf.random.stateless_normal([BATCH, SEQ, WIDTH], seed=(3, 4))
+    lengths = tf.constant([SEQ, SEQ - 2, 2])  # padding in two of the three rows
+    keys = tf.sequence_mask(lengths, SEQ)
+    mask = tf.logical_and(keys[:, None, :], keys[:, :, None])
+    return x, mask
+
+
+def _loss(model, x, mask):
+    y = model([x, mask], training=True)
+    return tf.reduce_mean((y - 0.5) ** 2)
+
+
+def run(K, policy, on, mode):
+    """(loss, gradients, counts, graph) of one step; `mode` in eager/function/jit."""
+    model = build_model(K, policy)
+    x, mask = inputs()
+    model([x, mask])  # built outside the recomputation
+
+    def step(x, mask):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = _loss(model, x, mask)
+        return loss, tape.gradient(loss, [x] + model.trainable_variables)
+
+    graph = None
+    COUNTS.update(block=0, core=0)
+    with recompute.recompute_scope(on):
+        if mode != "eager":  # the trace counts the Python calls (the backward pass's included)
+            step = tf.function(step, jit_compile=mode == "jit")
+            graph = step.get_concrete_function(x, mask).graph
+            counts = dict(COUNTS)
+        loss, grads = step(x, mask)
+    if mode == "eager":
+        counts = dict(COUNTS)
+    return float(loss), to_numpy(grads), counts, graph, model
+
+
+def fit_weights(K, policy, on, epochs=2):
+    """The weights after `fit` (shuffle off, dropout on, padding)."""
+    model = build_model(K, policy)
+    x, mask = inputs()
+    y = tf.reshape(tf.range(BATCH, dtype=tf.float32), [BATCH, 1])
+    model.compile(optimizer=K.optimizers.SGD(0.1), loss="mse")
+    with recompute.recompute_scope(on):
+        model.fit([x, mask], y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+def forward_tensors_kept(graph, rank4_last_dims=(SEQ, SEQ)):
+    """Forward-pass ops with a [.., heads, SEQ, SEQ] output that the backward pass reads.
+
+    The backward pass starts at the first op under "gradient_tape/"; an op
+    created before it is a forward op. Returns the types of the forward ops
+    whose [.., SEQ, SEQ] outputs feed an op of the backward pass.
+    """
+    ops = graph.get_operations()
+    first = next(i for i, op in enumerate(ops) if op.name.startswith("gradient_tape/"))
+    forward = set(op.name for op in ops[:first])
+    kept = set()
+    for op in ops[first:]:
+        for t in op.inputs:
+            shape = t.shape
+            if (t.op.name in forward and shape.rank is not None and shape.rank >= 3
+                    and tuple(shape[-2:]) == rank4_last_dims and t.dtype.is_floating):
+                kept.add(t.op.type)
+    return kept
