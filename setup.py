@@ -30,6 +30,7 @@ setup(
         "bench": ["matplotlib>=3.7"],
         "test": [
             "pytest>=8",
+            "pytest-xdist>=3.5",  # the README test command runs each suite on 2 processes
             "scikit-learn",
             "tokenizers>=0.15",
             "safetensors>=0.4",

@@ -8,12 +8,17 @@
 For each model shape (`base`: 12 layers, hidden 768, 12 heads, FFN 3072;
 `large`: 24, 1024, 16, 4096; `minilm`: the real MiniLM, 6, 384, 12, 1536,
 with its converted weights from `recompute.bert4keras.converter.minilm()`; `tiny`: 2,
-64, 8, 256 for smoke tests; vocabulary 30522 except `tiny`) and both
-`RECOMPUTE=0` and `RECOMPUTE=1`, the largest micro-batch whose training run
-keeps the peak resident memory of its process within `--budget-gib` is
-searched. Every candidate batch runs in a fresh process
-(`python -m benchmarks.batchfit --worker ...`, environment `TF_KERAS=1
-TF_USE_LEGACY_KERAS=1 RECOMPUTE=0|1`) that calls `recompute.bert4keras.patch(blocks=True)`,
+64, 8, 256 for smoke tests; vocabulary 30522 except `tiny`) and each mode --
+`0` (RECOMPUTE=0) and each recomputation policy of `--policies` (default
+`attention,block`; RECOMPUTE=1 with `recompute.bert4keras.patch(policy=...)`)
+-- the largest micro-batch whose training run keeps the peak memory within
+`--budget-gib` is searched. The memory measured is the peak resident memory
+of the process (VmHWM), or, when TensorFlow sees a GPU, the peak of the
+GPU's allocator (`tf.config.experimental.get_memory_info("GPU:0")`; the
+budget then defaults to the GPU's memory, from `nvidia-smi`). Every
+candidate batch runs in a fresh process (`python -m benchmarks.batchfit
+--worker ...`, environment `TF_KERAS=1 TF_USE_LEGACY_KERAS=1 RECOMPUTE=0|1`)
+that calls `recompute.bert4keras.patch(policy=...)`,
 builds the model with bert4keras's `build_transformer_model` (dropout 0.1 as in
 BERT) plus a classification head (the CLS token's vector -> `Dense(2)`),
 compiles it with tf_keras Adam -- wrapped in `accum.AccumOptimizer(...,
@@ -28,10 +33,10 @@ fails counts as not fitting; a worker already over the budget after its first
 step stops there (it cannot fit).
 
 Search, per model: RECOMPUTE=0 measures batch 1, then a second batch at
-about 60% of what a rough activation estimate predicts; RECOMPUTE=1 starts at
-the batch found without recomputation (so both modes share a measured batch).
-A line, peak RSS = fixed + slope x batch, through the largest fitting batch
-and one at most 80% of it (for RECOMPUTE=1's first jump: the fixed part of
+about 60% of what a rough activation estimate predicts; each policy starts at
+the batch found without recomputation (so every mode shares a measured batch).
+A line, peak = fixed + slope x batch, through the largest fitting batch
+and one at most 80% of it (for a policy's first jump: the fixed part of
 the RECOMPUTE=0 line) predicts the largest fitting batch (jumps of at most
 8x). Once a batch does not fit, the measured bracket (largest batch that
 fits, smallest that does not) is narrowed by interpolation, with bisection
@@ -43,13 +48,13 @@ Output: progress lines on stderr (per candidate: a line when its worker
 starts, one with batch, mode, peak RSS, CPU s/sample and whether it fits when
 it ends), then a table on stdout with one row per model and mode:
 
-- `model`, `seq`, `budget GiB`, `RECOMPUTE` (0 off, 1 on);
+- `model`, `seq`, `budget GiB`, `policy` (`off`: RECOMPUTE=0);
 - `max batch`: largest micro-batch that fits (`>=N` if capped by `--max-batch`,
   0 if batch 1 does not fit);
-- `peak RSS MiB`: the measured VmHWM of the worker at that batch;
+- `peak MiB`: the measured peak (VmHWM, or the GPU allocator's) at that batch;
 - `CPU s/sample`: steady-state CPU seconds per training sample at that batch;
-- `batch x on/off`: max batch with recomputation over max batch without;
-- `time x on/off`: CPU time per sample at the two max batches, on over off
+- `batch x`: max batch with the policy over max batch without;
+- `time x`: CPU time per sample at the two max batches, policy over off
   (below the table also at the largest batch measured in both modes);
 - `eff. batch`: effective batch = max batch x `--accum-steps`.
 
@@ -58,9 +63,10 @@ within the budget, N + 1 over it) and the measured line peak RSS ~ fixed +
 MiB per sample x batch (its slope is the activation memory per sample as the
 process sees it, allocator slack included).
 
-A PNG (`--plot`, default `batchfit.png` in the current directory) shows peak
-RSS against batch for both modes, one panel per model, with the budget as a
-horizontal line; `--json PATH` saves every measurement.
+A PNG (`--plot`, default `batchfit.png` in the current directory) shows the
+peak against batch, one line per mode, one panel per model, with the budget
+as a horizontal line; `--json PATH` saves every measurement; `--docs PAGE`
+writes the table into a docs/ page.
 
 `--quick` (the first thing to run on a fresh machine, a few minutes on 2 CPU
 cores): the real MiniLM only, sequence length 256, a 2 GiB budget, one
@@ -101,6 +107,28 @@ FULL = dict(models=("base", "large"), seq_len=512, budget_gib=8.0, steps=2)
 QUICK = dict(models=("minilm",), seq_len=256, budget_gib=2.0, steps=1)
 
 ENV = {"TF_KERAS": "1", "TF_USE_LEGACY_KERAS": "1"}
+POLICIES = ("layer", "block", "attention")  # of recompute.bert4keras.patch
+
+
+def policy_of(mode):
+    """The `patch()` policy of a mode: "0" -> None (RECOMPUTE=0), "1" -> "block"."""
+    return None if mode == "0" else ("block" if mode == "1" else mode)
+
+
+def gpu_memory_bytes():
+    """Total memory of the first GPU `nvidia-smi` reports (honouring
+    CUDA_VISIBLE_DEVICES="" as none), or None."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.split()
+    if out.returncode != 0 or not lines:
+        return None
+    return int(float(lines[0]) * MiB)
 
 
 def _mib(nbytes):
@@ -202,6 +230,7 @@ def run_worker(spec, out_path):
     error when the worker ran out of memory (which counts as not fitting).
     """
     result = dict(model=spec["model"], batch=spec["batch"], seq_len=spec["seq_len"],
+                  mode=spec.get("mode", os.environ.get("RECOMPUTE", "")),
                   recompute=os.environ.get("RECOMPUTE", ""), accum_steps=spec["accum_steps"])
     budget = spec["budget_bytes"]
     harness.RssWatchdog(spec["abort_bytes"], out_path, result, ok=False, fits=False).start()
@@ -217,11 +246,21 @@ def run_worker(spec, out_path):
 
     import recompute.bert4keras
 
-    recompute.bert4keras.patch(blocks=True)  # before bert4keras is imported
+    # Before bert4keras is imported. RECOMPUTE=0 builds the "block" model too
+    # (the same layers and weights; only the recomputation is off).
+    recompute.bert4keras.patch(policy=policy_of(spec.get("mode", "1")) or "block")
     import tensorflow as tf
     import tf_keras
 
     import recompute
+
+    device = harness.measured_device()  # the GPU's allocator when there is one
+    result.update(device=device)
+
+    def peak_bytes():
+        if device == "CPU:0":
+            return harness.peak_rss_kib() * 1024
+        return tf.config.experimental.get_memory_info(device)["peak"]
 
     mark("imported")
     tf_keras.utils.set_random_seed(0)
@@ -240,20 +279,22 @@ def run_worker(spec, out_path):
         losses.append(float(model.train_on_batch(*batches[0])))  # traces the graph
         result.update(first_step_cpu_s=time.process_time() - t0)
         mark("first_step")
-        if harness.peak_rss_kib() * 1024 > budget:
+        if peak_bytes() > budget:
             # Over the budget already: it cannot fit, more steps would only cost time.
             return write(ok=True, fits=False, stopped_after_first_step=True,
-                         peak_rss_mib=harness.peak_rss_kib() / 1024.0, loss=losses)
+                         peak_rss_mib=peak_bytes() / MiB, loss=losses)
         for x, y in batches[1:]:
             c0 = time.process_time()
             losses.append(float(model.train_on_batch(x, y)))
             cpu.append(time.process_time() - c0)
         mark("steady")
     except (MemoryError, tf.errors.ResourceExhaustedError) as e:
-        return write(ok=False, fits=False, aborted=True, peak_rss_mib=harness.peak_rss_kib() / 1024.0,
+        return write(ok=False, fits=False, aborted=True, peak_rss_mib=peak_bytes() / MiB,
                      error=f"out of memory ({type(e).__name__})", loss=losses)
-    peak = harness.peak_rss_kib() * 1024
-    write(ok=True, fits=peak <= budget, peak_rss_mib=peak / MiB, cpu_s_per_step=cpu,
+    peak = peak_bytes()
+    # `peak_rss_mib` is the measured peak: VmHWM, or the GPU allocator's (`device`).
+    write(ok=True, fits=peak <= budget, peak_rss_mib=peak / MiB,
+          host_peak_rss_mib=harness.peak_rss_kib() / 1024.0, cpu_s_per_step=cpu,
           cpu_s_per_sample=sum(cpu) / len(cpu) / spec["batch"], loss=losses,
           stopped_after_first_step=False)
 
@@ -284,18 +325,18 @@ def measure(model, shape, mode, batch, opts, paths=None):
     """Runs one candidate in a fresh worker process; returns its result dict (with `fits`)."""
     budget = int(opts["budget_gib"] * GiB)
     abort = int(budget * opts["abort_factor"])
-    spec = dict(model=model, shape=shape, batch=batch, seq_len=opts["seq_len"],
+    spec = dict(model=model, shape=shape, batch=batch, seq_len=opts["seq_len"], mode=mode,
                 steps=opts["steps"], accum_steps=opts["accum_steps"],
                 budget_bytes=budget, abort_bytes=abort, **(paths or {}))
     _wait_for_memory(budget + 256 * MiB)
-    _progress(f"{model} seq {opts['seq_len']} RECOMPUTE={mode} batch {batch:>4}: "
+    _progress(f"{model} seq {opts['seq_len']} {_label(mode)} batch {batch:>4}: "
               "measuring in a fresh process ...")
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         c0 = time.time()
-        env = dict(ENV, RECOMPUTE=mode,
+        env = dict(ENV, RECOMPUTE="0" if mode == "0" else "1",
                    CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
         run, = harness.run_workers(_progress, ["--spec", spec_path], [env],
                                    rss_abort_bytes=int(abort * 1.05) + 64 * MiB)
@@ -306,9 +347,9 @@ def measure(model, shape, mode, batch, opts, paths=None):
         # means it does not fit; any other failure is a bug worth stopping for.
         if run.code >= 0 and run.killed is None:
             sys.stderr.write(run.tail)
-            raise RuntimeError(f"worker {model} RECOMPUTE={mode} batch={batch} failed "
+            raise RuntimeError(f"worker {model} {_label(mode)} batch={batch} failed "
                                f"with exit code {run.code}; its last stderr lines are above")
-        result = dict(model=model, batch=batch, recompute=mode, ok=False, fits=False,
+        result = dict(model=model, batch=batch, mode=mode, ok=False, fits=False,
                       aborted=True, peak_rss_mib=run.peak_rss_kib / 1024.0, error=run.failure())
     result["wall_s"] = wall
     result.setdefault("cpu_s_per_sample", None)
@@ -318,11 +359,16 @@ def measure(model, shape, mode, batch, opts, paths=None):
     elif result.get("stopped_after_first_step"):
         verdict += " (over budget after the first step: stopped)"
     cps = result.get("cpu_s_per_sample")
-    _progress(f"{model} seq {opts['seq_len']} RECOMPUTE={mode} batch {batch:>4}: "
-              f"peak RSS {result['peak_rss_mib']:8.0f} MiB, "
+    _progress(f"{model} seq {opts['seq_len']} {_label(mode)} batch {batch:>4}: "
+              f"peak {result['peak_rss_mib']:8.0f} MiB, "
               + (f"{cps:7.3f} CPU s/sample" if cps is not None else "      - CPU s/sample")
               + f" -> {verdict} (budget {_mib(budget):.0f} MiB; {wall:.0f} s wall)")
     return result
+
+
+def _label(mode):
+    """How progress lines and notes name a mode."""
+    return "RECOMPUTE=0" if mode == "0" else f"policy={policy_of(mode)}"
 
 
 def activation_estimate_mib(shape, seq_len, mode):
@@ -332,13 +378,23 @@ def activation_estimate_mib(shape, seq_len, mode):
     everything else). One block's activations: about six [heads, seq, seq]
     attention tensors, five [seq, ffn] and twenty [seq, hidden] tensors
     (float32). RECOMPUTE=0: 0.7 x that per layer (the allocator reuses some;
-    calibrated on MiniLM and BERT-base). RECOMPUTE=1 (`recompute.bert4keras`
-    recomputes each Transformer block as one unit): one [seq, hidden] input
-    per layer plus one block's activations, while it is recomputed.
+    calibrated on MiniLM and BERT-base). Policy "block" (each Transformer
+    block one unit): one [seq, hidden] input per layer plus one block's
+    activations, while it is recomputed; "layer": about seven [seq, hidden]
+    tensors per layer plus that; "attention": RECOMPUTE=0 without the
+    attention tensors, plus one layer's.
     """
     s, d, f, h, n = seq_len, shape["hidden"], shape["ffn"], shape["heads"], shape["layers"]
     block = 6 * h * s * s + 5 * s * f + 20 * s * d
-    floats = 0.7 * n * block if mode == "0" else n * s * d + block
+    policy = policy_of(mode)
+    if policy is None:
+        floats = 0.7 * n * block
+    elif policy == "attention":
+        floats = 0.7 * n * (5 * s * f + 20 * s * d) + 6 * h * s * s
+    elif policy == "layer":
+        floats = 7 * n * s * d + block
+    else:
+        floats = n * s * d + block
     return floats * 4 / MiB
 
 
@@ -459,9 +515,9 @@ def search(model, shape, mode, opts, paths=None, first=None, prior=(), known=(),
     Measures batch `first` (default 1), then a second batch chosen from the
     first measurement and `activation_estimate_mib` (about 60% of the
     predicted maximum), then follows `Search.next_batch` until the answer is
-    verified. For RECOMPUTE=1, `first` is the batch found with RECOMPUTE=0
+    verified. For a policy, `first` is the batch found with RECOMPUTE=0
     (both modes then share a batch, for the same-batch time ratio) and `prior`
-    the RECOMPUTE=0 line's value at batch 0 (fixed memory, shared by both modes). `known`: results measured earlier (judged
+    the RECOMPUTE=0 line's value at batch 0 (fixed memory, shared by every mode). `known`: results measured earlier (judged
     again against this budget). `measure_fn(model, shape, mode, batch, opts,
     paths)` defaults to `measure` (a fresh worker process).
     """
@@ -517,20 +573,18 @@ def _same_batch_time_ratio(off, on):
 
 
 def summarize(results, opts):
-    """Per model: the off/on ratios of max batch and time per sample."""
+    """Per model and policy: the ratios to RECOMPUTE=0 of max batch and time per sample."""
     rows = []
     for model in opts["models"]:
         off = results.get((model, "0"))
-        on = results.get((model, "1"))
-        for res in (off, on):
-            if res is None:
-                continue
+        mine = [results[(model, mode)] for mode in opts["modes"] if (model, mode) in results]
+        for res in mine:
             res["effective_batch"] = res["max_batch"] * opts["accum_steps"]
-        if off and on:
-            on["batch_ratio"] = _ratio(on["max_batch"], off["max_batch"])
-            on["time_ratio"] = _ratio(on["cpu_s_per_sample"], off["cpu_s_per_sample"])
-            on["same_batch"], on["same_batch_time_ratio"] = _same_batch_time_ratio(off, on)
-        rows += [r for r in (off, on) if r is not None]
+            if off and res is not off:
+                res["batch_ratio"] = _ratio(res["max_batch"], off["max_batch"])
+                res["time_ratio"] = _ratio(res["cpu_s_per_sample"], off["cpu_s_per_sample"])
+                res["same_batch"], res["same_batch_time_ratio"] = _same_batch_time_ratio(off, res)
+        rows += mine
     return rows
 
 
@@ -547,11 +601,11 @@ def print_report(rows, opts, out=sys.stdout):
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p("what batch fits? bert4keras BERT + CLS->Dense(2), tf_keras Adam"
       + (f" in AccumOptimizer(k={opts['accum_steps']})" if opts["accum_steps"] > 1 else "")
-      + f", dropout {DROPOUT}; peak RSS (VmHWM) of a fresh process per candidate")
+      + f", dropout {DROPOUT}; peak {_measured(rows)} of a fresh process per candidate")
     p("")
-    header = (f"{'model':<8} {'seq':>5} {'budget GiB':>10} {'RECOMPUTE':>9} {'max batch':>9} "
-              f"{'peak RSS MiB':>12} {'CPU s/sample':>12} {'batch x on/off':>14} "
-              f"{'time x on/off':>13} {'eff. batch':>10}")
+    header = (f"{'model':<8} {'seq':>5} {'budget GiB':>10} {'policy':>9} {'max batch':>9} "
+              f"{'peak MiB':>9} {'CPU s/sample':>12} {'batch x':>8} "
+              f"{'time x':>7} {'eff. batch':>10}")
     p(header)
     p("-" * len(header))
     for r in rows:
@@ -560,13 +614,14 @@ def print_report(rows, opts, out=sys.stdout):
         if r.get("batch_ratio") is not None:
             off_capped = any(o["capped"] for o in rows if o["model"] == r["model"] and o["mode"] == "0")
             ratio = "-" if off_capped else (">=" + ratio if r["capped"] else ratio)
-        p(f"{r['model']:<8} {opts['seq_len']:>5} {opts['budget_gib']:>10g} {r['mode']:>9} "
-          f"{mb:>9} {_fmt(r['peak_rss_mib'], '.0f'):>12} {_fmt(r['cpu_s_per_sample'], '.3f'):>12} "
-          f"{ratio:>14} {_fmt(r.get('time_ratio'), '.3f'):>13} "
+        p(f"{r['model']:<8} {opts['seq_len']:>5} {opts['budget_gib']:>10g} "
+          f"{policy_of(r['mode']) or 'off':>9} "
+          f"{mb:>9} {_fmt(r['peak_rss_mib'], '.0f'):>9} {_fmt(r['cpu_s_per_sample'], '.3f'):>12} "
+          f"{ratio:>8} {_fmt(r.get('time_ratio'), '.2f'):>7} "
           f"{r['effective_batch']:>10}")
     notes = []
     for r in rows:
-        tag = f"{r['model']} RECOMPUTE={r['mode']}:"
+        tag = f"{r['model']} {_label(r['mode'])}:"
         if r["max_batch"] and r.get("next_batch_peak_rss_mib") is not None:
             text = (f"{tag} batch {r['max_batch']} measured {r['peak_rss_mib']:.0f} MiB (fits), "
                     f"batch {r['max_batch'] + 1} measured {r['next_batch_peak_rss_mib']:.0f} MiB "
@@ -577,16 +632,23 @@ def print_report(rows, opts, out=sys.stdout):
             text = f"{tag} batch {r['max_batch']} measured {_fmt(r['peak_rss_mib'], '.0f')} MiB (cap)"
         line = rss_line(r)
         if line:
-            text += (f"; peak RSS ~ {line[1]:.0f} + {line[0]:.0f} MiB x batch "
+            text += (f"; peak ~ {line[1]:.0f} + {line[0]:.0f} MiB x batch "
                      f"(batches {line[2]} and {line[3]})")
         notes.append(text)
-        if r["mode"] == "1" and r.get("same_batch"):
-            notes.append(f"{r['model']}: CPU time per sample on/off at the same batch "
-                         f"{r['same_batch']}: x{r['same_batch_time_ratio']:.3f}")
+        if r["mode"] != "0" and r.get("same_batch"):
+            notes.append(f"{r['model']} {_label(r['mode'])}: CPU time per sample over "
+                         f"RECOMPUTE=0's at the same batch {r['same_batch']}: "
+                         f"x{r['same_batch_time_ratio']:.3f}")
     if notes:
         p("")
         for n in notes:
             p(n)
+
+
+def _measured(rows):
+    """What the peaks are: "RSS (VmHWM)" or "GPU:0 allocator"."""
+    devices = {run.get("device", "CPU:0") for r in rows for run in r["runs"]}
+    return "RSS (VmHWM)" if devices <= {"CPU:0"} else f"{'/'.join(sorted(devices))} allocator"
 
 
 def rss_line(row):
@@ -604,7 +666,7 @@ def rss_line(row):
 
 
 def plot(rows, opts, path):
-    """PNG: peak RSS vs batch per model (one panel each), both modes, budget line."""
+    """PNG: peak vs batch per model (one panel each), one line per mode, budget line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -614,7 +676,10 @@ def plot(rows, opts, path):
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
     budget = opts["budget_gib"] * 1024.0
     styles = {"0": dict(color="tab:red", marker="o", label="RECOMPUTE=0"),
-              "1": dict(color="tab:blue", marker="s", label="RECOMPUTE=1")}
+              "1": dict(color="tab:blue", marker="s", label="policy=block"),
+              "layer": dict(color="tab:green", marker="^", label="policy=layer"),
+              "block": dict(color="tab:blue", marker="s", label="policy=block"),
+              "attention": dict(color="tab:orange", marker="D", label="policy=attention")}
     for ax, model in zip(axes[0], models):
         for r in rows:
             if r["model"] != model:
@@ -638,7 +703,7 @@ def plot(rows, opts, path):
                      + (f", AccumOptimizer k={opts['accum_steps']}" if opts["accum_steps"] > 1 else ""))
         ax.margins(x=0.05, y=0.08)
         ax.set_xlabel("micro-batch")
-        ax.set_ylabel("peak RSS (GiB)")
+        ax.set_ylabel(f"peak {_measured(rows)} (GiB)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
     fig.suptitle("What batch fits? (filled: fits, hollow: does not)", fontsize=10)
@@ -764,6 +829,7 @@ def finetune_demo(shared=SHARED_DATA):
 
 
 _models = harness.name_list(tuple(SHAPES))
+_policies = harness.name_list(POLICIES)
 _abort_factor = harness.float_above(1.0)
 
 
@@ -781,8 +847,11 @@ def parse_args(argv=None):
     parser.add_argument("--seq-len", type=harness.positive_int,
                         help=f"sequence length (default {FULL['seq_len']}; --quick: {QUICK['seq_len']})")
     parser.add_argument("--budget-gib", type=harness.positive_float,
-                        help=f"peak RSS budget in GiB (default {FULL['budget_gib']:g}; "
-                             f"--quick: {QUICK['budget_gib']:g})")
+                        help=f"peak memory budget in GiB (default {FULL['budget_gib']:g}; "
+                             f"--quick: {QUICK['budget_gib']:g}; with a GPU: its memory)")
+    parser.add_argument("--policies", type=_policies,
+                        help="comma-separated recomputation policies measured beside "
+                             "RECOMPUTE=0, from layer,block,attention (default attention,block)")
     parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
                         help="wrap Adam in AccumOptimizer(steps_per_update=K) when K > 1 "
                              "(default 1: plain Adam)")
@@ -807,9 +876,12 @@ def parse_args(argv=None):
     harness.check_docs_page(parser, args.docs, TOOL)
 
     defaults = QUICK if args.quick else FULL
+    if args.budget_gib is None and not args.worker and gpu_memory_bytes() is not None:
+        args.budget_gib = gpu_memory_bytes() / GiB
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.policies = args.policies or ("attention", "block")
     if args.worker and not (args.spec and args.out):
         parser.error("--worker needs --spec and --out")
     for name in ("json", "plot"):
@@ -839,7 +911,8 @@ def _main(argv=None):
             run_worker(json.load(f), args.out)
         return 0
 
-    opts = dict(models=args.models, seq_len=args.seq_len, budget_gib=args.budget_gib,
+    opts = dict(models=args.models, modes=("0",) + tuple(args.policies),
+                seq_len=args.seq_len, budget_gib=args.budget_gib,
                 accum_steps=args.accum_steps, steps=args.steps, max_batch=args.max_batch,
                 abort_factor=args.abort_factor)
     start_wall, start_cpu = time.time(), _children_cpu()
@@ -856,10 +929,11 @@ def _main(argv=None):
         off = search(model, shape, "0", opts, worker_paths)
         results[(model, "0")] = off
         # The RECOMPUTE=0 line's intercept (memory at batch 0: weights,
-        # optimizer, runtime) is shared by both modes.
+        # optimizer, runtime) is shared by every mode.
         prior = [(0, off["line"][1])] if off["line"] else []
-        results[(model, "1")] = search(model, shape, "1", opts, worker_paths,
-                                       first=off["max_batch"] or 1, prior=prior)
+        for policy in args.policies:
+            results[(model, policy)] = search(model, shape, policy, opts, worker_paths,
+                                              first=off["max_batch"] or 1, prior=prior)
     rows = summarize(results, opts)
     with harness.report_to_docs(args.docs, TOOL, argv):
         print_report(rows, opts)

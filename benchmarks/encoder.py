@@ -3,10 +3,17 @@ and its shape options.
 
 Post-LN transformer blocks (self-attention, GELU FFN, dropout, two
 LayerNorms) whose `call` is decorated with `recompute_grad`, a CLS
-classifier, Adam. The model avoids memory that TensorFlow would waste in
-*both* modes (a GELU with a one-tensor gradient, the attention scale on `q`,
-fused in-place Adam, dropout drawing 16 random bits per element): the
-reasons are in the docstrings below.
+classifier, Adam. Two kinds of block (`BLOCKS`):
+
+- "lean": avoids memory that TensorFlow would waste in *both* modes (a GELU
+  with a one-tensor gradient, the attention scale on `q`, dropout drawing 16
+  random bits per element): the reasons are in the docstrings below. Policy
+  "full" only (its attention is not a `MultiHeadAttention`).
+- "standard": what a Keras user writes: `keras.layers.MultiHeadAttention`,
+  `Dense(activation="gelu")`, `keras.layers.Dropout`, `LayerNormalization`.
+  Policies "full" and "attention".
+
+Both use fused in-place Adam (the same update as Keras's).
 """
 
 import math
@@ -14,10 +21,14 @@ import math
 from . import harness
 
 SHAPE_KEYS = ("layers", "hidden", "heads", "ffn", "seq", "vocab", "dropout")
+BLOCKS = {"lean": ("full",), "standard": ("full", "attention")}  # block -> its policies
 
 
-def build_model(cfg):
-    """Returns (model, optimizer, train_step) for the configuration `cfg`."""
+def build_model(cfg, block="lean", policy="full"):
+    """Returns (model, optimizer, train_step) for the configuration `cfg`, with
+    blocks of kind `block` decorated with `recompute_grad(policy=policy)`."""
+    if policy not in BLOCKS[block]:
+        raise ValueError(f"policy {policy!r}: the {block!r} block has policies {BLOCKS[block]}")
     import keras
     import tensorflow as tf
 
@@ -106,7 +117,6 @@ def build_model(cfg):
             self.ffn_out.build(tuple(input_shape[:-1]) + (ffn,))
             self.norm2.build(input_shape)
 
-        @recompute_grad
         def call(self, x, training=None):
             batch, length = tf.shape(x)[0], tf.shape(x)[1]
             qkv = tf.reshape(self.qkv(x), [batch, length, 3, heads, head_dim])
@@ -126,16 +136,40 @@ def build_model(cfg):
             y = self.ffn_out(self.ffn_in(x))
             return self.norm2(x + self.drop2(y, training=training))
 
+    class StandardBlock(keras.layers.Layer):
+        """The same block as a Keras user writes it."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.attention = keras.layers.MultiHeadAttention(heads, head_dim, dropout=rate,
+                                                             name="attention")
+            self.drop1 = keras.layers.Dropout(rate)
+            self.norm1 = keras.layers.LayerNormalization(epsilon=1e-12, name="norm1")
+            self.ffn_in = keras.layers.Dense(ffn, activation="gelu", name="ffn_in")
+            self.ffn_out = keras.layers.Dense(hidden, name="ffn_out")
+            self.drop2 = keras.layers.Dropout(rate)
+            self.norm2 = keras.layers.LayerNormalization(epsilon=1e-12, name="norm2")
+
+        def call(self, x, training=None):
+            a = self.attention(x, x, training=training)
+            x = self.norm1(x + self.drop1(a, training=training))
+            y = self.ffn_out(self.ffn_in(x))
+            return self.norm2(x + self.drop2(y, training=training))
+
+    block_cls = Block if block == "lean" else StandardBlock
+    block_cls.call = recompute_grad(block_cls.call, policy=policy)
+    drop_cls = keras.layers.Dropout if block == "standard" else Dropout  # embedding's, head's
+
     class Encoder(keras.Model):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
             self.tokens = keras.layers.Embedding(vocab, hidden, name="tokens")
             self.positions = keras.layers.Embedding(seq, hidden, name="positions")
             self.norm = keras.layers.LayerNormalization(epsilon=1e-12, name="emb_norm")
-            self.drop = Dropout(rate)
-            self.blocks = [Block(name=f"block_{i}") for i in range(cfg["layers"])]
+            self.drop = drop_cls(rate)
+            self.blocks = [block_cls(name=f"block_{i}") for i in range(cfg["layers"])]
             self.pool = keras.layers.Dense(hidden, activation="tanh", name="pool")
-            self.head_drop = Dropout(rate)
+            self.head_drop = drop_cls(rate)
             self.classifier = keras.layers.Dense(2, name="classifier")
 
         def call(self, ids, training=None):

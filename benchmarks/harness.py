@@ -107,10 +107,19 @@ def allocator_env():
     return {"TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1")}
 
 
-def allocator_step(fn, device="CPU:0"):
+def measured_device():
+    """The device whose allocator a worker measures: "GPU:0" when TensorFlow sees a
+    GPU, else "CPU:0" (call it in the worker, after importing TensorFlow)."""
+    import tensorflow as tf
+
+    return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+
+
+def allocator_step(fn, device=None):
     """Runs `fn()` once; returns (its value, allocator peak bytes, CPU s, wall s).
 
-    The allocator figure is TensorFlow's peak on `device` during the call
+    The allocator figure is TensorFlow's peak on `device` (default
+    `measured_device()`: the GPU if there is one) during the call
     minus its `current` bytes just before it (stats reset first): what the
     step allocated on top of what was alive. CPU seconds are
     `time.process_time` (all threads). Raises RuntimeError where the
@@ -118,6 +127,7 @@ def allocator_step(fn, device="CPU:0"):
     """
     import tensorflow as tf
 
+    device = device or measured_device()
     try:
         tf.config.experimental.reset_memory_stats(device)
     except ValueError as e:

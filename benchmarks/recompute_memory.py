@@ -1,16 +1,26 @@
-"""Memory/time benchmark of `recompute_grad` on a BERT-base-shaped Keras 3 encoder.
+"""Memory/time benchmark of the recomputation policies on a BERT-base-shaped encoder.
 
-    python -m benchmarks.recompute_memory            # full size: 12 x 768, seq 512 (slow)
+    python -m benchmarks.recompute_memory            # lean Keras 3 block, 12 x 768, seq 512 (slow)
+    python -m benchmarks.recompute_memory --model standard      # keras.layers.MultiHeadAttention
+    TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.recompute_memory --model bert4keras
     python -m benchmarks.recompute_memory --quick    # tiny shape, for CI
     python -m benchmarks.recompute_memory --layers 4 --seq 256 --json out.json
 
-Every configuration (RECOMPUTE=0 or 1, one batch size) runs in a fresh
-subprocess (`python -m benchmarks.recompute_memory --worker ...`), which builds
-the model (`benchmarks.encoder`), traces and warms up one compiled training
-step (`tf.function` with a `GradientTape` and `optimizer.apply`), and then
-measures:
+Models (`--model`) and their modes (`--modes`, default: all of them): `lean`
+and `standard`, the Keras 3 encoders of `benchmarks.encoder` (modes `0`,
+`full`, and for `standard` `attention`); `bert4keras`, bert4keras's BERT with
+a CLS classifier and tf_keras Adam, patched with
+`recompute.bert4keras.patch(policy=...)` (modes `0`, `layer`, `block`,
+`attention`; its workers get `TF_KERAS=1 TF_USE_LEGACY_KERAS=1`). Mode `0`
+is RECOMPUTE=0; each other mode is RECOMPUTE=1 with that policy (`1` means
+the model's first policy).
 
-- activation memory: TensorFlow's CPU allocator peak during a step minus the
+Every configuration (one mode, one batch size) runs in a fresh subprocess
+(`python -m benchmarks.recompute_memory --worker ...`), which builds the
+model, traces and warms up one compiled training step, and then measures:
+
+- activation memory: TensorFlow's allocator peak (the GPU's when TensorFlow
+  sees one, else the CPU's; the report names it) during a step minus the
   allocator's `current` bytes just before it (stats reset before the step),
   the median over `--steps` steps after two warm-up steps (the workers get
   `TF_ENABLE_ONEDNN_OPTS=1` unless it is set: without oneDNN the CPU
@@ -20,8 +30,9 @@ measures:
 
 Per-sample activation memory is the slope between the batch sizes (fixed costs
 such as gradients and optimizer temporaries cancel). The parent prints a table
-and the ratios: per-sample memory off/on, CPU time per step on/off.
-Progress goes to stderr; `--json PATH` saves the results.
+and, per mode, the ratios to mode 0: per-sample memory 0/mode, CPU time per
+step mode/0. Progress goes to stderr; `--json PATH` saves the results;
+`--docs PAGE` writes the report into a docs/ page.
 """
 
 import argparse
@@ -37,6 +48,8 @@ FULL = dict(layers=12, hidden=768, heads=12, ffn=3072, seq=512, vocab=30522,
             batch_sizes=(2, 6), steps=3, dropout=0.1)
 QUICK = dict(layers=3, hidden=256, heads=4, ffn=1024, seq=128, vocab=1000,
              batch_sizes=(2, 6), steps=2, dropout=0.1)
+MODELS = {"lean": ("full",), "standard": ("full", "attention"),
+          "bert4keras": ("layer", "block", "attention")}  # model -> its policies
 TOOL = "benchmarks.recompute_memory"
 _progress = harness.Progress(TOOL)
 
@@ -45,18 +58,13 @@ _progress = harness.Progress(TOOL)
 # Worker: one configuration, one process.
 
 
-def run_worker(cfg, batch, steps, out_path):
+def _keras3_step(cfg, model_name, policy, batch, steps):
+    """(one training step as a function of a batch, batches, parameter count): Keras 3 encoder."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import tensorflow as tf
 
-    import recompute
-
-    mode = os.environ.get(recompute.ENV_VAR, "")
-    tag = f"RECOMPUTE={mode} batch={batch}"
-    _progress(f"{tag}: building the model")
-    model, _, train_step = encoder.build_model(cfg)
+    model, _, train_step = encoder.build_model(cfg, block=model_name, policy=policy)
     n_params = int(sum(int(tf.size(v)) for v in model.trainable_variables))
-
     # A fresh random batch (random labels) for every step: the loss stays
     # near log(2) instead of collapsing on a memorised batch.
     rng = tf.random.Generator.from_seed(batch)
@@ -65,12 +73,53 @@ def run_worker(cfg, batch, steps, out_path):
          rng.uniform([batch], 0, 2, dtype=tf.int32))
         for _ in range(steps + 2)
     ]
+    return (lambda b: float(train_step(*b).numpy())), batches, n_params
+
+
+def _bert4keras_step(cfg, policy, batch, steps):
+    """The same for bert4keras's BERT (padded random token ids), patched with `policy`."""
+    import recompute.bert4keras
+
+    from . import batchfit
+
+    recompute.bert4keras.patch(policy=policy)  # before bert4keras is imported
+    import tempfile
+
+    import tf_keras
+
+    shape = {k: cfg[k] for k in ("layers", "hidden", "heads", "ffn", "vocab")}
+    config = batchfit._bert_config(shape, cfg["seq"])
+    config.update(hidden_dropout_prob=cfg["dropout"], attention_probs_dropout_prob=cfg["dropout"])
+    # Replayable RNG: every mode draws the masks of mode 0 (the losses match).
+    tf_keras.backend.experimental.enable_tf_random_generator()
+    tf_keras.utils.set_random_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bert_config.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        model = batchfit.build_classifier(path)
+    model.compile(optimizer=tf_keras.optimizers.Adam(1e-4),
+                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    batches = batchfit._random_batches(steps + 2, batch, cfg["seq"], cfg["vocab"], seed=batch)
+    return (lambda b: float(model.train_on_batch(*b))), batches, int(model.count_params())
+
+
+def run_worker(cfg, model_name, mode, batch, steps, out_path):
+    import recompute
+
+    policy = MODELS[model_name][0] if mode == "0" else mode
+    tag = f"{model_name} mode={mode} batch={batch}"
+    _progress(f"{tag}: building the model")
+    if model_name == "bert4keras":
+        step, batches, n_params = _bert4keras_step(cfg, policy, batch, steps)
+    else:
+        step, batches, n_params = _keras3_step(cfg, model_name, policy, batch, steps)
 
     t0 = time.process_time()
-    train_step(*batches[0]).numpy()  # trace + first step (creates the buffers)
+    step(batches[0])  # trace + first step (creates the buffers)
     _progress(f"{tag}: traced and ran the first step in "
               f"{time.process_time() - t0:.1f} CPU s; warming up")
-    train_step(*batches[1]).numpy()
+    step(batches[1])
     _progress(f"{tag}: measuring {steps} step(s)")
 
     # Each measured step: allocator stats reset just before it; its activation
@@ -79,9 +128,8 @@ def run_worker(cfg, batch, steps, out_path):
     # op order and the allocator's reuse of free chunks vary): the median is
     # reported, every step's value is in the JSON.
     activations, cpu, wall, losses = [], [], [], []
-    for ids, labels in batches[2:]:
-        loss, activation, cpu_s, wall_s = harness.allocator_step(
-            lambda: float(train_step(ids, labels).numpy()))
+    for b in batches[2:]:
+        loss, activation, cpu_s, wall_s = harness.allocator_step(lambda: step(b))
         losses.append(loss)
         cpu.append(cpu_s)
         wall.append(wall_s)
@@ -90,7 +138,8 @@ def run_worker(cfg, batch, steps, out_path):
     cpu_step = sum(cpu) / len(cpu)
     wall_step = sum(wall) / len(wall)
     result = dict(
-        recompute=mode, recompute_enabled=recompute.is_enabled(), batch=batch,
+        device=harness.measured_device(), model=model_name, mode=mode, recompute=os.environ.get(recompute.ENV_VAR, ""),
+        recompute_enabled=recompute.is_enabled(), batch=batch,
         activation_bytes=int(activation), activation_bytes_per_step=[int(a) for a in activations],
         rss_hwm_bytes=harness.peak_rss_kib() * 1024, cpu_s_per_step=cpu_step,
         cpu_s_per_step_each=cpu, wall_s_per_step=wall_step, loss=losses[0], params=n_params,
@@ -105,18 +154,22 @@ def run_worker(cfg, batch, steps, out_path):
 # Parent: spawn the workers, summarise.
 
 
-def _spawn(cfg, mode, batch, steps):
-    _progress(f"RECOMPUTE={mode} batch={batch}: starting a fresh worker process")
+def _spawn(cfg, model_name, mode, batch, steps):
+    _progress(f"{model_name} mode={mode} batch={batch}: starting a fresh worker process")
+    env = dict(harness.allocator_env(), RECOMPUTE="0" if mode == "0" else "1")
+    if model_name == "bert4keras":
+        env.update(TF_KERAS="1", TF_USE_LEGACY_KERAS="1")
     runs = harness.run_workers(
-        _progress, ["--batch-sizes", str(batch), "--steps", str(steps), *encoder.shape_argv(cfg)],
-        [dict(harness.allocator_env(), RECOMPUTE=mode)])
-    return harness.require_results(runs, f"benchmark worker RECOMPUTE={mode} batch={batch}")[0]
+        _progress, ["--model", model_name, "--modes", mode, "--batch-sizes", str(batch),
+                    "--steps", str(steps), *encoder.shape_argv(cfg)], [env])
+    return harness.require_results(runs, f"benchmark worker {model_name} mode={mode} batch={batch}")[0]
 
 
 def summarize(runs, modes, batch_sizes):
+    """Per mode: the per-sample slope and fixed part; per mode other than 0, its ratios to 0."""
     summary = {}
     for mode in modes:
-        mine = [r for r in runs if r["recompute"] == mode]
+        mine = [r for r in runs if r["mode"] == mode]
         slope, intercept = harness.slope([(r["batch"], r["activation_bytes"]) for r in mine])
         rss_slope, _ = harness.slope([(r["batch"], r["rss_hwm_bytes"]) for r in mine])
         summary[mode] = dict(
@@ -124,67 +177,66 @@ def summarize(runs, modes, batch_sizes):
             cpu_s_per_step={str(r["batch"]): r["cpu_s_per_step"] for r in mine},
         )
     ratios = {}
-    if "0" in summary and "1" in summary:
-        off, on = summary["0"], summary["1"]
-        ratios["memory_per_sample_off_over_on"] = (
-            off["per_sample_bytes"] / on["per_sample_bytes"]
-            if on["per_sample_bytes"] > 0 else float("inf")
+    off = summary.get("0")
+    for mode, on in summary.items():
+        if mode == "0" or off is None:
+            continue
+        ratios[mode] = dict(
+            memory_per_sample_off_over_on=(off["per_sample_bytes"] / on["per_sample_bytes"]
+                                           if on["per_sample_bytes"] > 0 else float("inf")),
+            rss_per_sample_off_over_on=(off["rss_per_sample_bytes"] / on["rss_per_sample_bytes"]
+                                        if on["rss_per_sample_bytes"] > 0 else float("inf")),
+            cpu_time_on_over_off={str(b): on["cpu_s_per_step"][str(b)] / off["cpu_s_per_step"][str(b)]
+                                  for b in batch_sizes},
         )
-        ratios["rss_per_sample_off_over_on"] = (
-            off["rss_per_sample_bytes"] / on["rss_per_sample_bytes"]
-            if on["rss_per_sample_bytes"] > 0 else float("inf")
-        )
-        ratios["cpu_time_on_over_off"] = {
-            str(b): on["cpu_s_per_step"][str(b)] / off["cpu_s_per_step"][str(b)]
-            for b in batch_sizes
-        }
     return summary, ratios
 
 
 def print_report(cfg, runs, summary, ratios, out=sys.stdout):
     p = lambda *a: print(*a, file=out)  # noqa: E731
-    p(f"recompute benchmark: {cfg['layers']} blocks, hidden {cfg['hidden']}, "
-      f"{cfg['heads']} heads, FFN {cfg['ffn']}, seq {cfg['seq']}, vocab {cfg['vocab']}, "
-      f"dropout {cfg['dropout']}, Adam; {runs[0]['params'] / 1e6:.1f}M parameters")
+    p(f"recompute benchmark: {runs[0]['model']} model, {cfg['layers']} blocks, hidden "
+      f"{cfg['hidden']}, {cfg['heads']} heads, FFN {cfg['ffn']}, seq {cfg['seq']}, vocab "
+      f"{cfg['vocab']}, dropout {cfg['dropout']}, Adam; {runs[0]['params'] / 1e6:.1f}M parameters; "
+      f"allocator of {runs[0].get('device', 'CPU:0')}")
     p("")
-    p(f"{'RECOMPUTE':>9} {'batch':>5} {'activation MiB':>15} {'peak RSS MiB':>13} "
+    p(f"{'mode':>9} {'batch':>5} {'activation MiB':>15} {'peak RSS MiB':>13} "
       f"{'CPU s/step':>11} {'loss':>8}")
     for r in runs:
-        p(f"{r['recompute']:>9} {r['batch']:>5} {r['activation_bytes'] / MiB:>15.1f} "
+        p(f"{r['mode']:>9} {r['batch']:>5} {r['activation_bytes'] / MiB:>15.1f} "
           f"{r['rss_hwm_bytes'] / MiB:>13.1f} {r['cpu_s_per_step']:>11.2f} {r['loss']:>8.4f}")
     p("")
-    p(f"{'RECOMPUTE':>9} {'MiB/sample':>11} {'fixed MiB':>10} {'RSS MiB/sample':>15}")
+    p(f"{'mode':>9} {'MiB/sample':>11} {'fixed MiB':>10} {'RSS MiB/sample':>15} "
+      f"{'memory 0/mode':>14} {'RSS 0/mode':>11}  CPU time mode/0")
     for mode, s in summary.items():
+        r = ratios.get(mode)
+        mem = f"x{r['memory_per_sample_off_over_on']:.2f}" if r else "-"
+        rss = f"x{r['rss_per_sample_off_over_on']:.2f}" if r else "-"
+        times = ", ".join(f"batch {b}: x{v:.3f}" for b, v in r["cpu_time_on_over_off"].items()) if r else "-"
         p(f"{mode:>9} {s['per_sample_bytes'] / MiB:>11.1f} {s['fixed_bytes'] / MiB:>10.1f} "
-          f"{s['rss_per_sample_bytes'] / MiB:>15.1f}")
-    if ratios:
-        p("")
-        p(f"activation memory per sample, off/on: x{ratios['memory_per_sample_off_over_on']:.2f}")
-        p(f"peak RSS per sample, off/on:          x{ratios['rss_per_sample_off_over_on']:.2f}")
-        times = ", ".join(f"batch {b}: x{v:.3f}" for b, v in ratios["cpu_time_on_over_off"].items())
-        p(f"CPU time per step, on/off:            {times}")
+          f"{s['rss_per_sample_bytes'] / MiB:>15.1f} {mem:>14} {rss:>11}  {times}")
 
 
 # --------------------------------------------------------------------------
 # Command line.
 
 
-_modes = harness.name_list(("0", "1"), expected="0, 1 or 0,1")
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.recompute_memory",
-        description="Activation memory and CPU time of a BERT-base-shaped Keras 3 "
-                    "encoder trained with RECOMPUTE=0 vs RECOMPUTE=1 (each "
-                    "configuration in a fresh subprocess).",
+        description="Activation memory and CPU time of a BERT-base-shaped encoder trained "
+                    "without recomputation (mode 0) and with each recomputation policy "
+                    "(each configuration in a fresh subprocess).",
     )
     encoder.add_shape_arguments(
         parser, FULL, steps_help="timed steps after warm-up",
         batch_help="comma-separated batch sizes; the per-sample memory is the "
                    "slope between them (default 2,6)")
-    parser.add_argument("--modes", type=_modes, default=("0", "1"),
-                        help="RECOMPUTE values to run (default 0,1)")
+    parser.add_argument("--model", choices=tuple(MODELS), default="lean",
+                        help="lean (default) or standard Keras 3 encoder, or bert4keras's BERT")
+    parser.add_argument("--modes", help="comma-separated: 0 (RECOMPUTE=0) and policies of the "
+                                        "model (lean: full; standard: full, attention; bert4keras: "
+                                        "layer, block, attention); 1 = the first policy "
+                                        "(default: 0 and every policy)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shape (3 blocks, hidden 256, seq 128): about 30 s; "
                              "explicit options still override it")
@@ -196,6 +248,16 @@ def parse_args(argv=None):
 
     encoder.finish_shape_arguments(parser, args, QUICK if args.quick else FULL,
                                    need_slope=not args.worker)
+    policies = MODELS[args.model]
+    known = ("0",) + policies
+    if args.modes is None:
+        args.modes = known
+    else:
+        modes = [policies[0] if m == "1" else m for m in args.modes.split(",")]
+        if not modes or any(m not in known for m in modes) or len(set(modes)) != len(modes):
+            parser.error(f"--modes: expected distinct items of {', '.join(known)} (or 1) for "
+                         f"--model {args.model}, got {args.modes!r}")
+        args.modes = tuple(modes)
     if args.worker and (not args.out or len(args.batch_sizes) != 1):
         parser.error("--worker needs --out and exactly one batch size")
     if args.json:
@@ -215,7 +277,7 @@ def _main(argv=None):
     args = parse_args(argv)
     cfg = encoder.shape_config(args)
     if args.worker:
-        run_worker(cfg, args.batch_sizes[0], args.steps, args.out)
+        run_worker(cfg, args.model, args.modes[0], args.batch_sizes[0], args.steps, args.out)
         return 0
 
     batch_sizes = sorted(args.batch_sizes)
@@ -225,15 +287,16 @@ def _main(argv=None):
     # the machine during the run does not bias the time ratio.
     for batch in batch_sizes:
         for mode in args.modes:
-            runs.append(_spawn(cfg, mode, batch, args.steps))
-    runs.sort(key=lambda r: (args.modes.index(r["recompute"]), r["batch"]))
+            runs.append(_spawn(cfg, args.model, mode, batch, args.steps))
+    runs.sort(key=lambda r: (args.modes.index(r["mode"]), r["batch"]))
     summary, ratios = summarize(runs, args.modes, batch_sizes)
     _progress(f"done in {time.perf_counter() - start:.0f} s wall")
     with harness.report_to_docs(args.docs, TOOL, argv):
         print_report(cfg, runs, summary, ratios)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(config=dict(cfg, batch_sizes=batch_sizes, steps=args.steps),
+            json.dump(dict(config=dict(cfg, model=args.model, batch_sizes=batch_sizes,
+                                       steps=args.steps),
                            runs=runs, summary=summary, ratios=ratios), f, indent=2)
         _progress(f"results saved to {args.json}")
     return 0

@@ -10,14 +10,25 @@ class Block(keras.layers.Layer):
 ```
 
 Set `RECOMPUTE=1` (read when the layer runs) or use `recompute_scope(True)`.
+`@recompute_grad(policy="attention")` recomputes only the attention
+probabilities of the block's `MultiHeadAttention` layers (`POLICIES`).
+
+Modules: `_decorator` (the decorator), `_policies` (what is recomputed),
+`_core` (the recomputation: one `tf.custom_gradient`), `_adapter` (the
+interface to a Keras family) with `_keras3` and `_tf_keras` (its two
+implementations, the only users of private Keras API) chosen by `_backends`,
+`_tf` (TensorFlow internals), `_config` (the switch), `_errors`;
+`recompute.bert4keras` (bert4keras integration and checkpoint converter).
 """
 
 from ._config import ENV_VAR, is_enabled, recompute_scope
 from ._errors import VariableCreatedInRecomputationError
 from ._decorator import recompute_grad
+from ._policies import NAMES as POLICIES  # the names `recompute_grad(policy=...)` takes
 
 __all__ = [
     "ENV_VAR",
+    "POLICIES",
     "VariableCreatedInRecomputationError",
     "is_enabled",
     "recompute_grad",

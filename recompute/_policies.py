@@ -46,6 +46,7 @@ def attention(adapter, fn, layer, args, kwargs):
 
 
 POLICIES = {"full": full, "attention": attention}
+NAMES = tuple(POLICIES)  # exported as `recompute.POLICIES`
 
 
 def check_policy(policy):

@@ -3,7 +3,6 @@
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from accum import AccumOptimizer
 from tests.helpers.k3_reference import fresh, make_data, make_model, run, slot_values, twin

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from accum import AccumOptimizer
 from tests.helpers.k3_reference import concat, fresh, make_data, make_model, make_step, run, slot_values, twin
-from tests.helpers.numerics import assert_grouped_close, max_rel_err
+from tests.helpers.numerics import assert_grouped_close
 
 K, B, UPDATES = 4, 3, 6
 

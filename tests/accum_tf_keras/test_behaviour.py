@@ -15,7 +15,6 @@ from tests.helpers.tfk_reference import (
     make_data,
     make_model,
     make_step,
-    optimizer_variables,
     run_batches,
     state,
     state_by_variable,

@@ -137,3 +137,43 @@ def test_quick_ends_with_the_finetuning_example(tmp_path, capfd):
     assert "held-out accuracy" in out.out  # the example's own report
     assert result["recompute"] is True and result["accum_steps"] == 4
     assert result["weight_updates"] == 8 and result["train_micro_steps"] == 32
+
+
+def test_report_and_plot_have_a_line_per_policy(tmp_path):
+    """Without processes: RECOMPUTE=0 and two policies, each searched, summarized,
+    printed as a table row with its ratios, and drawn as a line of the PNG."""
+    import io
+
+    slopes = {"0": 40.0, "attention": 20.0, "block": 5.0}
+
+    def fake(model, shape, mode, batch, opts, paths):
+        peak = 1000 + slopes[mode] * batch
+        return dict(batch=batch, mode=mode, ok=True, fits=peak <= 1500, peak_rss_mib=float(peak),
+                    cpu_s_per_sample=0.1 * (1.0 + 0.05 * list(slopes).index(mode)))
+
+    opts = dict(OPTS, models=("base",), modes=("0", "attention", "block"),
+                budget_gib=1500 / 1024.0, max_batch=512)
+    shape = batchfit.SHAPES["base"]
+    results = {("base", "0"): batchfit.search("base", shape, "0", opts, measure_fn=fake)}
+    for policy in ("attention", "block"):
+        results[("base", policy)] = batchfit.search(
+            "base", shape, policy, opts, first=results[("base", "0")]["max_batch"], measure_fn=fake)
+    rows = batchfit.summarize(results, opts)
+    assert [r["mode"] for r in rows] == ["0", "attention", "block"]
+    assert [r["max_batch"] for r in rows] == [12, 25, 100]
+    assert rows[1]["batch_ratio"] == 25 / 12 and rows[2]["batch_ratio"] == 100 / 12
+    out = io.StringIO()
+    batchfit.print_report(rows, opts, out=out)
+    table = out.getvalue()
+    for policy, ratio in (("off", "-"), ("attention", "2.08"), ("block", "8.33")):
+        assert any(line.split()[3:4] == [policy] and ratio in line for line in table.splitlines()), table
+    assert "base policy=block: CPU time per sample over RECOMPUTE=0's at the same batch 12: x1.100" in table
+    png = tmp_path / "fit.png"
+    batchfit.plot(rows, opts, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_policies_argument():
+    assert batchfit.parse_args([]).policies == ("attention", "block")
+    assert batchfit.parse_args(["--policies", "layer"]).policies == ("layer",)
+    assert batchfit.policy_of("0") is None and batchfit.policy_of("1") == "block"

@@ -128,3 +128,35 @@ def forward_tensors_kept(graph, rank4_last_dims=(SEQ, SEQ)):
                     and tuple(shape[-2:]) == rank4_last_dims and t.dtype.is_floating):
                 kept.add(t.op.type)
     return kept
+
+
+# The checks both suites run (tests/recompute_*/test_recompute_policies*.py).
+
+
+def check_policy_matches(K, policy, mode):
+    """`policy` with RECOMPUTE on: the loss and every gradient of the undecorated
+    block; "full" runs each block twice, "attention" only the attention cores."""
+    from tests.helpers.numerics import assert_all_close
+
+    loss0, grads0, counts0, _, model = run(K, None, False, mode)
+    loss1, grads1, counts1, _, _ = run(K, policy, True, mode)
+    names = ["input"] + [getattr(v, "path", v.name) for v in model.trainable_variables]
+    assert_all_close([loss0], [loss1], ["loss"])
+    assert_all_close(grads0, grads1, names)
+    assert counts0 == {"block": 2, "core": 2}
+    assert counts1 == ({"block": 4, "core": 4} if policy == "full" else {"block": 2, "core": 4})
+
+
+def check_fit_matches(K, policy):
+    from tests.helpers.numerics import assert_all_close
+
+    assert_all_close(fit_weights(K, None, False), fit_weights(K, policy, True))
+
+
+def check_attention_policy_keeps_no_attention_matrix(K):
+    """The backward pass reads no [.., seq, seq] tensor of the forward pass (softmax,
+    dropout and scores are recomputed); without recomputation it reads the softmax."""
+    kept_off = forward_tensors_kept(run(K, None, False, "function")[3])
+    kept_on = forward_tensors_kept(run(K, "attention", True, "function")[3])
+    assert "Softmax" in kept_off, kept_off
+    assert not kept_on, kept_on
