@@ -16,9 +16,14 @@ from bert4keras.models import build_transformer_model
 model = build_transformer_model(config_path, checkpoint_path)
 ```
 
-`patch(blocks=True)` also builds each BERT Transformer block as one nested
-model recomputed as a unit (only the block's input is kept: less memory; the
-block's layers are then reached through `model.get_layer("Transformer-<i>")`).
+What is recomputed is a policy: `patch(policy="layer")` (the default: each
+marked layer is a unit), `patch(policy="block")` (alias `blocks=True`: each
+BERT Transformer block is built as one nested model recomputed as a unit; only
+the block's input is kept: the least memory; the block's layers are then
+reached through `model.get_layer("Transformer-<i>")`), or
+`patch(policy="attention")` (selective: the attention probabilities and the
+element-wise work are recomputed, the dense layers' outputs kept: the least
+time). The trade-off is measured in docs/bert.md.
 
 bert4keras needs `TF_KERAS=1 TF_USE_LEGACY_KERAS=1` in the environment and is
 installed with `pip install --no-deps bert4keras==0.11.5` (it pins an ancient
@@ -47,7 +52,9 @@ not imported yet, `patch()` installs an import hook (a `sys.meta_path` finder,
 removed by `unpatch()`) that patches the module right after it loads. What
 changes is bert4keras's: the `call` of the marked classes, the
 `pay_attention_to` of its attention classes and the `Dropout` name in
-`bert4keras.layers`; nothing else in the process.
+`bert4keras.layers`, and the "gelu" of Keras's custom objects (the same
+function, whose gradient keeps only its input under the "attention" policy);
+nothing else in the process.
 
 Pretrained weights, offline: `convert(src, out_dir)` turns a Hugging Face BERT
 (`config.json`, `model.safetensors`, `tokenizer.json`; a directory or a zip)

@@ -97,20 +97,76 @@ def _policy_of(layer):
     return policy
 
 
-def _marked_call(call):
+# Under "attention", the element-wise marked layers are recomputed as units too
+# (they keep only their input): their intermediates cost memory, their
+# recomputation little time.
+ELEMENTWISE = ("LayerNormalization", "ScaleOffset")
+_selective = threading.local()  # .depth > 0: inside a FeedForward under "attention", RECOMPUTE on
+
+
+def _marked_call(call, cls):
     """A marked class's `call`: recomputed as a unit under the "layer" and "block"
-    policies (within a recomputed block it runs plainly), as written under "attention"."""
+    policies (within a recomputed block it runs plainly). Under "attention", the
+    element-wise classes (`ELEMENTWISE`) are still units; the others run as
+    written, a `FeedForward` with its GELU keeping only its input (`_gelu`)."""
     decorated = recompute_grad(call)
+    elementwise = cls.__name__ in ELEMENTWISE
 
     def wrapper(self, *args, **kwargs):
-        if _policy_of(self) == "attention":
+        if _policy_of(self) != "attention" or elementwise:
+            return decorated(self, *args, **kwargs)
+        if not _config.is_enabled():
             return call(self, *args, **kwargs)
-        return decorated(self, *args, **kwargs)
+        _selective.depth = getattr(_selective, "depth", 0) + 1
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            _selective.depth -= 1
 
     functools.update_wrapper(wrapper, call)
     wrapper.__signature__ = inspect.signature(call)  # tf_keras passes `mask`/`training` by it
     wrapper.__recompute_grad_wrapped__ = call
     return wrapper
+
+
+def _custom_objects(module):
+    """The Keras custom objects bert4keras registers its "gelu" in, or None."""
+    keras = getattr(module, "keras", None)
+    utils = getattr(keras, "utils", None)
+    return utils.get_custom_objects() if utils is not None else None
+
+
+def _gelu(gelu):
+    """bert4keras's "gelu" (`gelu_erf`): as written, except inside a `FeedForward`
+    under the "attention" policy with recomputation on, where it keeps only its
+    input for the gradient (the erf and the products are recomputed in the
+    backward pass instead of kept: 4 fewer [seq, ffn] tensors per layer)."""
+    import math
+
+    import tensorflow as tf
+
+    @tf.custom_gradient
+    def gelu_keeping_input(x):
+        def grad(dy):
+            # The ops TensorFlow's autodiff of `0.5 * x * (1 + erf(x / sqrt(2)))`
+            # runs, in its order (so the gradient rounds as without the policy),
+            # with the forward values recomputed from `x`.
+            root2 = tf.constant(math.sqrt(2.0), x.dtype)
+            t = x / root2
+            d_half_x = dy * (1.0 + tf.math.erf(t))
+            d_erf = (0.5 * x) * dy
+            d_t = d_erf * tf.constant(2.0 / math.sqrt(math.pi), x.dtype) * tf.exp(-tf.square(t))
+            return 0.5 * d_half_x + d_t / root2
+
+        return gelu(x), grad
+
+    def selective_gelu(x):
+        if getattr(_selective, "depth", 0) and gelu.__name__ == "gelu_erf":
+            return gelu_keeping_input(x)
+        return gelu(x)
+
+    functools.update_wrapper(selective_gelu, gelu)  # serialized under gelu's own name
+    return selective_gelu
 
 
 def _attending_to(pay_attention_to):
@@ -144,12 +200,17 @@ def _patch_module(module):
         if (cls, "call") not in _replaced:
             current = cls.__dict__["call"]
             _replaced[cls, "call"] = current
-            cls.call = _marked_call(_undecorated(current))
+            cls.call = _marked_call(_undecorated(current), cls)
     for cls in _attention_classes(module):
         if (cls, "pay_attention_to") not in _replaced:
             current = cls.__dict__["pay_attention_to"]
             _replaced[cls, "pay_attention_to"] = current
             cls.pay_attention_to = _attending_to(current)
+    objects = _custom_objects(module)
+    gelu = objects.get("gelu") if objects is not None else None
+    if objects is not None and gelu is not None and ("custom_objects", "gelu") not in _replaced:
+        _replaced["custom_objects", "gelu"] = gelu
+        objects["gelu"] = _gelu(gelu)
     if module not in _module_dropout and hasattr(module, "Dropout"):
         _module_dropout[module] = module.Dropout
         module.Dropout = _owned_dropout(module.Dropout)
@@ -297,9 +358,12 @@ def patch(policy=None, *, blocks=None):
             the block's layers are reached through it
             (`model.get_layer("Transformer-3").get_layer(...)`) and a model
             reloaded with `load_model` has undecorated blocks (decorate each
-            block's bound call again). "attention": only the attention
-            probabilities (scores, mask, softmax, dropout) are recomputed and
-            everything else is kept: most of the memory for the least time.
+            block's bound call again). "attention": selective recomputation
+            -- the attention probabilities (`pay_attention_to`: scores,
+            mask, softmax, dropout) and the element-wise work (layer norms;
+            the FeedForward's GELU keeps only its input) are recomputed, the
+            outputs of the dense layers are kept: much of the memory for
+            little time.
             Layers take the policy in effect at their first call (when the
             model is built); weights, checkpoints and outputs are the same
             under every policy.
@@ -354,7 +418,13 @@ def unpatch():
             sys.meta_path.remove(_hook)
         _hook = None
     for (cls, name), original in list(_replaced.items()):
-        setattr(cls, name, original)
+        if cls == "custom_objects":
+            module = sys.modules.get(MODULE)
+            objects = _custom_objects(module) if module is not None else None
+            if objects is not None:
+                objects[name] = original
+        else:
+            setattr(cls, name, original)
         del _replaced[cls, name]
     for module, dropout in list(_module_dropout.items()):
         module.Dropout = dropout

@@ -85,7 +85,9 @@ def test_minilm_matches_numpy_bert(converted, reference):
     from bert4keras.tokenizers import Tokenizer
 
     # bert4keras's "gelu" is the erf GELU MiniLM (HF "gelu") was trained with.
-    assert tf.keras.activations.get("gelu") is gelu_erf
+    # (`recompute.bert4keras.patch()` wraps it: the same function, see `_patch._gelu`.)
+    gelu = tf.keras.activations.get("gelu")
+    assert getattr(gelu, "__wrapped__", gelu) is gelu_erf
 
     tokenizer = Tokenizer(converted.vocab_path, do_lower_case=True)
     sentences = rt_sentences(4) + ["Short.", "A pair of sentences, the second one"]
