@@ -876,8 +876,9 @@ def parse_args(argv=None):
     harness.check_docs_page(parser, args.docs, TOOL)
 
     defaults = QUICK if args.quick else FULL
-    if args.budget_gib is None and not args.worker and gpu_memory_bytes() is not None:
-        args.budget_gib = gpu_memory_bytes() / GiB
+    gpu_bytes = gpu_memory_bytes() if args.budget_gib is None and not args.worker else None
+    if gpu_bytes is not None:
+        args.budget_gib = gpu_bytes / GiB
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -95,15 +95,14 @@ def recompute_grad(call=None, *, policy="full"):
             layer without `MultiHeadAttention` layers.
         NotImplementedError: a Keras 3 backend other than TensorFlow.
     """
-    if call is None:
-        _policies.check_policy(policy)
-        return functools.partial(recompute_grad, policy=policy)
     if isinstance(call, str):
         raise TypeError(
             "`recompute_grad` takes the policy as a keyword argument: "
             f"`@recompute_grad(policy={call!r})`. Received: recompute_grad({call!r})"
         )
     _policies.check_policy(policy)
+    if call is None:
+        return functools.partial(recompute_grad, policy=policy)
     run_policy = _policies.POLICIES[policy]
     if isinstance(call, type) or not callable(call) or not (
         inspect.isfunction(call) or inspect.ismethod(call)
@@ -168,5 +167,4 @@ def recompute_grad(call=None, *, policy="full"):
     # `mask` only to a `call` that declares them, Keras 3 reads it too.
     wrapper.__signature__ = inspect.signature(call)
     wrapper.__recompute_grad_wrapped__ = unbound
-    wrapper.__recompute_grad_policy__ = policy
     return wrapper

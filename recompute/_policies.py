@@ -49,11 +49,11 @@ POLICIES = {"full": full, "attention": attention}
 NAMES = tuple(POLICIES)  # exported as `recompute.POLICIES`
 
 
-def check_policy(policy):
-    """Raises unless `policy` names a policy of `POLICIES`."""
-    if not isinstance(policy, str) or policy not in POLICIES:
+def check_policy(policy, names=NAMES):
+    """Raises unless `policy` is one of `names` (by default the policies of `POLICIES`)."""
+    if not isinstance(policy, str) or policy not in names:
         raise ValueError(
-            f"`policy` must be one of {', '.join(repr(p) for p in POLICIES)}. "
+            f"`policy` must be one of {', '.join(repr(p) for p in names)}. "
             f"Received: policy={policy!r}"
         )
 

@@ -16,6 +16,7 @@ MODELS_MODULE = "bert4keras.models"
 
 _replaced = {}  # (class, method name) -> the method it had before `patch()`
 _module_dropout = {}  # module -> the `Dropout` it had before `patch()`
+_module_gelu = {}  # module -> the "gelu" of Keras's custom objects before `patch()`
 _hook = None
 _attending = threading.local()  # .stack: the layers inside `pay_attention_to`, this thread
 ATTENTION_DROPOUT_ATTR = "recompute_attention_dropout"
@@ -207,10 +208,9 @@ def _patch_module(module):
             _replaced[cls, "pay_attention_to"] = current
             cls.pay_attention_to = _attending_to(current)
     objects = _custom_objects(module)
-    gelu = objects.get("gelu") if objects is not None else None
-    if objects is not None and gelu is not None and ("custom_objects", "gelu") not in _replaced:
-        _replaced["custom_objects", "gelu"] = gelu
-        objects["gelu"] = _gelu(gelu)
+    if module not in _module_gelu and objects is not None and "gelu" in objects:
+        _module_gelu[module] = objects["gelu"]
+        objects["gelu"] = _gelu(objects["gelu"])
     if module not in _module_dropout and hasattr(module, "Dropout"):
         _module_dropout[module] = module.Dropout
         module.Dropout = _owned_dropout(module.Dropout)
@@ -377,11 +377,8 @@ def patch(policy=None, *, blocks=None):
     global _policy
     if blocks is not None and not isinstance(blocks, bool):
         raise TypeError(f"`blocks` must be True or False. Received: blocks={blocks!r}")
-    if policy is not None and policy not in POLICIES:
-        raise ValueError(
-            f"`policy` must be one of {', '.join(repr(p) for p in POLICIES)}. "
-            f"Received: policy={policy!r}"
-        )
+    if policy is not None:
+        _policies.check_policy(policy, POLICIES)
     if blocks is not None:
         implied = "block" if blocks else "layer"
         if policy is not None and policy != implied:
@@ -418,14 +415,11 @@ def unpatch():
             sys.meta_path.remove(_hook)
         _hook = None
     for (cls, name), original in list(_replaced.items()):
-        if cls == "custom_objects":
-            module = sys.modules.get(MODULE)
-            objects = _custom_objects(module) if module is not None else None
-            if objects is not None:
-                objects[name] = original
-        else:
-            setattr(cls, name, original)
+        setattr(cls, name, original)
         del _replaced[cls, name]
+    for module, gelu in list(_module_gelu.items()):
+        _custom_objects(module)["gelu"] = gelu
+        del _module_gelu[module]
     for module, dropout in list(_module_dropout.items()):
         module.Dropout = dropout
         del _module_dropout[module]

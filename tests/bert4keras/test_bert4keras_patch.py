@@ -262,30 +262,37 @@ def test_dropout_on_fit_matches(dropout_config_path, replayable_rng, policy):
     assert_all_close(weights[0], weights[1])
 
 
+def _step_graph(config_path, policy, on):
+    """The graph of one training step of `build(config_path)` built under `policy`,
+    traced with recomputation `on`."""
+    token_ids, segment_ids, labels = batch()
+    rb.patch(policy=policy)
+    try:
+        model = build(config_path)
+    finally:
+        rb.patch()
+
+    @tf.function
+    def step(token_ids, segment_ids):
+        with tf.GradientTape() as tape:
+            logits = model([token_ids, segment_ids], training=True)
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+        return tape.gradient(loss, model.trainable_weights)
+
+    with recompute.recompute_scope(on):
+        return step.get_concrete_function(tf.constant(token_ids), tf.constant(segment_ids)).graph
+
+
 def test_attention_policy_keeps_no_attention_matrix(dropout_config_path, replayable_rng):
     """Under policy="attention" the backward pass reads no [.., seq, seq] tensor of
     the forward pass; under "layer" with recomputation off it reads the softmax."""
     from tests.helpers.attention_blocks import forward_tensors_kept
 
-    token_ids, segment_ids, labels = batch()
+    token_ids = batch()[0]
     kept = {}
     for policy, on in (("layer", False), ("attention", True)):
-        rb.patch(policy=policy)
-        try:
-            model = build(dropout_config_path)
-        finally:
-            rb.patch()
-
-        @tf.function
-        def step(token_ids, segment_ids):
-            with tf.GradientTape() as tape:
-                logits = model([token_ids, segment_ids], training=True)
-                loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
-            return tape.gradient(loss, model.trainable_weights)
-
-        with recompute.recompute_scope(on):
-            graph = step.get_concrete_function(tf.constant(token_ids), tf.constant(segment_ids)).graph
-        kept[policy] = forward_tensors_kept(graph, token_ids.shape[1:] * 2)
+        kept[policy] = forward_tensors_kept(_step_graph(dropout_config_path, policy, on),
+                                            token_ids.shape[1:] * 2)
     assert "Softmax" in kept["layer"], kept
     assert not kept["attention"], kept
 
@@ -294,29 +301,12 @@ def test_attention_policy_gelu_keeps_only_its_input(dropout_config_path, replaya
     """Under "attention" the FeedForward's GELU keeps one [seq, ffn] tensor (its input)
     for the gradient: no Erf output, no product of the forward pass is read by the
     backward pass; under "layer" with recomputation off, they are."""
-    token_ids, segment_ids, labels = batch()
+    from tests.helpers.attention_blocks import forward_tensors_read_by_backward
+
     read = {}
     for policy, on in (("layer", False), ("attention", True)):
-        rb.patch(policy=policy)
-        try:
-            model = build(dropout_config_path)
-        finally:
-            rb.patch()
-
-        @tf.function
-        def step(token_ids, segment_ids):
-            with tf.GradientTape() as tape:
-                logits = model([token_ids, segment_ids], training=True)
-                loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
-            return tape.gradient(loss, model.trainable_weights)
-
-        with recompute.recompute_scope(on):
-            graph = step.get_concrete_function(tf.constant(token_ids), tf.constant(segment_ids)).graph
-        ops = graph.get_operations()
-        first = next(i for i, op in enumerate(ops) if op.name.startswith("gradient_tape/"))
-        forward = {op.name: op for op in ops[:first]}
-        read[policy] = {t.op.type for op in ops[first:] for t in op.inputs
-                        if t.op.name in forward and "FeedForward" in t.op.name
+        tensors = forward_tensors_read_by_backward(_step_graph(dropout_config_path, policy, on))
+        read[policy] = {t.op.type for t in tensors if "FeedForward" in t.op.name
                         and t.shape.rank == 3 and t.shape[-1] == 64}  # [batch, seq, ffn]
     assert {"Erf", "AddV2", "Mul"} & read["layer"] or "RealDiv" in read["layer"], read
     assert read["attention"] <= {"BiasAdd", "Reshape", "IdentityN", "Identity"}, read

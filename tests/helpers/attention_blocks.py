@@ -110,24 +110,23 @@ def fit_weights(K, policy, on, epochs=2):
     return [np.asarray(w) for w in model.get_weights()]
 
 
-def forward_tensors_kept(graph, rank4_last_dims=(SEQ, SEQ)):
-    """Forward-pass ops with a [.., heads, SEQ, SEQ] output that the backward pass reads.
+def forward_tensors_read_by_backward(graph):
+    """The tensors of the forward pass that ops of the backward pass read.
 
     The backward pass starts at the first op under "gradient_tape/"; an op
-    created before it is a forward op. Returns the types of the forward ops
-    whose [.., SEQ, SEQ] outputs feed an op of the backward pass.
+    created before it is a forward op.
     """
     ops = graph.get_operations()
     first = next(i for i, op in enumerate(ops) if op.name.startswith("gradient_tape/"))
     forward = set(op.name for op in ops[:first])
-    kept = set()
-    for op in ops[first:]:
-        for t in op.inputs:
-            shape = t.shape
-            if (t.op.name in forward and shape.rank is not None and shape.rank >= 3
-                    and tuple(shape[-2:]) == rank4_last_dims and t.dtype.is_floating):
-                kept.add(t.op.type)
-    return kept
+    return [t for op in ops[first:] for t in op.inputs if t.op.name in forward]
+
+
+def forward_tensors_kept(graph, rank4_last_dims=(SEQ, SEQ)):
+    """The types of the forward ops whose float [.., SEQ, SEQ] outputs the backward pass reads."""
+    return {t.op.type for t in forward_tensors_read_by_backward(graph)
+            if t.shape.rank is not None and t.shape.rank >= 3
+            and tuple(t.shape[-2:]) == rank4_last_dims and t.dtype.is_floating}
 
 
 # The checks both suites run (tests/recompute_*/test_recompute_policies*.py).
