@@ -9,6 +9,7 @@ import threading
 import warnings
 
 from .. import _backends, _config, _policies
+from . import _attention
 from .._decorator import recompute_grad
 
 MODULE = "bert4keras.layers"
@@ -171,26 +172,39 @@ def _gelu(gelu):
 
 
 def _attending_to(pay_attention_to):
-    """`pay_attention_to`, which creates its `Dropout` once (`_owned_dropout`) and,
-    under the "attention" policy, keeps only its inputs and is recomputed."""
+    """`pay_attention_to`, which creates its `Dropout` once (`_owned_dropout`). With
+    recomputation on it is lean in the standard case (`_attention`: fewer [seq, seq]
+    tensors in the working set of the recomputed layer or block) and, under the
+    "attention" policy, keeps only its inputs and is recomputed."""
 
-    def attending(self, *args, **kwargs):
+    def attending(self, *args, compute=pay_attention_to, **kwargs):
         stack = getattr(_attending, "stack", None)
         if stack is None:
             stack = _attending.stack = []
         stack.append(self)
         try:
-            return pay_attention_to(self, *args, **kwargs)
+            return compute(self, *args, **kwargs)
         finally:
             stack.pop()
 
+    def lean(self, inputs, mask=None, **kwargs):
+        if _attention.lean_applies(self, inputs, kwargs):
+            dropout = sys.modules[type(self).__module__].Dropout  # `_owned_dropout`
+            return _attention.lean_pay_attention_to(self, inputs, mask, dropout)
+        return pay_attention_to(self, inputs, mask, **kwargs)
+
+    def recomputed(self, *args, **kwargs):
+        return attending(self, *args, compute=lean, **kwargs)
+
     def wrapper(self, *args, **kwargs):
-        if _policy_of(self) == "attention" and _config.is_enabled():
+        if not _config.is_enabled():
+            return attending(self, *args, **kwargs)  # RECOMPUTE=0: bert4keras's own code
+        if _policy_of(self) == "attention":
             adapter = _backends.adapter_for(self)
             adapter.check_supported(self)
             keep = bool(getattr(self, "return_attention_scores", True))
-            return _policies.recompute_core(adapter, attending, self, args, kwargs, keep)
-        return attending(self, *args, **kwargs)
+            return _policies.recompute_core(adapter, recomputed, self, args, kwargs, keep)
+        return recomputed(self, *args, **kwargs)  # lean inside the recomputed layer or block
 
     functools.update_wrapper(wrapper, pay_attention_to)
     return wrapper

@@ -255,10 +255,11 @@ def test_dropout_on_fit_matches(dropout_config_path, replayable_rng, policy):
             history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
         losses.append(history.history["loss"])
         weights.append([np.asarray(w) for w in model.weights])
-    if policy == "attention":  # its GELU gradient is computed by other ops: equal to rounding
-        assert_all_close(losses[0], losses[1], rtol=1e-6)
-    else:
-        assert losses[0] == losses[1]
+    # The first epoch's loss is the same computation; later ones follow weights
+    # updated with gradients that the lean attention core (and the GELU under
+    # "attention") compute by other ops: equal to rounding.
+    assert losses[0][0] == losses[1][0]
+    assert_all_close(losses[0], losses[1], rtol=1e-6)
     assert_all_close(weights[0], weights[1])
 
 

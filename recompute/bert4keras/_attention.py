@@ -1,0 +1,106 @@
+"""The lean attention core of the "attention" policy: bert4keras's `pay_attention_to`
+with fewer [batch, heads, seq, seq] tensors.
+
+bert4keras computes the attention probabilities as
+`A = dropout(softmax(where(mask, (q k^T) / sqrt(d), -inf)))` and lets
+TensorFlow's autodiff take the gradient: the backward pass then holds the
+scores, the scaled scores, the masked scores, the softmax, the dropout's
+uniform draw, its scaled copy and its result, and as many gradients, all
+[batch, heads, seq, seq] float32. Under `patch(policy="attention")` with
+recomputation on, that core is recomputed in the backward pass one layer at a
+time, so these tensors are the working set of one layer's backward pass, on
+top of everything the model keeps. `lean_pay_attention_to` computes the same
+values with fewer of them:
+
+- the scale is folded into the queries (`q / sqrt(d)` is [batch, seq, heads,
+  d], not [.., seq, seq]; exact when `d` is a power of 4, as 64 is);
+- the padding mask is an additive [batch, 1, 1, seq] bias of 0 and -inf
+  (`a + bias` equals `where(mask, a, -inf)` bit for bit);
+- the dropout decision is drawn by bert4keras's own `Dropout` layer, on a
+  tensor of ones, so the random numbers are those of `RECOMPUTE=0`; it is
+  kept as a bool mask (1 byte per entry) and one scale, and the dropped
+  probabilities are formed again in the backward pass. tf_keras's random
+  generators draw 32 bits per entry, so the uniform draw itself stays one
+  transient float32 tensor;
+- `probabilities x values` has a hand-written gradient (`_probs_times_values`)
+  that keeps only the softmax output and the mask: the softmax gradient is
+  taken from its output, `(g - sum(g * p)) * p`, the gradient of the dropout
+  is the mask times its scale, as autodiff computes them.
+
+Only the standard case is lean: softmax normalization, no attention bias, no
+position bias. `lean_applies` says whether a call is; every other call runs
+bert4keras's own code (recomputed all the same).
+"""
+
+import tensorflow as tf
+
+P_EINSUM = "bhjk,bkhd->bjhd"  # probabilities x values, as bert4keras writes it
+
+
+def lean_applies(layer, inputs, kwargs):
+    """True if `layer.pay_attention_to(inputs, mask, **kwargs)` is the standard case."""
+    return (
+        getattr(layer, "normalization", None) == "softmax"
+        and not kwargs.get("a_bias")
+        and not kwargs.get("p_bias")
+        and len(inputs) == 3
+    )
+
+
+def _probs_times_values(a, v, bias, keep, scale):
+    """`dropout(softmax(a + bias)) @ v` whose gradient keeps the softmax output and
+    the bool dropout mask only (`keep`, `scale`: the dropout's decision and scale;
+    `keep` None: no dropout)."""
+
+    @tf.custom_gradient
+    def probs_times_values(a, v):
+        p = tf.nn.softmax(a if bias is None else a + bias, axis=-1)
+        dropped = p if keep is None else tf.where(keep, p * scale, tf.zeros([], p.dtype))
+        o = tf.einsum(P_EINSUM, dropped, v)
+
+        def grad(do):
+            # Formed again from the softmax and the mask (bit for bit the forward's).
+            dropped = p if keep is None else tf.where(keep, p * scale, tf.zeros([], p.dtype))
+            dv = tf.einsum("bhjk,bjhd->bkhd", dropped, do)
+            dp = tf.einsum("bjhd,bkhd->bhjk", do, v)
+            if keep is not None:
+                dp = tf.where(keep, dp * scale, tf.zeros([], dp.dtype))
+            da = (dp - tf.reduce_sum(dp * p, axis=-1, keepdims=True)) * p
+            return da, dv
+
+        return o, grad
+
+    return probs_times_values(a, v)
+
+
+def lean_pay_attention_to(layer, inputs, mask, dropout):
+    """bert4keras's `pay_attention_to(inputs, mask)` for the standard case
+    (`lean_applies`), computed as the module docstring says.
+
+    Args:
+        layer: the bert4keras attention layer (its `key_size`,
+            `attention_scale`, `attention_dropout`).
+        inputs: `[qw, kw, vw]`, [batch, seq, heads, size] each.
+        mask: `[q_mask, v_mask]` (either may be None).
+        dropout: `dropout(rate)`, returning the `Dropout` layer bert4keras
+            would create here.
+
+    Returns:
+        `(o, a)` as bert4keras: the attended values [batch, seq, heads, size]
+        and the (scaled, unmasked) scores [batch, heads, seq, seq].
+    """
+    qw, kw, vw = inputs
+    v_mask = mask[1] if mask is not None else None
+    if layer.attention_scale:
+        qw = qw * tf.cast(layer.key_size ** -0.5, qw.dtype)
+    a = tf.einsum("bjhd,bkhd->bhjk", qw, kw)
+    bias = None
+    if v_mask is not None:
+        v_mask = tf.cast(v_mask, tf.bool)[:, None, None, :]
+        bias = tf.where(v_mask, tf.zeros([], a.dtype), tf.constant(-float("inf"), a.dtype))
+    keep = scale = None
+    if layer.attention_dropout:
+        factor = dropout(layer.attention_dropout)(tf.ones_like(a))  # 0 or 1/(1 - rate); 1 in inference
+        keep = tf.not_equal(factor, 0)
+        scale = tf.reduce_max(factor)
+    return _probs_times_values(a, vw, bias, keep, scale), a

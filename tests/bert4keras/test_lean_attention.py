@@ -1,0 +1,161 @@
+"""recompute.bert4keras: the lean attention core used with recomputation on (own process:
+TF_KERAS=1 TF_USE_LEGACY_KERAS=1)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") != "1":
+    pytest.skip("run with TF_KERAS=1 TF_USE_LEGACY_KERAS=1 (see README)", allow_module_level=True)
+
+import recompute  # noqa: E402
+import recompute.bert4keras as rb  # noqa: E402
+from recompute.bert4keras import _attention, _patch  # noqa: E402
+
+rb.patch()
+
+import tensorflow as tf  # noqa: E402
+import bert4keras.layers as B  # noqa: E402
+from bert4keras.models import build_transformer_model  # noqa: E402
+
+from tests.helpers.attention_blocks import forward_tensors_kept  # noqa: E402
+from tests.helpers.numerics import assert_all_close, to_numpy  # noqa: E402
+
+SEQ = 10
+
+
+@pytest.fixture
+def config_path(tmp_path):
+    """Dropout on; key size 16 (a power of 4: the folded scale 1/4 is exact)."""
+    path = tmp_path / "bert_config.json"
+    path.write_text(json.dumps(dict(
+        vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, hidden_act="gelu", hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.2, max_position_embeddings=64, type_vocab_size=2,
+    )))
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def replayable_rng():
+    tf.keras.backend.experimental.enable_tf_random_generator()
+    yield
+    tf.keras.backend.experimental.disable_tf_random_generator()
+    rb.patch()
+
+
+@pytest.fixture
+def lean_calls(monkeypatch):
+    calls = []
+    real = _attention.lean_pay_attention_to
+
+    def counting(layer, *args, **kwargs):
+        calls.append(layer.name)
+        return real(layer, *args, **kwargs)
+
+    monkeypatch.setattr(_attention, "lean_pay_attention_to", counting)
+    return calls
+
+
+def batch():
+    rng = np.random.RandomState(1)
+    token_ids = rng.randint(1, 100, size=(3, SEQ))
+    token_ids[1, 6:] = 0  # padding
+    token_ids[2, 3:] = 0
+    return token_ids, np.zeros_like(token_ids), np.array([0, 1, 1])
+
+
+def build(config_path, **kwargs):
+    tf.keras.utils.set_random_seed(0)
+    bert = build_transformer_model(config_path, **kwargs)
+    out = tf.keras.layers.Dense(2)(tf.keras.layers.Lambda(lambda x: x[:, 0])(bert.output))
+    return tf.keras.Model(bert.inputs, out)
+
+
+def loss_and_grads(model, token_ids, segment_ids, labels):
+    with tf.GradientTape() as tape:
+        logits = model([token_ids, segment_ids], training=True)
+        loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+    return [float(loss)] + to_numpy(tape.gradient(loss, model.trainable_weights))
+
+
+@pytest.mark.parametrize("policy", _patch.POLICIES)
+def test_outputs_equal_bert4keras_bit_for_bit(config_path, lean_calls, policy):
+    """Dropout on, padding: RECOMPUTE=1 (lean core) gives bert4keras's own outputs exactly."""
+    token_ids, segment_ids, _ = batch()
+    outputs = []
+    for on in (False, True):
+        rb.patch(policy=policy)
+        model = build(config_path)
+        with recompute.recompute_scope(on):
+            outputs.append(np.asarray(model([token_ids, segment_ids], training=True)))
+        assert len(lean_calls) == (2 if on else 0)
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+def test_inference_and_no_dropout_equal_too(config_path, lean_calls):
+    token_ids, segment_ids, _ = batch()
+    outputs = []
+    for on in (False, True):
+        model = build(config_path)
+        with recompute.recompute_scope(on):
+            outputs.append(np.asarray(model([token_ids, segment_ids], training=False)))
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    assert len(lean_calls) == 2
+
+
+@pytest.mark.parametrize("policy", ["layer", "attention"])
+def test_non_standard_attention_runs_bert4keras_code(config_path, lean_calls, policy):
+    """A language model's causal attention bias is not the lean case: bert4keras's own
+    core runs (recomputed), gradients still exact."""
+    token_ids, segment_ids, labels = batch()
+    results = []
+    for on in (False, True):
+        rb.patch(policy=policy)
+        model = build(config_path, application="lm")
+        with recompute.recompute_scope(on):
+            results.append(loss_and_grads(model, token_ids, segment_ids, labels))
+    assert lean_calls == []
+    assert_all_close(results[0], results[1])
+
+
+def test_lean_core_keeps_only_the_softmax_and_a_bool_mask():
+    """Under a tape, the [.., seq, seq] float tensors the gradient reads: bert4keras's
+    core keeps several; the lean core only the softmax output (the dropout mask it
+    keeps is bool)."""
+    rb.patch(policy="layer")
+    layer = B.MultiHeadAttention(heads=4, head_size=16, attention_dropout=0.2)
+    layer.build([[None, SEQ, 64]] * 3)
+    rng = np.random.RandomState(0)
+    qkv = [tf.constant(rng.randn(2, SEQ, 4, 16), tf.float32) for _ in range(3)]
+    v_mask = tf.constant(np.arange(SEQ)[None, :] < np.array([[SEQ], [4]]))
+    own = _patch._replaced[B.MultiHeadAttention, "pay_attention_to"]
+    dropout = tf.keras.layers.Dropout(0.2)
+
+    def graph(core):
+        @tf.function
+        def step(q, k, v):
+            with tf.GradientTape() as tape:
+                tape.watch([q, k, v])
+                o, _ = core(q, k, v)
+                loss = tf.reduce_sum(o * o)
+            return tape.gradient(loss, [q, k, v])
+
+        return step.get_concrete_function(*qkv).graph
+
+    def lean(q, k, v):
+        return _attention.lean_pay_attention_to(
+            layer, [q, k, v], [None, v_mask], lambda rate: lambda x: dropout(x, training=True))
+
+    def bert4keras(q, k, v):
+        _patch._attending.stack = [layer]  # its Dropout: one sublayer (`_owned_dropout`)
+        try:
+            with tf.keras.backend.learning_phase_scope(1):
+                return own(layer, [q, k, v], [None, v_mask])
+        finally:
+            _patch._attending.stack = []
+
+    assert forward_tensors_kept(graph(lean), (SEQ, SEQ)) == {"Softmax"}
+    assert len(forward_tensors_kept(graph(bert4keras), (SEQ, SEQ))) >= 3
