@@ -9,7 +9,7 @@ import threading
 import warnings
 
 from .. import _backends, _config, _policies
-from . import _attention
+from . import _attention, _feed_forward
 from .._decorator import recompute_grad
 
 MODULE = "bert4keras.layers"
@@ -110,15 +110,19 @@ def _marked_call(call, cls):
     """A marked class's `call`: recomputed as a unit under the "layer" and "block"
     policies (within a recomputed block it runs plainly). Under "attention", the
     element-wise classes (`ELEMENTWISE`) are still units; the others run as
-    written, a `FeedForward` with its GELU keeping only its input (`_gelu`)."""
+    written, except a `FeedForward`, whose GELU keeps only its input
+    (`_feed_forward`)."""
     decorated = recompute_grad(call)
     elementwise = cls.__name__ in ELEMENTWISE
+    feed_forward = cls.__name__ == "FeedForward"
 
     def wrapper(self, *args, **kwargs):
         if _policy_of(self) != "attention" or elementwise:
             return decorated(self, *args, **kwargs)
         if not _config.is_enabled():
             return call(self, *args, **kwargs)
+        if feed_forward and len(args) == 1 and not kwargs and _feed_forward.lean_applies(self, args[0]):
+            return _feed_forward.lean_call(self, args[0])
         _selective.depth = getattr(_selective, "depth", 0) + 1
         try:
             return call(self, *args, **kwargs)
@@ -141,29 +145,15 @@ def _custom_objects(module):
 def _gelu(gelu):
     """bert4keras's "gelu" (`gelu_erf`): as written, except inside a `FeedForward`
     under the "attention" policy with recomputation on, where it keeps only its
-    input for the gradient (the erf and the products are recomputed in the
-    backward pass instead of kept: 4 fewer [seq, ffn] tensors per layer)."""
-    import math
-
+    input for the gradient (`_feed_forward.gelu_grad`)."""
     import tensorflow as tf
 
     @tf.custom_gradient
     def gelu_keeping_input(x):
-        def grad(dy):
-            # The ops TensorFlow's autodiff of `0.5 * x * (1 + erf(x / sqrt(2)))`
-            # runs, in its order (so the gradient rounds as without the policy),
-            # with the forward values recomputed from `x`.
-            root2 = tf.constant(math.sqrt(2.0), x.dtype)
-            t = x / root2
-            d_half_x = dy * (1.0 + tf.math.erf(t))
-            d_erf = (0.5 * x) * dy
-            d_t = d_erf * tf.constant(2.0 / math.sqrt(math.pi), x.dtype) * tf.exp(-tf.square(t))
-            return 0.5 * d_half_x + d_t / root2
-
-        return gelu(x), grad
+        return gelu(x), lambda dy: _feed_forward.gelu_grad(x, dy)
 
     def selective_gelu(x):
-        if getattr(_selective, "depth", 0) and gelu.__name__ == "gelu_erf":
+        if getattr(_selective, "depth", 0) and _feed_forward.is_gelu_erf(gelu):
             return gelu_keeping_input(x)
         return gelu(x)
 

@@ -1,5 +1,6 @@
-"""recompute.bert4keras: the lean attention core used with recomputation on (own process:
-TF_KERAS=1 TF_USE_LEGACY_KERAS=1)."""
+"""recompute.bert4keras: the lean attention core (and, under "attention", the lean
+feed-forward layer) used with recomputation on (own process: TF_KERAS=1
+TF_USE_LEGACY_KERAS=1)."""
 
 import json
 import os
@@ -12,7 +13,7 @@ if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") !=
 
 import recompute  # noqa: E402
 import recompute.bert4keras as rb  # noqa: E402
-from recompute.bert4keras import _attention, _patch  # noqa: E402
+from recompute.bert4keras import _attention, _feed_forward, _patch  # noqa: E402
 
 rb.patch()
 
@@ -82,8 +83,13 @@ def loss_and_grads(model, token_ids, segment_ids, labels):
 
 
 @pytest.mark.parametrize("policy", _patch.POLICIES)
-def test_outputs_equal_bert4keras_bit_for_bit(config_path, lean_calls, policy):
-    """Dropout on, padding: RECOMPUTE=1 (lean core) gives bert4keras's own outputs exactly."""
+def test_outputs_equal_bert4keras_bit_for_bit(config_path, lean_calls, monkeypatch, policy):
+    """Dropout on, padding: RECOMPUTE=1 (lean core; lean feed-forward under
+    "attention") gives bert4keras's own outputs exactly."""
+    feed_forward_calls = []
+    real = _feed_forward.lean_call
+    monkeypatch.setattr(_feed_forward, "lean_call",
+                        lambda layer, x: feed_forward_calls.append(layer.name) or real(layer, x))
     token_ids, segment_ids, _ = batch()
     outputs = []
     for on in (False, True):
@@ -92,7 +98,27 @@ def test_outputs_equal_bert4keras_bit_for_bit(config_path, lean_calls, policy):
         with recompute.recompute_scope(on):
             outputs.append(np.asarray(model([token_ids, segment_ids], training=True)))
         assert len(lean_calls) == (2 if on else 0)
+    assert len(feed_forward_calls) == (2 if policy == "attention" else 0)
     np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+def test_lean_feed_forward_gradients_match_autodiff(config_path):
+    """The hand-written gradient of GELU then the second dense layer, checked
+    alone against TensorFlow's autodiff of the layer (RECOMPUTE=0)."""
+    rb.patch(policy="attention")
+    layer = B.FeedForward(48, activation="gelu", name="ffn")
+    x = tf.constant(np.random.RandomState(0).randn(3, SEQ, 64), tf.float32)
+    layer(x)
+    assert _feed_forward.lean_applies(layer, x)
+    results = []
+    for on in (False, True):
+        with recompute.recompute_scope(on), tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+            loss = tf.reduce_sum(y * tf.sin(y))
+        results.append([y.numpy()] + to_numpy(tape.gradient(loss, [x] + layer.trainable_weights)))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    assert_all_close(results[0], results[1])
 
 
 def test_inference_and_no_dropout_equal_too(config_path, lean_calls):

@@ -1,0 +1,93 @@
+"""The feed-forward layer under the "attention" policy: its GELU's intermediates are
+recomputed, not kept.
+
+bert4keras's `FeedForward` is `o_dense(gelu(i0_dense(x)))`. Without
+recomputation the backward pass keeps, per layer, the GELU's input, its
+`x / sqrt(2)`, erf, `1 + erf`, `0.5 x` and its output (six [seq, ffn]
+tensors; ffn = 4 x hidden in BERT). Under `patch(policy="attention")` with
+recomputation on it keeps only the GELU's input:
+
+- `gelu_grad` is the gradient of bert4keras's `gelu_erf` from its input alone,
+  with the ops TensorFlow's autodiff runs, in its order;
+- `lean_call` (the standard layer: one GELU, float32, a rank-3 input) computes
+  the two dense layers as tf_keras's `Dense` does, with `gelu(h) @ kernel`
+  under one gradient (`_gelu_matmul`) that recomputes `gelu(h)` for the
+  kernel's gradient instead of keeping it;
+- elsewhere (a gated or other activation, mixed precision), the GELU alone
+  keeps only its input (`_patch._gelu`) and `o_dense` keeps its output.
+"""
+
+import math
+
+import tensorflow as tf
+
+
+def gelu_grad(x, dy):
+    """The gradient of `0.5 * x * (1 + erf(x / sqrt(2)))` at `x` times `dy`:
+    TensorFlow's autodiff of it, op for op, with the forward values recomputed."""
+    root2 = tf.constant(math.sqrt(2.0), x.dtype)
+    t = x / root2
+    d_half_x = dy * (1.0 + tf.math.erf(t))
+    d_erf = (0.5 * x) * dy
+    d_t = d_erf * tf.constant(2.0 / math.sqrt(math.pi), x.dtype) * tf.exp(-tf.square(t))
+    return 0.5 * d_half_x + d_t / root2
+
+
+def is_gelu_erf(fn):
+    """True for bert4keras's `gelu_erf`, wrapped by `_patch._gelu` or not."""
+    return getattr(getattr(fn, "__wrapped__", fn), "__name__", None) == "gelu_erf"
+
+
+def lean_applies(layer, inputs):
+    """True if `lean_call(layer, inputs)` computes `layer(inputs)` (the standard case)."""
+    if len(getattr(layer, "activation", ())) != 1 or not is_gelu_erf(layer.activation[0]):
+        return False
+    i0, o = getattr(layer, "i0_dense", None), getattr(layer, "o_dense", None)
+    if i0 is None or o is None or not is_gelu_erf(i0.activation):
+        return False
+    if getattr(o.activation, "__name__", None) != "linear":
+        return False
+    float32 = all(d.compute_dtype == "float32" and d.dtype == "float32" for d in (i0, o))
+    return float32 and isinstance(inputs, tf.Tensor) and inputs.dtype == tf.float32 and inputs.shape.rank == 3
+
+
+def _matmul_last(x, w, **kwargs):
+    """`x @ w` over the last axis of a rank-3 `x`, as `tf.tensordot` runs it."""
+    shape = tf.shape(x)
+    flat = tf.matmul(tf.reshape(x, [-1, x.shape[-1]]), w, **kwargs)
+    units = w.shape[0] if kwargs.get("transpose_b") else w.shape[-1]
+    return tf.reshape(flat, tf.concat([shape[:2], [units]], 0))
+
+
+def _gelu_matmul(h, kernel, gelu):
+    """`gelu(h) @ kernel` whose gradient keeps only `h` (and the kernel)."""
+
+    @tf.custom_gradient
+    def gelu_matmul(h, kernel):
+        y = _matmul_last(gelu(h), kernel)
+
+        def grad(dy):
+            g = gelu(h)  # recomputed for the kernel's gradient
+            units = kernel.shape[-1]
+            d_kernel = tf.matmul(tf.reshape(g, [-1, g.shape[-1]]), tf.reshape(dy, [-1, units]),
+                                 transpose_a=True)
+            d_g = _matmul_last(dy, kernel, transpose_b=True)
+            return gelu_grad(h, d_g), d_kernel
+
+        return y, grad
+
+    return gelu_matmul(h, kernel)
+
+
+def lean_call(layer, inputs):
+    """`layer(inputs)` for a bert4keras `FeedForward` in the standard case
+    (`lean_applies`): the same values, the GELU's output not kept."""
+    i0, o = layer.i0_dense, layer.o_dense
+    h = tf.tensordot(inputs, i0.kernel, [[2], [0]])
+    if i0.use_bias:
+        h = tf.nn.bias_add(h, i0.bias)
+    gelu = getattr(i0.activation, "__wrapped__", i0.activation)
+    y = _gelu_matmul(h, tf.convert_to_tensor(o.kernel), gelu)
+    if o.use_bias:
+        y = tf.nn.bias_add(y, o.bias)
+    return y
