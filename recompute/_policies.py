@@ -7,7 +7,8 @@ and a tape records (`recompute_grad` decides that and passes the layer's
 
 - `full`: the call is one unit (`_core.recomputed_call`). The forward pass keeps
   only the call's inputs; the backward pass runs the whole call again: about
-  one extra forward pass of the layer.
+  one extra forward pass of the layer. Keras's own attention cores inside run
+  lean (`_attention`): fewer [seq, seq] tensors in the recomputation's working set.
 - `attention`: the call runs as usual and keeps its activations, except in the
   *attention core* of every multi-head attention layer it contains (Keras's
   `MultiHeadAttention._compute_attention`: scaled scores, mask, softmax,
@@ -16,19 +17,29 @@ and a tape records (`recompute_grad` decides that and passes the layer's
   backward pass: the selective recomputation of Megatron-LM (Korthikanti et
   al., 2022). The [heads, seq, seq] tensors, which grow with seq², are not
   kept; the recomputation costs the attention's share of the forward pass.
+  Keras's own cores run lean (`_attention`); a subclass's core runs as written.
 
 `recompute_core` recomputes one such core; `recompute.bert4keras` uses it for
 bert4keras's `pay_attention_to`.
 """
 
 import contextlib
+import functools
 
-from . import _core, _tf
+from . import _attention, _core, _tf
 
 
 def full(adapter, fn, layer, args, kwargs):
-    """The whole call is recomputed."""
-    return _core.recomputed_call(adapter, fn, layer, args, kwargs)
+    """The whole call is recomputed (its attention cores lean: `_attention`)."""
+    layers = adapter.attention_layers(adapter.sublayers(layer))
+    if not layers:
+        return _core.recomputed_call(adapter, fn, layer, args, kwargs)
+
+    def with_lean_cores(lyr, *a, **k):  # in the forward pass and in the recomputation
+        with _cores_replaced(adapter, layers, recompute=False):
+            return fn(lyr, *a, **k)
+
+    return _core.recomputed_call(adapter, with_lean_cores, layer, args, kwargs)
 
 
 def attention(adapter, fn, layer, args, kwargs):
@@ -41,7 +52,7 @@ def attention(adapter, fn, layer, args, kwargs):
             f"contains. Received: layer '{layer.name}', which contains none. Create them in "
             "`__init__` or `build` (as attributes of the layer), or use policy='full'."
         )
-    with _cores_recomputed(adapter, layers):
+    with _cores_replaced(adapter, layers, recompute=True):
         return fn(layer, *args, **kwargs)
 
 
@@ -79,9 +90,20 @@ def recompute_core(adapter, core, layer, args, kwargs, keep_scores):
 _MARK = "__recompute_core__"
 
 
+def _lean_or_own(core):
+    """`core`, computed by `_attention.lean_core` where that applies."""
+
+    def lean_or_own(layer, *args, **kwargs):
+        output = _attention.lean_core(core, layer, args, kwargs)
+        return output if output is not None else core(layer, *args, **kwargs)
+
+    return lean_or_own
+
+
 @contextlib.contextmanager
-def _cores_recomputed(adapter, layers):
-    """While active, the attention core of each of `layers` is recomputed.
+def _cores_replaced(adapter, layers, recompute):
+    """While active, the attention core of each of `layers` is lean where it can be
+    (`_attention`) and, if `recompute`, keeps only its inputs and is recomputed.
 
     The core is the layer's method `adapter.attention_core`; it is shadowed by
     an instance attribute (the class and other instances are untouched) and
@@ -96,15 +118,19 @@ def _cores_recomputed(adapter, layers):
             if getattr(own, _MARK, False):
                 continue
             if own is None:
-                original = getattr(type(layer), name)
-            else:  # an instance's own core (bound): recomputed too
+                original = _lean_or_own(getattr(type(layer), name))
+            else:  # an instance's own core (bound): recomputed too, never lean
 
                 def original(lyr, *a, _own=own, **k):
                     return _own(*a, **k)
 
-            def core(*args, _layer=layer, _original=original, **kwargs):
-                keep = adapter.scores_asked(args, kwargs)
-                return recompute_core(adapter, _original, _layer, args, kwargs, keep)
+            if recompute:
+
+                def core(*args, _layer=layer, _original=original, **kwargs):
+                    keep = adapter.scores_asked(args, kwargs)
+                    return recompute_core(adapter, _original, _layer, args, kwargs, keep)
+            else:
+                core = functools.partial(original, layer)
 
             setattr(core, _MARK, True)
             object.__setattr__(layer, name, core)  # not tracked by Keras: a plain attribute

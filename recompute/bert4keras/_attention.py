@@ -1,31 +1,29 @@
-"""The lean attention core of the "attention" policy: bert4keras's `pay_attention_to`
-with fewer [batch, heads, seq, seq] tensors.
+"""The lean attention core, used while patched with recomputation on: bert4keras's
+`pay_attention_to` with fewer [batch, heads, seq, seq] tensors.
 
 bert4keras computes the attention probabilities as
 `A = dropout(softmax(where(mask, (q k^T) / sqrt(d), -inf)))` and lets
 TensorFlow's autodiff take the gradient: the backward pass then holds the
 scores, the scaled scores, the masked scores, the softmax, the dropout's
 uniform draw, its scaled copy and its result, and as many gradients, all
-[batch, heads, seq, seq] float32. Under `patch(policy="attention")` with
-recomputation on, that core is recomputed in the backward pass one layer at a
-time, so these tensors are the working set of one layer's backward pass, on
-top of everything the model keeps. `lean_pay_attention_to` computes the same
+[batch, heads, seq, seq] float32. With recomputation on, the core is
+recomputed in the backward pass one layer (or block) at a time -- alone under
+`patch(policy="attention")` -- so these tensors are the working set of one
+layer's backward pass, on top of everything the model keeps. `lean_pay_attention_to` computes the same
 values with fewer of them:
 
 - the scale is folded into the queries (`q / sqrt(d)` is [batch, seq, heads,
   d], not [.., seq, seq]; exact when `d` is a power of 4, as 64 is);
 - the padding mask is an additive [batch, 1, 1, seq] bias of 0 and -inf
   (`a + bias` equals `where(mask, a, -inf)` bit for bit);
-- the dropout decision is drawn by bert4keras's own `Dropout` layer, on a
-  tensor of ones, so the random numbers are those of `RECOMPUTE=0`; it is
-  kept as a bool mask (1 byte per entry) and one scale, and the dropped
-  probabilities are formed again in the backward pass. tf_keras's random
-  generators draw 32 bits per entry, so the uniform draw itself stays one
-  transient float32 tensor;
-- `probabilities x values` has a hand-written gradient (`_probs_times_values`)
-  that keeps only the softmax output and the mask: the softmax gradient is
-  taken from its output, `(g - sum(g * p)) * p`, the gradient of the dropout
-  is the mask times its scale, as autodiff computes them.
+- the dropout and `probabilities x values` are the package's lean product
+  (`recompute._attention.dropout_then_combine`): the dropout decision is drawn
+  by bert4keras's own `Dropout` layer on a tensor of ones, so the random
+  numbers are those of `RECOMPUTE=0`, kept as a bool mask (1 byte per entry),
+  and the dropped probabilities are formed again for the gradient. The
+  softmax's gradient reads its output, which that product keeps anyway.
+  tf_keras's random generators draw 32 bits per entry, so the uniform draw
+  itself stays one transient float32 tensor.
 
 Only the standard case is lean: softmax normalization, no attention bias, no
 position bias. `lean_applies` says whether a call is; every other call runs
@@ -33,6 +31,8 @@ bert4keras's own code (recomputed all the same).
 """
 
 import tensorflow as tf
+
+from .. import _attention as shared
 
 P_EINSUM = "bhjk,bkhd->bjhd"  # probabilities x values, as bert4keras writes it
 
@@ -45,32 +45,6 @@ def lean_applies(layer, inputs, kwargs):
         and not kwargs.get("p_bias")
         and len(inputs) == 3
     )
-
-
-def _probs_times_values(a, v, bias, keep, scale):
-    """`dropout(softmax(a + bias)) @ v` whose gradient keeps the softmax output and
-    the bool dropout mask only (`keep`, `scale`: the dropout's decision and scale;
-    `keep` None: no dropout)."""
-
-    @tf.custom_gradient
-    def probs_times_values(a, v):
-        p = tf.nn.softmax(a if bias is None else a + bias, axis=-1)
-        dropped = p if keep is None else tf.where(keep, p * scale, tf.zeros([], p.dtype))
-        o = tf.einsum(P_EINSUM, dropped, v)
-
-        def grad(do):
-            # Formed again from the softmax and the mask (bit for bit the forward's).
-            dropped = p if keep is None else tf.where(keep, p * scale, tf.zeros([], p.dtype))
-            dv = tf.einsum("bhjk,bjhd->bkhd", dropped, do)
-            dp = tf.einsum("bjhd,bkhd->bhjk", do, v)
-            if keep is not None:
-                dp = tf.where(keep, dp * scale, tf.zeros([], dp.dtype))
-            da = (dp - tf.reduce_sum(dp * p, axis=-1, keepdims=True)) * p
-            return da, dv
-
-        return o, grad
-
-    return probs_times_values(a, v)
 
 
 def lean_pay_attention_to(layer, inputs, mask, dropout):
@@ -98,9 +72,7 @@ def lean_pay_attention_to(layer, inputs, mask, dropout):
     if v_mask is not None:
         v_mask = tf.cast(v_mask, tf.bool)[:, None, None, :]
         bias = tf.where(v_mask, tf.zeros([], a.dtype), tf.constant(-float("inf"), a.dtype))
-    keep = scale = None
-    if layer.attention_dropout:
-        factor = dropout(layer.attention_dropout)(tf.ones_like(a))  # 0 or 1/(1 - rate); 1 in inference
-        keep = tf.not_equal(factor, 0)
-        scale = tf.reduce_max(factor)
-    return _probs_times_values(a, vw, bias, keep, scale), a
+    probs = tf.nn.softmax(a if bias is None else a + bias, axis=-1)
+    rate = layer.attention_dropout
+    o = shared.dropout_then_combine(probs, vw, dropout(rate) if rate else None, P_EINSUM)
+    return o, a

@@ -43,8 +43,8 @@ def lean_applies(layer, inputs):
     if len(getattr(layer, "activation", ())) != 1 or not is_gelu_erf(layer.activation[0]):
         return False
     i0, o = getattr(layer, "i0_dense", None), getattr(layer, "o_dense", None)
-    if i0 is None or o is None or not is_gelu_erf(i0.activation):
-        return False
+    if i0 is None or o is None or not (i0.built and o.built) or not is_gelu_erf(i0.activation):
+        return False  # (unbuilt: the layer's own call builds them)
     if getattr(o.activation, "__name__", None) != "linear":
         return False
     float32 = all(d.compute_dtype == "float32" and d.dtype == "float32" for d in (i0, o))

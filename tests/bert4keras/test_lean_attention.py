@@ -94,8 +94,9 @@ def test_outputs_equal_bert4keras_bit_for_bit(config_path, lean_calls, monkeypat
     outputs = []
     for on in (False, True):
         rb.patch(policy=policy)
-        model = build(config_path)
-        with recompute.recompute_scope(on):
+        with recompute.recompute_scope(on):  # built with recomputation on, as with RECOMPUTE=1
+            model = build(config_path)
+            lean_calls.clear()
             outputs.append(np.asarray(model([token_ids, segment_ids], training=True)))
         assert len(lean_calls) == (2 if on else 0)
     assert len(feed_forward_calls) == (2 if policy == "attention" else 0)

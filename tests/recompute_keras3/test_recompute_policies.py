@@ -20,6 +20,11 @@ def test_policy_matches_no_recompute(policy, mode):
 
 
 @pytest.mark.parametrize("policy", ["full", "attention"])
+def test_lean_cores_used(policy, monkeypatch):
+    blocks.check_lean_cores_used(keras, policy, monkeypatch)
+
+
+@pytest.mark.parametrize("policy", ["full", "attention"])
 def test_fit_matches(policy):
     blocks.check_fit_matches(keras, policy)
 
