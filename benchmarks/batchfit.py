@@ -596,8 +596,9 @@ def _fmt(value, spec, none="-"):
     return format(value, spec)
 
 
-def print_report(rows, opts, out=sys.stdout):
+def print_report(rows, opts, out=None):
     """The results table (see the module docstring for the columns)."""
+    out = sys.stdout if out is None else out  # the current one: report_to_docs redirects it
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p("what batch fits? bert4keras BERT + CLS->Dense(2), tf_keras Adam"
       + (f" in AccumOptimizer(k={opts['accum_steps']})" if opts["accum_steps"] > 1 else "")

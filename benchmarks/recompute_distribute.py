@@ -224,7 +224,8 @@ def summarize(runs, batch_sizes):
     return summary, ratios
 
 
-def print_report(cfg, strategy_name, runs, summary, ratios, out=sys.stdout):
+def print_report(cfg, strategy_name, runs, summary, ratios, out=None):
+    out = sys.stdout if out is None else out  # the current one: report_to_docs redirects it
     p = lambda *a: print(*a, file=out)  # noqa: E731
     first = next(iter(runs.values()))[0]
     where = ("MultiWorkerMirroredStrategy, 2 worker processes on loopback (1 replica each)"

@@ -192,7 +192,8 @@ def summarize(runs, modes, batch_sizes):
     return summary, ratios
 
 
-def print_report(cfg, runs, summary, ratios, out=sys.stdout):
+def print_report(cfg, runs, summary, ratios, out=None):
+    out = sys.stdout if out is None else out  # the current one: report_to_docs redirects it
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p(f"recompute benchmark: {runs[0]['model']} model, {cfg['layers']} blocks, hidden "
       f"{cfg['hidden']}, {cfg['heads']} heads, FFN {cfg['ffn']}, seq {cfg['seq']}, vocab "

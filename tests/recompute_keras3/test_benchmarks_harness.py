@@ -169,5 +169,19 @@ def test_every_docs_block_names_a_benchmark_that_can_write_it():
             text = f.read()
         for tool in re.findall(r"^<!-- (benchmarks\.\w+) -->$", text, re.M):
             harness._docs_block(text, tool)  # one well-formed block
+            block = text.split(f"<!-- {tool} -->")[1].split(f"<!-- /{tool} -->")[0]
+            fences = re.findall(r"```text\n(.*?)```", block, re.S)
+            assert block.strip() and all(f.strip() for f in fences), (name, tool, "an empty report")
             with open(os.path.join(ROOT, *tool.split(".")) + ".py", encoding="utf-8") as f:
                 assert "harness.report_to_docs(args.docs, TOOL" in f.read(), tool
+
+
+def test_reports_print_to_the_stdout_of_the_call():
+    """`report_to_docs` captures what is printed to `sys.stdout` while it runs: a
+    report whose `out` defaulted to the `sys.stdout` of import time would escape it."""
+    import importlib
+    import inspect
+
+    for tool in ("batchfit", "recompute_memory", "recompute_distribute"):
+        module = importlib.import_module(f"benchmarks.{tool}")
+        assert inspect.signature(module.print_report).parameters["out"].default is None, tool
