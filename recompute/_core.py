@@ -76,7 +76,7 @@ def _warn_legacy_rng(layer):
     )
 
 
-def _after(tensors, *gates):
+def after(tensors, *gates):
     """`tensors`, made to depend on `gates` so that graph executors wait for them.
 
     The recomputation waits for the incoming gradient `dy`. Without this, a
@@ -323,16 +323,16 @@ def recomputed_call(adapter, call, layer, args, kwargs):
             variables = list(variables or [])
             first_dy = next((d for d in dys if d is not None), None)
             with _tf.ordered_stateful_ops() as order:
-                ready = _after(inputs, first_dy)
+                ready = after(inputs, first_dy)
                 with tf.GradientTape(watch_accessed_variables=False) as tape:
                     tape.watch(ready)
                     tape.watch(variables)
-                    # The replayed state waits for the gradient too (see `_after`).
+                    # The replayed state waits for the gradient too (see `after`).
                     with reenter(), _forbid_creation(layer, adapter), adapter.replay_state(
-                        layer, state, _after(start, first_dy)
+                        layer, state, after(start, first_dy)
                     ) as recomputed_losses:
                         # The legacy seed is a forward-pass tensor too: gated like the state.
-                        seed = _after([legacy_seed], first_dy)[0] if legacy is not None else None
+                        seed = after([legacy_seed], first_dy)[0] if legacy is not None else None
                         recomputed = run_call(ready, seed)
                 if len(recomputed_losses) != len(losses):
                     raise RuntimeError(
@@ -353,8 +353,8 @@ def recomputed_call(adapter, call, layer, args, kwargs):
                 grads = tape.gradient(targets, list(ready) + variables, output_gradients=seeds)
                 grads = [order.mark(g) for g in grads]
             n = len(ready)
-            # The block below recomputes once this block's gradients are all done (see `_after`).
-            return _after(grads[:n], *grads[n:]), grads[n:]
+            # The block below recomputes once this block's gradients are all done (see `after`).
+            return after(grads[:n], *grads[n:]), grads[n:]
 
         produced["outputs"], produced["loss_slots"] = outputs, loss_slots
         produced["differentiable"] = differentiable

@@ -13,6 +13,9 @@ recomputation on it keeps only the GELU's input:
   the two dense layers as tf_keras's `Dense` does, with `gelu(h) @ kernel`
   under one gradient (`_gelu_matmul`) that recomputes `gelu(h)` for the
   kernel's gradient instead of keeping it;
+- every recomputation waits for the incoming gradient (`_core.after`): a
+  graph executor runs an op as soon as its inputs exist, so ops that read
+  only forward tensors would run in the forward pass and keep their outputs;
 - elsewhere (a gated or other activation, mixed precision), the GELU alone
   keeps only its input (`_patch._gelu`) and `o_dense` keeps its output.
 """
@@ -21,10 +24,16 @@ import math
 
 import tensorflow as tf
 
+from .._core import after
+
 
 def gelu_grad(x, dy):
     """The gradient of `0.5 * x * (1 + erf(x / sqrt(2)))` at `x` times `dy`:
-    TensorFlow's autodiff of it, op for op, with the forward values recomputed."""
+    TensorFlow's autodiff of it, op for op, with the forward values recomputed.
+
+    Pass `x` gated on the gradient (`after([x], dy)`): ops that read only
+    forward tensors would otherwise run in the forward pass and their outputs
+    wait in memory for the backward pass, which is what recomputing saves."""
     root2 = tf.constant(math.sqrt(2.0), x.dtype)
     t = x / root2
     d_half_x = dy * (1.0 + tf.math.erf(t))
@@ -67,12 +76,13 @@ def _gelu_matmul(h, kernel, gelu):
         y = _matmul_last(gelu(h), kernel)
 
         def grad(dy):
-            g = gelu(h)  # recomputed for the kernel's gradient
+            h_ = after([h], dy)[0]  # recomputed when the gradient arrives, not in the forward pass
+            g = gelu(h_)  # recomputed for the kernel's gradient
             units = kernel.shape[-1]
             d_kernel = tf.matmul(tf.reshape(g, [-1, g.shape[-1]]), tf.reshape(dy, [-1, units]),
                                  transpose_a=True)
             d_g = _matmul_last(dy, kernel, transpose_b=True)
-            return gelu_grad(h, d_g), d_kernel
+            return gelu_grad(h_, d_g), d_kernel
 
         return y, grad
 

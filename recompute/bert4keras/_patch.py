@@ -10,6 +10,7 @@ import warnings
 
 from .. import _backends, _config, _policies
 from . import _attention, _feed_forward
+from .._core import after
 from .._decorator import recompute_grad
 
 MODULE = "bert4keras.layers"
@@ -150,7 +151,7 @@ def _gelu(gelu):
 
     @tf.custom_gradient
     def gelu_keeping_input(x):
-        return gelu(x), lambda dy: _feed_forward.gelu_grad(x, dy)
+        return gelu(x), lambda dy: _feed_forward.gelu_grad(after([x], dy)[0], dy)
 
     def selective_gelu(x):
         if getattr(_selective, "depth", 0) and _feed_forward.is_gelu_erf(gelu):
