@@ -5,8 +5,9 @@ An attention core computes `probs = softmax(mask(q k^T / sqrt(d)))`, then
 `dropout(probs) @ v`. TensorFlow's autodiff of the dropout and the product keeps
 the probabilities, the dropped probabilities (for the gradient of `v`) and the
 bool keep-mask, and its gradient runs through the dropout's scaled copy. When
-the core is recomputed (the "attention" policy, or inside a layer recomputed as
-a unit), these tensors are the working set of one layer's backward pass.
+the core is recomputed (`recompute_grad(policy="attention")`; in bert4keras,
+under every policy), these tensors are the working set of one layer's
+backward pass.
 `dropout_then_combine` keeps only the probabilities -- the very tensor the
 softmax's own gradient keeps -- and the bool mask, and forms the dropped
 probabilities again for the gradient:

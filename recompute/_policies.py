@@ -7,8 +7,9 @@ and a tape records (`recompute_grad` decides that and passes the layer's
 
 - `full`: the call is one unit (`_core.recomputed_call`). The forward pass keeps
   only the call's inputs; the backward pass runs the whole call again: about
-  one extra forward pass of the layer. Keras's own attention cores inside run
-  lean (`_attention`): fewer [seq, seq] tensors in the recomputation's working set.
+  one extra forward pass of the layer. Gradients are bit for bit those of
+  RECOMPUTE=0 (a lean core here measured no smaller: the working set of a
+  recomputed block is dominated by its other layers).
 - `attention`: the call runs as usual and keeps its activations, except in the
   *attention core* of every multi-head attention layer it contains (Keras's
   `MultiHeadAttention._compute_attention`: scaled scores, mask, softmax,
@@ -24,22 +25,13 @@ bert4keras's `pay_attention_to`.
 """
 
 import contextlib
-import functools
 
 from . import _attention, _core, _tf
 
 
 def full(adapter, fn, layer, args, kwargs):
-    """The whole call is recomputed (its attention cores lean: `_attention`)."""
-    layers = adapter.attention_layers(adapter.sublayers(layer))
-    if not layers:
-        return _core.recomputed_call(adapter, fn, layer, args, kwargs)
-
-    def with_lean_cores(lyr, *a, **k):  # in the forward pass and in the recomputation
-        with _cores_replaced(adapter, layers, recompute=False):
-            return fn(lyr, *a, **k)
-
-    return _core.recomputed_call(adapter, with_lean_cores, layer, args, kwargs)
+    """The whole call is recomputed, as written: bit for bit RECOMPUTE=0's gradients."""
+    return _core.recomputed_call(adapter, fn, layer, args, kwargs)
 
 
 def attention(adapter, fn, layer, args, kwargs):
@@ -52,7 +44,7 @@ def attention(adapter, fn, layer, args, kwargs):
             f"contains. Received: layer '{layer.name}', which contains none. Create them in "
             "`__init__` or `build` (as attributes of the layer), or use policy='full'."
         )
-    with _cores_replaced(adapter, layers, recompute=True):
+    with _cores_recomputed(adapter, layers):
         return fn(layer, *args, **kwargs)
 
 
@@ -101,9 +93,9 @@ def _lean_or_own(core):
 
 
 @contextlib.contextmanager
-def _cores_replaced(adapter, layers, recompute):
-    """While active, the attention core of each of `layers` is lean where it can be
-    (`_attention`) and, if `recompute`, keeps only its inputs and is recomputed.
+def _cores_recomputed(adapter, layers):
+    """While active, the attention core of each of `layers` keeps only its inputs,
+    is recomputed, and is lean where it can be (`_attention`).
 
     The core is the layer's method `adapter.attention_core`; it is shadowed by
     an instance attribute (the class and other instances are untouched) and
@@ -124,13 +116,9 @@ def _cores_replaced(adapter, layers, recompute):
                 def original(lyr, *a, _own=own, **k):
                     return _own(*a, **k)
 
-            if recompute:
-
-                def core(*args, _layer=layer, _original=original, **kwargs):
-                    keep = adapter.scores_asked(args, kwargs)
-                    return recompute_core(adapter, _original, _layer, args, kwargs, keep)
-            else:
-                core = functools.partial(original, layer)
+            def core(*args, _layer=layer, _original=original, **kwargs):
+                keep = adapter.scores_asked(args, kwargs)
+                return recompute_core(adapter, _original, _layer, args, kwargs, keep)
 
             setattr(core, _MARK, True)
             object.__setattr__(layer, name, core)  # not tracked by Keras: a plain attribute

@@ -149,8 +149,9 @@ def check_policy_matches(K, policy, mode):
 
 
 def check_lean_cores_used(K, policy, monkeypatch):
-    """Keras's own cores run lean (`recompute._attention`) under both policies: once
-    per core in the forward pass and once per recomputation."""
+    """Under "attention", Keras's own cores run lean (`recompute._attention`): once
+    per core in the forward pass and once per recomputation. "full" recomputes the
+    call as written (bit for bit RECOMPUTE=0's gradients)."""
     from recompute import _attention
 
     calls = []
@@ -158,7 +159,7 @@ def check_lean_cores_used(K, policy, monkeypatch):
     monkeypatch.setattr(_attention, "dropout_then_combine",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     run(K, policy, True, "eager")
-    assert len(calls) == 4  # 2 blocks: forward + recomputation
+    assert len(calls) == (4 if policy == "attention" else 0)  # 2 blocks: forward + recomputation
     calls.clear()
     run(K, policy, False, "eager")
     assert calls == []

@@ -26,8 +26,13 @@ def test_quick_benchmark(tmp_path):
         for policy in ("full", "attention"):
             on, off = runs[(policy, batch)], runs[("0", batch)]
             assert on["recompute"] == "1" and off["recompute"] == "0"
-            # Same seed, same data: recomputation changes nothing but memory and time.
-            assert on["loss"] == off["loss"]
+            # Same seed, same data: recomputation changes nothing but memory and time
+            # ("full" bit for bit; "attention"'s lean core takes its gradients by other
+            # ops, so the loss after the warm-up updates equals to rounding).
+            if policy == "full":
+                assert on["loss"] == off["loss"]
+            else:
+                assert abs(on["loss"] - off["loss"]) <= 1e-5 * abs(off["loss"])
             # It does save activation memory, even on the tiny shape.
             assert on["activation_bytes"] < off["activation_bytes"]
 
