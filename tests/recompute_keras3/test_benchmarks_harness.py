@@ -28,8 +28,15 @@ FAKE_WORKER = textwrap.dedent(
         harness.write_result(out, {"argv": args, "task": os.environ.get("TF_CONFIG", "")})
     elif what == "hold":
         harness.write_result(out, {"held": True})
+        open(os.path.join(os.environ["FAKE_DIR"], "held"), "w").close()
         harness.hold_then_exit()
     elif what == "fail":
+        sys.exit(5)
+    elif what == "fail_once_held":  # fails once a "hold" worker has its result
+        for _ in range(500):
+            if os.path.exists(os.path.join(os.environ["FAKE_DIR"], "held")):
+                break
+            time.sleep(0.1)
         sys.exit(5)
     elif what == "sleep":
         time.sleep(60)
@@ -48,7 +55,8 @@ def fake(tmp_path):
 
     def run(behaviours, cluster=False, **kwargs):
         envs = harness.tf_config_envs(len(behaviours)) if cluster else [{}]
-        envs = [dict(env, FAKE=",".join(behaviours), PYTHONPATH=pythonpath) for env in envs]
+        envs = [dict(env, FAKE=",".join(behaviours), FAKE_DIR=str(tmp_path), PYTHONPATH=pythonpath)
+                for env in envs]
         return harness.run_workers(harness.Progress("fake_worker"), ["--x", "1"], envs, **kwargs)
 
     return run
@@ -80,7 +88,7 @@ def test_a_failing_cluster_worker_stops_the_others(fake, capfd):
         harness.require_results(runs, "fake")
     assert "noise on stderr" in capfd.readouterr().err  # the failed worker's tail
     # A worker that already has its result is left to finish.
-    runs = fake(["hold", "fail"], cluster=True, timeout=60)
+    runs = fake(["hold", "fail_once_held"], cluster=True, timeout=60)
     assert runs[0].code == 0 and runs[0].result == {"held": True} and runs[0].killed is None
     with pytest.raises(RuntimeError, match=r"^fake: worker 1 failed with exit code 5 "):
         harness.require_results(runs, "fake")
