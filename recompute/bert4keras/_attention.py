@@ -9,8 +9,8 @@ uniform draw, its scaled copy and its result, and as many gradients, all
 [batch, heads, seq, seq] float32. With recomputation on, the core is
 recomputed in the backward pass one layer (or block) at a time -- alone under
 `patch(policy="attention")` -- so these tensors are the working set of one
-layer's backward pass, on top of everything the model keeps. `lean_pay_attention_to` computes the same
-values with fewer of them:
+layer's backward pass, on top of everything the model keeps.
+`lean_pay_attention_to` computes the same values with fewer of them:
 
 - the scale is folded into the queries (`q / sqrt(d)` is [batch, seq, heads,
   d], not [.., seq, seq]; exact when `d` is a power of 4, as 64 is);

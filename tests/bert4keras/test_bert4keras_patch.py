@@ -1,6 +1,5 @@
 """recompute.bert4keras: bert4keras models recompute exactly (own process: TF_KERAS=1 TF_USE_LEGACY_KERAS=1)."""
 
-import json
 import os
 import sys
 
@@ -24,6 +23,7 @@ import tensorflow as tf  # noqa: E402
 import bert4keras.layers as B  # noqa: E402
 from bert4keras.models import build_transformer_model  # noqa: E402
 
+from tests.helpers import tiny_bert  # noqa: E402
 from tests.helpers.numerics import assert_all_close, to_numpy  # noqa: E402
 
 
@@ -99,13 +99,7 @@ def test_marked_layers_are_patched_and_unpatch_restores():
 
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bert") / "bert_config.json"
-    path.write_text(json.dumps(dict(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, hidden_act="gelu", hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, max_position_embeddings=64, type_vocab_size=2,
-    )))
-    return str(path)
+    return str(tiny_bert.write_config(tmp_path_factory.mktemp("bert")))
 
 
 def batch():
@@ -165,13 +159,7 @@ def test_fit_matches(config_path, policy):
 
 @pytest.fixture
 def dropout_config_path(tmp_path):
-    path = tmp_path / "bert_config.json"
-    path.write_text(json.dumps(dict(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, hidden_act="gelu", hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.1, max_position_embeddings=64, type_vocab_size=2,
-    )))
-    return path
+    return tiny_bert.write_config(tmp_path, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 feed-forward layer) used with recomputation on (own process: TF_KERAS=1
 TF_USE_LEGACY_KERAS=1)."""
 
-import json
 import os
 
 import numpy as np
@@ -21,6 +20,7 @@ import tensorflow as tf  # noqa: E402
 import bert4keras.layers as B  # noqa: E402
 from bert4keras.models import build_transformer_model  # noqa: E402
 
+from tests.helpers import tiny_bert  # noqa: E402
 from tests.helpers.attention_blocks import forward_tensors_kept  # noqa: E402
 from tests.helpers.numerics import assert_all_close, to_numpy  # noqa: E402
 
@@ -30,13 +30,8 @@ SEQ = 10
 @pytest.fixture
 def config_path(tmp_path):
     """Dropout on; key size 16 (a power of 4: the folded scale 1/4 is exact)."""
-    path = tmp_path / "bert_config.json"
-    path.write_text(json.dumps(dict(
-        vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, hidden_act="gelu", hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.2, max_position_embeddings=64, type_vocab_size=2,
-    )))
-    return str(path)
+    return str(tiny_bert.write_config(tmp_path, hidden_size=64, hidden_dropout_prob=0.1,
+                                      attention_probs_dropout_prob=0.2))
 
 
 @pytest.fixture(autouse=True)
