@@ -26,7 +26,10 @@ model, traces and warms up one compiled training step, and then measures:
   `TF_ENABLE_ONEDNN_OPTS=1` unless it is set: without oneDNN the CPU
   allocator keeps no statistics);
 - peak RSS of the process (VmHWM);
-- CPU seconds per step (`time.process_time`, all threads), mean of those steps.
+- CPU seconds per step (`time.process_time`, all threads), the median of
+  those steps: on shared cores a step now and then takes far longer (other
+  work, spinning thread pools), which a mean would carry into the ratio;
+  every step's value is in the JSON.
 
 Per-sample activation memory is the slope between the batch sizes (fixed costs
 such as gradients and optimizer temporaries cancel). The parent prints a table
@@ -135,7 +138,7 @@ def run_worker(cfg, model_name, mode, batch, steps, out_path):
         wall.append(wall_s)
         activations.append(activation)
     activation = harness.lower_median(activations)
-    cpu_step = sum(cpu) / len(cpu)
+    cpu_step = harness.lower_median(cpu)  # robust to a step slowed by other work
     wall_step = sum(wall) / len(wall)
     result = dict(
         device=harness.measured_device(), model=model_name, mode=mode, recompute=os.environ.get(recompute.ENV_VAR, ""),

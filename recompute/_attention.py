@@ -13,9 +13,16 @@ softmax's own gradient keeps -- and the bool mask, and forms the dropped
 probabilities again for the gradient:
 
 - the dropout decision is drawn by the layer's own `Dropout` on a tensor of
-  ones, so the random numbers, and the forward values bit for bit, are those
-  of the layer's own core (`probs * factor` equals the dropout's
-  `where(keep, probs * scale, 0)`);
+  ones (`draw_keep`), so the random numbers, and the forward values bit for
+  bit, are those of the layer's own core (`probs * factor` equals the
+  dropout's `where(keep, probs * scale, 0)`);
+- the decision is drawn once, in the forward pass, *outside* the recomputed
+  unit, and the bool mask is kept (1 byte per entry, a quarter of the
+  probabilities): the recomputation redoes the products and the softmax but
+  not the draw. On CPU, TensorFlow's Philox draw of a float per entry costs
+  more than the softmax and both products together (measured in
+  docs/recompute.md); keeping the mask is what holds the "attention" policy
+  near the time of no recomputation;
 - the gradient is the one autodiff computes: `where(keep, g * scale, 0)` for
   the dropout, the transposed products for the product.
 
@@ -31,6 +38,8 @@ import math
 
 import tensorflow as tf
 
+from ._core import after
+
 
 def _gradient_equations(equation):
     """For `"x,y->z"`: the equations of the gradients of `x` and of `y`, or None when
@@ -44,43 +53,128 @@ def _gradient_equations(equation):
     return f"{output},{y}->{x}", f"{x},{output}->{y}"
 
 
-def dropout_then_combine(probs, value, dropout, equation):
+def _decision(probs, dropped, rate, training):
+    """The dropout decision behind `dropped = dropout(probs)`: `(keep, scale)`.
+
+    `keep = dropped != 0`. It differs from the dropout's own mask only where
+    `probs` is 0 (padding, underflow), where the gradient of the probabilities
+    is 0 either way: the softmax's gradient is `p * (dp - sum(dp * p))`. `scale`
+    is `1 / (1 - rate)` where the dropout ran and 1 where it did not (inference):
+    known from `training` when it is a Python bool, else read off the values
+    (in training, some nonzero probability differs from its dropped value).
+    """
+    keep = tf.not_equal(dropped, tf.zeros([], dropped.dtype))
+    on = tf.constant(1.0 / (1.0 - rate), probs.dtype)
+    if isinstance(training, bool):
+        return keep, on if training else tf.ones([], probs.dtype)
+    ran = tf.reduce_any(tf.not_equal(dropped, probs))
+    return keep, tf.where(ran, on, tf.ones([], probs.dtype))
+
+
+def _dropped(probs, keep, scale):
+    return probs if keep is None else tf.where(keep, probs * scale, tf.zeros([], probs.dtype))
+
+
+def _combine_gradients(probs, value, keep, scale, d_out, equation):
+    """The gradients of `einsum(equation, where(keep, probs * scale, 0), value)`
+    for `probs` and `value`: those autodiff computes, by the transposed products."""
+    d_probs_eq, d_value_eq = _gradient_equations(equation)
+    d_value = tf.einsum(d_value_eq, _dropped(probs, keep, scale), d_out)  # formed again
+    d_dropped = tf.einsum(d_probs_eq, d_out, value)
+    d_probs = d_dropped if keep is None else tf.where(
+        keep, d_dropped * scale, tf.zeros([], d_dropped.dtype))
+    return d_probs, d_value
+
+
+def _drop(probs, dropout, rate, training):
+    """`(dropout(probs), keep, scale)`; `(probs, None, None)` without a dropout."""
+    if dropout is None or not rate:
+        return probs, None, None
+    dropped = dropout(probs)
+    if dropped is probs:  # Keras 3's dropout outside training
+        return probs, None, None
+    keep, scale = _decision(probs, dropped, rate, training)
+    return dropped, keep, scale
+
+
+def dropout_then_combine(probs, value, dropout, rate, equation, training=None):
     """`einsum(equation, dropout(probs), value)`, whose gradient keeps `probs` and a
-    bool mask only.
+    bool mask only (for a core that is recomputed as part of a larger unit).
 
     Args:
         probs: the attention probabilities.
         value: the values.
         dropout: `dropout(x)`, the layer's own dropout (None: no dropout).
+        rate: its rate (a Python float).
         equation: the einsum equation of probabilities and values (no index
             summed within one operand).
+        training: the dropout's training flag where it is a Python bool (else
+            `_decision` reads it off the values).
 
     Returns:
         The attended values, equal bit for bit to `einsum(equation, dropout(probs),
-        value)` for dropout drawing `where(uniform >= rate, x * scale, 0)`.
+        value)` for a dropout computing `where(keep, x / (1 - rate), 0)`.
     """
-    d_probs_eq, d_value_eq = _gradient_equations(equation)
-    keep = scale = None
-    if dropout is not None:
-        factor = dropout(tf.ones_like(probs))  # 0 or 1 / (1 - rate); 1 in inference
-        keep = tf.not_equal(factor, 0)
-        scale = tf.reduce_max(factor)
-
-    def dropped(p):
-        return p if keep is None else tf.where(keep, p * scale, tf.zeros([], p.dtype))
+    dropped, keep, scale = _drop(probs, dropout, rate, training)
 
     @tf.custom_gradient
     def combine(probs, value):
         def grad(d_out):
-            d_value = tf.einsum(d_value_eq, dropped(probs), d_out)  # formed again
-            d_dropped = tf.einsum(d_probs_eq, d_out, value)
-            d_probs = d_dropped if keep is None else tf.where(
-                keep, d_dropped * scale, tf.zeros([], d_dropped.dtype))
-            return d_probs, d_value
+            return _combine_gradients(probs, value, keep, scale, d_out, equation)
 
-        return tf.einsum(equation, dropped(probs), value), grad
+        return tf.einsum(equation, dropped, value), grad
 
     return combine(probs, value)
+
+
+def recomputed_core(probabilities, query, key, value, dropout, rate, equation,
+                    training=None, second_asked=False):
+    """An attention core that keeps its inputs and the dropout's bool mask, and
+    recomputes the probabilities for the gradient.
+
+    Forward: `probs, second = probabilities(query, key)` (the scores, mask and
+    softmax), `dropped = dropout(probs)` -- the layer's own dropout, once -- and
+    `einsum(equation, dropped, value)`, the very ops of the layer's own core.
+    Backward (when the gradient arrives): `probabilities` runs again under a
+    tape, and the dropout and product take their gradients by hand from the
+    kept mask (`_combine_gradients`); no random number is drawn again.
+
+    Args:
+        probabilities: `(query, key) -> (probs, second)`, deterministic; `second`
+            is the core's second output (the probabilities or the scores).
+        query, key, value: the core's float inputs.
+        dropout, rate, equation, training: as `dropout_then_combine`.
+        second_asked: whether the caller uses `second` (else None is returned).
+
+    Returns:
+        `(output, second or None)`, the layer's own values bit for bit.
+    """
+
+    @tf.custom_gradient
+    def core(query, key, value):
+        probs, second = probabilities(query, key)
+        dropped, keep, scale = _drop(probs, dropout, rate, training)
+        output = tf.einsum(equation, dropped, value)
+
+        def grad(d_out, d_second=None):
+            q, k = after([query, key], d_out)  # recomputed when the gradient arrives
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch([q, k])
+                probs, second = probabilities(q, k)
+            d_probs, d_value = _combine_gradients(probs, value, keep, scale, d_out, equation)
+            targets, seeds = [probs], [d_probs]
+            if d_second is not None:
+                targets.append(second)
+                seeds.append(d_second)
+            d_q, d_k = tape.gradient(targets, [q, k], output_gradients=seeds)
+            return d_q, d_k, d_value
+
+        if second_asked:
+            return (output, second), grad
+        return output, grad
+
+    result = core(query, key, value)
+    return tuple(result) if second_asked else (result, None)
 
 
 def is_keras_core(core):
@@ -91,12 +185,13 @@ def is_keras_core(core):
         ("keras.", "tf_keras."))
 
 
-def lean_core(core, layer, args, kwargs):
-    """`core(layer, *args, **kwargs)` -- a Keras `MultiHeadAttention._compute_attention`
-    -- computed with `dropout_then_combine`, or None if the call is not the
-    standard case (then run `core` itself).
+def keras_core(core, layer, args, kwargs, scores_asked):
+    """`core(layer, *args, **kwargs)` -- Keras's `MultiHeadAttention._compute_attention`
+    -- as `recomputed_core`, or None if the call is not the standard case (then
+    recompute `core` itself): rank-4 inputs, dropout on with a Python `training`
+    flag, no causal mask of Keras's own, no flash attention.
 
-    Returns `(attention_output, attention_scores)` as Keras's core.
+    Returns `(attention_output, attention_scores or None)`.
     """
     if not is_keras_core(core):
         return None
@@ -107,18 +202,21 @@ def lean_core(core, layer, args, kwargs):
     bound.apply_defaults()
     a = bound.arguments
     query, key, value = a["query"], a["key"], a["value"]
-    dropout_rate = getattr(layer, "_dropout", 0)
+    rate, training = getattr(layer, "_dropout", 0), a["training"]
     if (
         a.get("use_causal_mask") or getattr(layer, "_flash_attention", False)
-        or not isinstance(dropout_rate, float) or dropout_rate <= 0.0
+        or not isinstance(rate, float) or rate <= 0.0 or not isinstance(training, bool)
         or len(query.shape) != 4
         or _gradient_equations(getattr(layer, "_combine_equation", "")) is None
     ):
         return None
-    query = tf.multiply(query, tf.cast(1.0 / math.sqrt(float(layer._key_dim)), query.dtype))
-    scores = tf.einsum(layer._dot_product_equation, key, query)
-    probs = layer._masked_softmax(scores, a["attention_mask"])
-    training = a["training"]
-    output = dropout_then_combine(
-        probs, value, lambda x: layer._dropout_layer(x, training=training), layer._combine_equation)
-    return output, probs
+    mask = a["attention_mask"]
+
+    def probabilities(query, key):
+        query = tf.multiply(query, tf.cast(1.0 / math.sqrt(float(layer._key_dim)), query.dtype))
+        probs = layer._masked_softmax(tf.einsum(layer._dot_product_equation, key, query), mask)
+        return probs, probs
+
+    return recomputed_core(
+        probabilities, query, key, value, lambda x: layer._dropout_layer(x, training=training),
+        rate, layer._combine_equation, training, scores_asked)

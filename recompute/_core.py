@@ -207,17 +207,9 @@ def _tape_opener(call, layer, layers):
     return None
 
 
-def recomputed_call(adapter, call, layer, args, kwargs):
-    """Runs `call(layer, *args, **kwargs)` so that its activations are recomputed for the gradient."""
-    structure = (args, kwargs)
-    flat = tf.nest.flatten(structure)
-    slot_of = {}  # id(tensor) -> its index among the differentiable inputs
-    xs = []
-    for value in flat:
-        if _is_float_tensor(value) and id(value) not in slot_of:
-            slot_of[id(value)] = len(xs)  # a tensor passed twice is one input
-            xs.append(value)
-
+def check_recomputable(adapter, layer, xs):
+    """Raises unless `layer`'s call, on the float inputs `xs`, can be recomputed here:
+    not under forward-mode autodiff, not in a graph's `tf.while_loop` body."""
     trainable = [adapter.tf_variable(v).handle for v in layer.trainable_weights]
     if _tf.forward_accumulator_watches(xs + trainable):
         raise NotImplementedError(
@@ -238,6 +230,20 @@ def recomputed_call(adapter, call, layer, args, kwargs):
             "of the layer that runs the loop (e.g. a `keras.layers.RNN` subclass) "
             "instead, or use `unroll=True`."
         )
+
+
+def recomputed_call(adapter, call, layer, args, kwargs):
+    """Runs `call(layer, *args, **kwargs)` so that its activations are recomputed for the gradient."""
+    structure = (args, kwargs)
+    flat = tf.nest.flatten(structure)
+    slot_of = {}  # id(tensor) -> its index among the differentiable inputs
+    xs = []
+    for value in flat:
+        if _is_float_tensor(value) and id(value) not in slot_of:
+            slot_of[id(value)] = len(xs)  # a tensor passed twice is one input
+            xs.append(value)
+
+    check_recomputable(adapter, layer, xs)
 
     layers = adapter.sublayers(layer)
     if _tf.context_executing_eagerly():

@@ -8,8 +8,9 @@ and a tape records (`recompute_grad` decides that and passes the layer's
 - `full`: the call is one unit (`_core.recomputed_call`). The forward pass keeps
   only the call's inputs; the backward pass runs the whole call again: about
   one extra forward pass of the layer. Gradients are bit for bit those of
-  RECOMPUTE=0 (a lean core here measured no smaller: the working set of a
-  recomputed block is dominated by its other layers).
+  RECOMPUTE=0 (a lean attention core here measured no smaller: the working set
+  of a recomputed block is dominated by its other layers). Exact GELUs of
+  `Dense` sublayers keep only their input (`_gelu`, bit for bit too).
 - `attention`: the call runs as usual and keeps its activations, except in the
   *attention core* of every multi-head attention layer it contains (Keras's
   `MultiHeadAttention._compute_attention`: scaled scores, mask, softmax,
@@ -18,7 +19,11 @@ and a tape records (`recompute_grad` decides that and passes the layer's
   backward pass: the selective recomputation of Megatron-LM (Korthikanti et
   al., 2022). The [heads, seq, seq] tensors, which grow with seq², are not
   kept; the recomputation costs the attention's share of the forward pass.
-  Keras's own cores run lean (`_attention`); a subclass's core runs as written.
+  Keras's own cores run lean (`_attention`): their dropout decision is drawn
+  once, in the forward pass, and kept as a bool mask (1 byte per entry), so
+  the recomputation draws no random numbers. A subclass's core runs as written
+  (and redraws its dropout, replayed). Exact GELUs of `Dense` sublayers keep
+  only their input (`_gelu`): one [seq, ffn] tensor per block instead of four.
 
 `recompute_core` recomputes one such core; `recompute.bert4keras` uses it for
 bert4keras's `pay_attention_to`.
@@ -26,12 +31,19 @@ bert4keras's `pay_attention_to`.
 
 import contextlib
 
-from . import _attention, _core, _tf
+import tensorflow as tf
+
+from . import _attention, _core, _gelu, _tf
 
 
 def full(adapter, fn, layer, args, kwargs):
     """The whole call is recomputed, as written: bit for bit RECOMPUTE=0's gradients."""
-    return _core.recomputed_call(adapter, fn, layer, args, kwargs)
+
+    def call(lyr, *a, **k):
+        with _gelu.kept_input(adapter.sublayers(lyr)):
+            return fn(lyr, *a, **k)
+
+    return _core.recomputed_call(adapter, call, layer, args, kwargs)
 
 
 def attention(adapter, fn, layer, args, kwargs):
@@ -44,7 +56,7 @@ def attention(adapter, fn, layer, args, kwargs):
             f"contains. Received: layer '{layer.name}', which contains none. Create them in "
             "`__init__` or `build` (as attributes of the layer), or use policy='full'."
         )
-    with _cores_recomputed(adapter, layers):
+    with _cores_recomputed(adapter, layers), _gelu.kept_input(adapter.sublayers(layer)):
         return fn(layer, *args, **kwargs)
 
 
@@ -82,14 +94,33 @@ def recompute_core(adapter, core, layer, args, kwargs, keep_scores):
 _MARK = "__recompute_core__"
 
 
-def _lean_or_own(core):
-    """`core`, computed by `_attention.lean_core` where that applies."""
+def _class_core(adapter, core):
+    """The class's core `core` (a function of the layer), recomputed: by
+    `_attention.keras_core` where it applies (the dropout drawn once, its bool
+    mask kept), else as written, by `recompute_core`."""
 
-    def lean_or_own(layer, *args, **kwargs):
-        output = _attention.lean_core(core, layer, args, kwargs)
-        return output if output is not None else core(layer, *args, **kwargs)
+    def recomputed(layer, *args, **kwargs):
+        keep_scores = adapter.scores_asked(args, kwargs)
+        if _tf.tape_is_active() and not _core.inside_recomputed_call():
+            floats = [t for t in tf.nest.flatten((args, kwargs)) if tf.is_tensor(t) and t.dtype.is_floating]
+            _core.check_recomputable(adapter, layer, floats)
+            lean = _attention.keras_core(core, layer, args, kwargs, keep_scores)
+            if lean is not None:
+                return lean
+        return recompute_core(adapter, core, layer, args, kwargs, keep_scores)
 
-    return lean_or_own
+    return recomputed
+
+
+def _own_core(adapter, own):
+    """An instance's own core (bound): recomputed as written, never lean."""
+
+    def recomputed(layer, *args, **kwargs):
+        keep_scores = adapter.scores_asked(args, kwargs)
+        return recompute_core(adapter, lambda lyr, *a, **k: own(*a, **k), layer, args, kwargs,
+                              keep_scores)
+
+    return recomputed
 
 
 @contextlib.contextmanager
@@ -109,16 +140,11 @@ def _cores_recomputed(adapter, layers):
             own = vars(layer).get(name)
             if getattr(own, _MARK, False):
                 continue
-            if own is None:
-                original = _lean_or_own(getattr(type(layer), name))
-            else:  # an instance's own core (bound): recomputed too, never lean
+            recomputed = _class_core(adapter, getattr(type(layer), name)) if own is None \
+                else _own_core(adapter, own)
 
-                def original(lyr, *a, _own=own, **k):
-                    return _own(*a, **k)
-
-            def core(*args, _layer=layer, _original=original, **kwargs):
-                keep = adapter.scores_asked(args, kwargs)
-                return recompute_core(adapter, _original, _layer, args, kwargs, keep)
+            def core(*args, _layer=layer, _recomputed=recomputed, **kwargs):
+                return _recomputed(_layer, *args, **kwargs)
 
             setattr(core, _MARK, True)
             object.__setattr__(layer, name, core)  # not tracked by Keras: a plain attribute

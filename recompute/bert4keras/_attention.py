@@ -17,13 +17,16 @@ layer's backward pass, on top of everything the model keeps.
 - the padding mask is an additive [batch, 1, 1, seq] bias of 0 and -inf
   (`a + bias` equals `where(mask, a, -inf)` bit for bit);
 - the dropout and `probabilities x values` are the package's lean product
-  (`recompute._attention.dropout_then_combine`): the dropout decision is drawn
-  by bert4keras's own `Dropout` layer on a tensor of ones, so the random
-  numbers are those of `RECOMPUTE=0`, kept as a bool mask (1 byte per entry),
+  (`recompute._attention.dropout_then_combine`): bert4keras's own `Dropout`
+  layer drops the probabilities, so the random numbers and values are those
+  of `RECOMPUTE=0`; its decision is kept as a bool mask (1 byte per entry),
   and the dropped probabilities are formed again for the gradient. The
-  softmax's gradient reads its output, which that product keeps anyway.
-  tf_keras's random generators draw 32 bits per entry, so the uniform draw
-  itself stays one transient float32 tensor.
+  softmax's gradient reads its output, which that product keeps anyway;
+- under `patch(policy="attention")` the core is one unit
+  (`recomputed_pay_attention_to`) that keeps its inputs and that bool mask:
+  the backward pass recomputes the scores and the softmax, not the dropout's
+  random numbers (the costliest part of the core on CPU). Under "layer" and
+  "block" the core is recomputed with its layer or block, the draw replayed.
 
 Only the standard case is lean: softmax normalization, no attention bias, no
 position bias. `lean_applies` says whether a call is; every other call runs
@@ -34,6 +37,7 @@ import tensorflow as tf
 
 from .. import _attention as shared
 
+SCORES_EINSUM = "bjhd,bkhd->bhjk"  # queries x keys, as bert4keras writes it
 P_EINSUM = "bhjk,bkhd->bjhd"  # probabilities x values, as bert4keras writes it
 
 
@@ -47,9 +51,27 @@ def lean_applies(layer, inputs, kwargs):
     )
 
 
+def _probabilities(layer, mask):
+    """`(qw, kw) -> (probs, a)` of bert4keras's core: the softmax and the scaled scores."""
+    v_mask = mask[1] if mask is not None else None
+
+    def probabilities(qw, kw):
+        if layer.attention_scale:
+            qw = qw * tf.cast(layer.key_size ** -0.5, qw.dtype)
+        a = tf.einsum(SCORES_EINSUM, qw, kw)
+        if v_mask is None:
+            return tf.nn.softmax(a, axis=-1), a
+        keys = tf.cast(v_mask, tf.bool)[:, None, None, :]
+        bias = tf.where(keys, tf.zeros([], a.dtype), tf.constant(-float("inf"), a.dtype))
+        return tf.nn.softmax(a + bias, axis=-1), a
+
+    return probabilities
+
+
 def lean_pay_attention_to(layer, inputs, mask, dropout):
     """bert4keras's `pay_attention_to(inputs, mask)` for the standard case
-    (`lean_applies`), computed as the module docstring says.
+    (`lean_applies`), computed as the module docstring says, with a gradient that
+    keeps the softmax output and a bool mask (inside a recomputed layer or block).
 
     Args:
         layer: the bert4keras attention layer (its `key_size`,
@@ -64,15 +86,18 @@ def lean_pay_attention_to(layer, inputs, mask, dropout):
         and the (scaled, unmasked) scores [batch, heads, seq, seq].
     """
     qw, kw, vw = inputs
-    v_mask = mask[1] if mask is not None else None
-    if layer.attention_scale:
-        qw = qw * tf.cast(layer.key_size ** -0.5, qw.dtype)
-    a = tf.einsum("bjhd,bkhd->bhjk", qw, kw)
-    bias = None
-    if v_mask is not None:
-        v_mask = tf.cast(v_mask, tf.bool)[:, None, None, :]
-        bias = tf.where(v_mask, tf.zeros([], a.dtype), tf.constant(-float("inf"), a.dtype))
-    probs = tf.nn.softmax(a if bias is None else a + bias, axis=-1)
+    probs, a = _probabilities(layer, mask)(qw, kw)
     rate = layer.attention_dropout
-    o = shared.dropout_then_combine(probs, vw, dropout(rate) if rate else None, P_EINSUM)
+    o = shared.dropout_then_combine(probs, vw, dropout(rate) if rate else None, rate, P_EINSUM)
     return o, a
+
+
+def recomputed_pay_attention_to(layer, inputs, mask, dropout, scores_asked):
+    """The same under `patch(policy="attention")` with a tape recording: a unit that
+    keeps its inputs and the dropout's bool mask and recomputes the softmax for
+    the gradient (`recompute._attention.recomputed_core`). Returns `(o, a or None)`."""
+    qw, kw, vw = inputs
+    rate = layer.attention_dropout
+    return shared.recomputed_core(_probabilities(layer, mask), qw, kw, vw,
+                                  dropout(rate) if rate else None, rate, P_EINSUM,
+                                  second_asked=scores_asked)

@@ -8,7 +8,7 @@ import sys
 import threading
 import warnings
 
-from .. import _backends, _config, _policies
+from .. import _backends, _config, _core, _policies, _tf
 from . import _attention, _feed_forward
 from .._core import after
 from .._decorator import recompute_grad
@@ -162,6 +162,14 @@ def _gelu(gelu):
     return selective_gelu
 
 
+def _pay_attention_arguments(args, kwargs):
+    """`(inputs, mask, other keyword arguments)` of a `pay_attention_to(inputs, mask=None, **kwargs)` call."""
+    kwargs = dict(kwargs)
+    inputs = args[0] if args else kwargs.pop("inputs")
+    mask = args[1] if len(args) > 1 else kwargs.pop("mask", None)
+    return inputs, mask, kwargs
+
+
 def _attending_to(pay_attention_to):
     """`pay_attention_to`, which creates its `Dropout` once (`_owned_dropout`). With
     recomputation on it is lean in the standard case (`_attention`: fewer [seq, seq]
@@ -187,15 +195,24 @@ def _attending_to(pay_attention_to):
     def recomputed(self, *args, **kwargs):
         return attending(self, *args, compute=lean, **kwargs)
 
+    def recomputed_unit(self, inputs, mask, scores_asked):
+        dropout = sys.modules[type(self).__module__].Dropout
+        return _attention.recomputed_pay_attention_to(self, inputs, mask, dropout, scores_asked)
+
     def wrapper(self, *args, **kwargs):
         if not _config.is_enabled():
             return attending(self, *args, **kwargs)  # RECOMPUTE=0: bert4keras's own code
-        if _policy_of(self) == "attention":
-            adapter = _backends.adapter_for(self)
-            adapter.check_supported(self)
-            keep = bool(getattr(self, "return_attention_scores", True))
-            return _policies.recompute_core(adapter, recomputed, self, args, kwargs, keep)
-        return recomputed(self, *args, **kwargs)  # lean inside the recomputed layer or block
+        if _policy_of(self) != "attention":
+            return recomputed(self, *args, **kwargs)  # lean inside the recomputed layer or block
+        adapter = _backends.adapter_for(self)
+        adapter.check_supported(self)
+        keep = bool(getattr(self, "return_attention_scores", True))
+        inputs, mask, rest = _pay_attention_arguments(args, kwargs)
+        if (_tf.tape_is_active() and not _core.inside_recomputed_call()
+                and _attention.lean_applies(self, inputs, rest)):
+            _core.check_recomputable(adapter, self, [t for t in inputs if t.dtype.is_floating])
+            return attending(self, inputs, mask, keep, compute=recomputed_unit)
+        return _policies.recompute_core(adapter, recomputed, self, args, kwargs, keep)
 
     functools.update_wrapper(wrapper, pay_attention_to)
     return wrapper

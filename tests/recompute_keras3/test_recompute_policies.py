@@ -26,12 +26,21 @@ def test_lean_cores_used(policy, monkeypatch):
 
 
 @pytest.mark.parametrize("policy", ["full", "attention"])
+def test_gelus_keep_their_input(policy, monkeypatch):
+    blocks.check_gelus_keep_their_input(keras, policy, monkeypatch)
+
+
+@pytest.mark.parametrize("policy", ["full", "attention"])
 def test_fit_matches(policy):
     blocks.check_fit_matches(keras, policy)
 
 
 def test_attention_policy_keeps_no_attention_matrix():
     blocks.check_attention_policy_keeps_no_attention_matrix(keras)
+
+
+def test_attention_policy_recomputation_draws_no_random_numbers():
+    blocks.check_recomputation_draws_nothing(keras)
 
 
 def test_policy_off_runs_as_written():
@@ -84,7 +93,7 @@ def test_lean_product_matches_autodiff():
     p = tf.nn.softmax(tf.constant(rng.randn(2, 3, 5, 5), tf.float32))
     v = tf.constant(rng.randn(2, 5, 3, 4), tf.float32)
     keep = tf.constant(rng.rand(2, 3, 5, 5) > 0.3)
-    scale = tf.constant(1 / 0.7, tf.float32)
+    scale = tf.constant(1 / (1 - 0.3), tf.float32)
     eq = "acbe,aecd->abcd"
 
     def dropout(x):
@@ -92,7 +101,7 @@ def test_lean_product_matches_autodiff():
 
     results = []
     for fn in (lambda p, v: tf.einsum(eq, dropout(p), v),
-               lambda p, v: _attention.dropout_then_combine(p, v, dropout, eq)):
+               lambda p, v: _attention.dropout_then_combine(p, v, dropout, 0.3, eq, training=True)):
         with tf.GradientTape() as tape:
             tape.watch([p, v])
             out = fn(p, v)

@@ -26,9 +26,18 @@ def test_lean_cores_used(policy, monkeypatch):
 
 
 @pytest.mark.parametrize("policy", ["full", "attention"])
+def test_gelus_keep_their_input(policy, monkeypatch):
+    blocks.check_gelus_keep_their_input(K, policy, monkeypatch)
+
+
+@pytest.mark.parametrize("policy", ["full", "attention"])
 def test_fit_matches(policy):
     blocks.check_fit_matches(K, policy)
 
 
 def test_attention_policy_keeps_no_attention_matrix():
     blocks.check_attention_policy_keeps_no_attention_matrix(K)
+
+
+def test_attention_policy_recomputation_draws_no_random_numbers():
+    blocks.check_recomputation_draws_nothing(K)

@@ -1,0 +1,82 @@
+"""The exact GELU of the Keras families, with a gradient that keeps only its input.
+
+`Dense(activation="gelu")` computes TensorFlow's `tf.nn.gelu(x)`, that is
+`0.5 * x * erfc(-x * (1 / sqrt(2)))`, and autodiff keeps four of its
+[batch, seq, units] intermediates for the gradient (`0.5 x`, `-x / sqrt(2)`,
+the erfc and the input). `keeping_input(gelu)` computes the same values and
+keeps the input alone; its gradient (`gelu_grad`) runs the ops TensorFlow's
+autodiff runs, in its order, on the forward values computed again -- so the
+gradients are bit for bit those of the plain GELU.
+
+`kept_input(layers)` installs it on the layers among `layers` whose `activation`
+is the exact GELU of Keras 3 or tf_keras (shadowed on the instances while a
+decorated call runs, then restored). `recompute_grad` uses it under both
+policies: under "full" the recomputed block's working set loses those
+intermediates, under "attention" every block keeps one [seq, ffn] tensor
+instead of four.
+"""
+
+import contextlib
+
+import numpy as np
+import tensorflow as tf
+
+from ._core import after
+
+_GELUS = (("keras.src.activations.activations", "gelu"), ("tf_keras.src.activations", "gelu"))
+_MARK = "__recompute_gelu__"
+
+
+def is_exact_gelu(fn):
+    """True for Keras 3's or tf_keras's `activations.gelu` (exact, erf-based, as
+    `Dense(activation="gelu")` calls it)."""
+    return (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) in _GELUS
+
+
+def gelu_grad(x, dy):
+    """The gradient of `tf.nn.gelu(x)` times `dy`: autodiff's ops, in its order.
+
+    Pass `x` gated on the gradient (`_core.after([x], dy)`), so that the
+    recomputed ops wait for the backward pass instead of running (and being
+    kept) in the forward pass."""
+    c = tf.cast(0.7071067811865476, x.dtype)
+    u = -x * c
+    d_half_x = dy * tf.math.erfc(u)  # Mul's gradient: grad * the other factor
+    d_erfc = dy * (0.5 * x)
+    d_u = d_erfc * tf.constant(-2 / np.sqrt(np.pi), dtype=dy.dtype) * tf.exp(-tf.square(u))
+    return (0.5 * d_half_x) + (-(d_u * c))
+
+
+def keeping_input(gelu):
+    """`gelu` (an exact Keras GELU) whose gradient keeps only its input."""
+
+    @tf.custom_gradient
+    def gelu_keeping_input(x):
+        return gelu(x), lambda dy: gelu_grad(after([x], dy)[0], dy)
+
+    def activation(x):
+        x = tf.convert_to_tensor(x)
+        # float32/64 only: in half precision, graph rewrites of the plain GELU's
+        # gradient round differently (measured: not bit for bit in tf.function).
+        return gelu_keeping_input(x) if x.dtype in (tf.float32, tf.float64) else gelu(x)
+
+    setattr(activation, _MARK, True)
+    return activation
+
+
+@contextlib.contextmanager
+def kept_input(layers):
+    """While active, each of `layers` whose `activation` is an exact Keras GELU uses
+    `keeping_input(activation)` (an instance attribute, restored on exit)."""
+    installed = []
+    try:
+        for layer in layers:
+            own = getattr(layer, "activation", None)
+            if own is None or getattr(own, _MARK, False) or not is_exact_gelu(own):
+                continue
+            object.__setattr__(layer, "activation", keeping_input(own))
+            installed.append((layer, own))
+        yield
+    finally:
+        for layer, own in installed:
+            object.__setattr__(layer, "activation", own)
