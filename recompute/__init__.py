@@ -14,7 +14,9 @@ Set `RECOMPUTE=1` (read when the layer runs) or use `recompute_scope(True)`.
 probabilities of the block's `MultiHeadAttention` layers (`POLICIES`).
 
 Modules: `_decorator` (the decorator), `_policies` (what is recomputed),
-`_core` (the recomputation: one `tf.custom_gradient`), `_adapter` (the
+`_core` (the recomputation: one `tf.custom_gradient`), `_attention` (the
+attention core as a unit that keeps its dropout mask), `_gelu` (a GELU that
+keeps only its input), `_adapter` (the
 interface to a Keras family) with `_keras3` and `_tf_keras` (its two
 implementations, the only users of private Keras API) chosen by `_backends`,
 `_tf` (TensorFlow internals), `_config` (the switch), `_errors`;

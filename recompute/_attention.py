@@ -1,35 +1,29 @@
-"""The lean attention core: the values of a multi-head attention's core with fewer
-[batch, heads, seq, seq] tensors, for the layers it is recomputed in.
+"""The attention core with fewer [batch, heads, seq, seq] tensors kept.
 
 An attention core computes `probs = softmax(mask(q k^T / sqrt(d)))`, then
-`dropout(probs) @ v`. TensorFlow's autodiff of the dropout and the product keeps
-the probabilities, the dropped probabilities (for the gradient of `v`) and the
-bool keep-mask, and its gradient runs through the dropout's scaled copy. When
-the core is recomputed (`recompute_grad(policy="attention")`; in bert4keras,
-under every policy), these tensors are the working set of one layer's
-backward pass.
-`dropout_then_combine` keeps only the probabilities -- the very tensor the
-softmax's own gradient keeps -- and the bool mask, and forms the dropped
-probabilities again for the gradient:
+`dropout(probs) @ v`. TensorFlow's autodiff of the dropout and the product
+keeps the probabilities, the dropped probabilities and the bool keep-mask, and
+runs its gradient through the dropout's scaled copy. Two lean forms, both with
+the layer's own ops and random numbers in the forward pass (values bit for bit
+those of the layer's own core), the dropout's decision kept as a bool mask
+(`_decision`: 1 byte per entry) and the gradients of the dropout and the
+product taken by hand as autodiff takes them (`_combine_gradients`):
 
-- the dropout decision is drawn by the layer's own `Dropout` on a tensor of
-  ones (`draw_keep`), so the random numbers, and the forward values bit for
-  bit, are those of the layer's own core (`probs * factor` equals the
-  dropout's `where(keep, probs * scale, 0)`);
-- the decision is drawn once, in the forward pass, *outside* the recomputed
-  unit, and the bool mask is kept (1 byte per entry, a quarter of the
-  probabilities): the recomputation redoes the products and the softmax but
-  not the draw. On CPU, TensorFlow's Philox draw of a float per entry costs
-  more than the softmax and both products together (measured in
-  docs/recompute.md); keeping the mask is what holds the "attention" policy
-  near the time of no recomputation;
-- the gradient is the one autodiff computes: `where(keep, g * scale, 0)` for
-  the dropout, the transposed products for the product.
+- `dropout_then_combine`: the probabilities are kept (for a core recomputed
+  as part of a larger unit: bert4keras's "layer" and "block" policies); the
+  decision is kept from the forward pass through the unit's recomputation
+  (`_core.kept`), so the recomputation draws no random numbers for it;
+- `recomputed_core`: a unit that keeps only its inputs and the mask, and
+  recomputes the scores and the softmax when the gradient arrives -- no
+  random number is drawn again (the "attention" policy: Megatron-LM's
+  selective recomputation, with the mask kept rather than redrawn; on CPU
+  the float draw costs more than the softmax and the products).
 
-`lean_core` is Keras's `MultiHeadAttention._compute_attention` (Keras 3 and
-tf_keras: the same attribute names) for the standard case -- rank-4 inputs,
-dropout on, no causal mask of Keras 3's own; it returns None elsewhere, and
-the layer's own core runs. bert4keras's core uses `dropout_then_combine` too
+`keras_core` runs Keras's `MultiHeadAttention._compute_attention` (Keras 3 and
+tf_keras: the same attribute names) as `recomputed_core` in the standard case
+-- rank-4 inputs, dropout on with a Python `training` flag, no causal mask of
+Keras 3's own -- and returns None elsewhere (the layer's own core is then
+recomputed as a call). bert4keras's core uses both forms
 (`recompute.bert4keras._attention`).
 """
 
@@ -38,6 +32,7 @@ import math
 
 import tensorflow as tf
 
+from . import _core
 from ._core import after
 
 
@@ -115,7 +110,18 @@ def dropout_then_combine(probs, value, dropout, rate, equation, training=None):
         The attended values, equal bit for bit to `einsum(equation, dropout(probs),
         value)` for a dropout computing `where(keep, x / (1 - rate), 0)`.
     """
-    dropped, keep, scale = _drop(probs, dropout, rate, training)
+    dropped = None
+
+    def decide():
+        nonlocal dropped
+        dropped, keep, scale = _drop(probs, dropout, rate, training)
+        return keep, scale
+
+    # Inside a recomputed layer or block, the decision is kept from the forward
+    # pass: the recomputation neither draws it again nor needs the dropout.
+    keep, scale = _core.kept(decide)
+    if dropped is None:
+        dropped = _dropped(probs, keep, scale)
 
     @tf.custom_gradient
     def combine(probs, value):
@@ -140,8 +146,11 @@ def recomputed_core(probabilities, query, key, value, dropout, rate, equation,
     kept mask (`_combine_gradients`); no random number is drawn again.
 
     Args:
-        probabilities: `(query, key) -> (probs, second)`, deterministic; `second`
-            is the core's second output (the probabilities or the scores).
+        probabilities: `(query, key, again) -> (probs, second)`, deterministic;
+            `second` is the core's second output (the probabilities or the
+            scores). With `again=False` (the forward pass) it runs the layer's
+            own ops; with `again=True` (the recomputation) it may compute the
+            same values by faster ops, equal to float rounding.
         query, key, value: the core's float inputs.
         dropout, rate, equation, training: as `dropout_then_combine`.
         second_asked: whether the caller uses `second` (else None is returned).
@@ -152,7 +161,7 @@ def recomputed_core(probabilities, query, key, value, dropout, rate, equation,
 
     @tf.custom_gradient
     def core(query, key, value):
-        probs, second = probabilities(query, key)
+        probs, second = probabilities(query, key, False)
         dropped, keep, scale = _drop(probs, dropout, rate, training)
         output = tf.einsum(equation, dropped, value)
 
@@ -160,7 +169,7 @@ def recomputed_core(probabilities, query, key, value, dropout, rate, equation,
             q, k = after([query, key], d_out)  # recomputed when the gradient arrives
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch([q, k])
-                probs, second = probabilities(q, k)
+                probs, second = probabilities(q, k, True)
             d_probs, d_value = _combine_gradients(probs, value, keep, scale, d_out, equation)
             targets, seeds = [probs], [d_probs]
             if d_second is not None:
@@ -211,10 +220,18 @@ def keras_core(core, layer, args, kwargs, scores_asked):
     ):
         return None
     mask = a["attention_mask"]
+    equation = layer._dot_product_equation  # "<key>,<query>-><scores>"
+    k_sub, q_sub = equation.split("->")[0].split(",")
+    query_first = f"{q_sub},{k_sub}->{equation.split('->')[1]}"
 
-    def probabilities(query, key):
+    def probabilities(query, key, again):
         query = tf.multiply(query, tf.cast(1.0 / math.sqrt(float(layer._key_dim)), query.dtype))
-        probs = layer._masked_softmax(tf.einsum(layer._dot_product_equation, key, query), mask)
+        # Keras's own order (key first) makes TensorFlow's einsum transpose its
+        # [batch, heads, seq, seq] result: query first is the same product without
+        # that transpose (measured 3x faster at BERT-base size on CPU), equal to
+        # float rounding -- for the recomputation, not for the values returned.
+        scores = tf.einsum(query_first, query, key) if again else tf.einsum(equation, key, query)
+        probs = layer._masked_softmax(scores, mask)
         return probs, probs
 
     return recomputed_core(

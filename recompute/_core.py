@@ -51,6 +51,63 @@ def _running_call(layer):
         layers.pop()
 
 
+class _KeptLog:
+    """What a recomputed call's forward pass keeps for its recomputation (`kept`)."""
+
+    def __init__(self, layer):
+        self.layer, self.values, self.replaying, self.next = layer, [], False, 0
+
+    def replay(self):
+        self.replaying, self.next = True, 0
+        return self
+
+    def check_replayed(self):
+        if self.next != len(self.values):
+            raise RuntimeError(
+                f"recompute_grad: layer '{self.layer.name}' kept {len(self.values)} "
+                f"results with `kept` in the forward pass but asked for {self.next} "
+                "when recomputed; `call` must run the same code each time.")
+
+
+_kept_logs = threading.local()  # .stack: the `_KeptLog` of each running recomputed call
+
+
+@contextlib.contextmanager
+def _logging_kept(log):
+    stack = getattr(_kept_logs, "stack", None)
+    if stack is None:
+        stack = _kept_logs.stack = []
+    stack.append(log)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def kept(compute):
+    """`compute()` (tensors, or None), computed once per training step.
+
+    Inside a recomputed call, the forward pass computes it and keeps the result
+    until the backward pass, and the recomputation gets that result back
+    instead of computing it again (the calls are matched in order). Elsewhere
+    it is simply `compute()`. For what is cheap to keep and costly or
+    impossible to recompute: an attention dropout's decision as a bool mask
+    (`_attention`), 1 byte per entry against a float random draw per entry.
+    """
+    stack = getattr(_kept_logs, "stack", None)
+    if not stack:
+        return compute()
+    log = stack[-1]
+    if not log.replaying:
+        log.values.append(compute())
+        return log.values[-1]
+    if log.next >= len(log.values):
+        log.next += 1
+        log.check_replayed()
+    log.next += 1
+    return log.values[log.next - 1]
+
+
 def _is_float_tensor(value):
     return (
         tf.is_tensor(value)
@@ -277,9 +334,11 @@ def recomputed_call(adapter, call, layer, args, kwargs):
         created[id(variable)] = variable.read_value()
         return variable
 
-    def run_call(inputs, seed=legacy_seed):
+    kept_log = _KeptLog(layer)
+
+    def run_call(inputs, seed=legacy_seed, replay=False):
         call_args, call_kwargs = rebuild(inputs)
-        with _running_call(layer):
+        with _running_call(layer), _logging_kept(kept_log.replay() if replay else kept_log):
             if legacy is not None:
                 with legacy.replay(seed) as replay:
                     outputs = call(layer, *call_args, **call_kwargs)
@@ -339,7 +398,8 @@ def recomputed_call(adapter, call, layer, args, kwargs):
                     ) as recomputed_losses:
                         # The legacy seed is a forward-pass tensor too: gated like the state.
                         seed = after([legacy_seed], first_dy)[0] if legacy is not None else None
-                        recomputed = run_call(ready, seed)
+                        recomputed = run_call(ready, seed, replay=True)
+                kept_log.check_replayed()
                 if len(recomputed_losses) != len(losses):
                     raise RuntimeError(
                         f"recompute_grad: layer '{layer.name}' added {len(losses)} "

@@ -55,7 +55,7 @@ def _probabilities(layer, mask):
     """`(qw, kw) -> (probs, a)` of bert4keras's core: the softmax and the scaled scores."""
     v_mask = mask[1] if mask is not None else None
 
-    def probabilities(qw, kw):
+    def probabilities(qw, kw, again=False):  # (`again`: the same ops either way)
         if layer.attention_scale:
             qw = qw * tf.cast(layer.key_size ** -0.5, qw.dtype)
         a = tf.einsum(SCORES_EINSUM, qw, kw)

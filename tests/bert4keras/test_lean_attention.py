@@ -98,6 +98,28 @@ def test_outputs_equal_bert4keras_bit_for_bit(config_path, lean_calls, monkeypat
     np.testing.assert_array_equal(outputs[0], outputs[1])
 
 
+@pytest.mark.parametrize("policy", _patch.POLICIES)
+def test_attention_dropout_drawn_once_per_step(config_path, monkeypatch, policy):
+    """With a tape, dropout on and padding: each attention layer's dropout runs once
+    per step (its bool decision is kept, not redrawn by the recomputation), and
+    the loss and gradients equal RECOMPUTE=0's."""
+    from recompute import _attention as shared
+
+    draws = []
+    real = shared._drop
+    monkeypatch.setattr(shared, "_drop", lambda *a, **k: draws.append(1) or real(*a, **k))
+    token_ids, segment_ids, labels = batch()
+    results = []
+    for on in (False, True):
+        rb.patch(policy=policy)
+        with recompute.recompute_scope(on):
+            model = build(config_path)
+            draws.clear()
+            results.append(loss_and_grads(model, token_ids, segment_ids, labels))
+        assert len(draws) == (2 if on else 0)  # 2 layers; bert4keras's own code at RECOMPUTE=0
+    assert_all_close(results[0], results[1])
+
+
 def test_lean_feed_forward_gradients_match_autodiff(config_path):
     """The hand-written gradient of GELU then the second dense layer, checked
     alone against TensorFlow's autodiff of the layer (RECOMPUTE=0)."""
