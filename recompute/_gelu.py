@@ -10,10 +10,15 @@ gradients are bit for bit those of the plain GELU.
 
 `kept_input(layers)` installs it on the layers among `layers` whose `activation`
 is the exact GELU of Keras 3 or tf_keras (shadowed on the instances while a
-decorated call runs, then restored). `recompute_grad` uses it under both
-policies: under "full" the recomputed block's working set loses those
-intermediates, under "attention" every block keeps one [seq, ffn] tensor
-instead of four.
+decorated call runs, then restored). `recompute_grad(policy="attention")`
+uses it: every block keeps one [seq, ffn] tensor instead of four.
+
+Bit for bit holds op for op (eager, and `tf.function` on its own), not under
+every graph rewrite: in `fit` and with oneDNN's rewrites, TensorFlow's
+optimizer rounds the plain GELU's gradient differently from the same ops
+written out (measured: losses equal, gradients to float rounding). So
+`policy="full"`, which promises bit-for-bit gradients, leaves GELUs as they
+are.
 """
 
 import contextlib

@@ -8,9 +8,9 @@ and a tape records (`recompute_grad` decides that and passes the layer's
 - `full`: the call is one unit (`_core.recomputed_call`). The forward pass keeps
   only the call's inputs; the backward pass runs the whole call again: about
   one extra forward pass of the layer. Gradients are bit for bit those of
-  RECOMPUTE=0 (a lean attention core here measured no smaller: the working set
-  of a recomputed block is dominated by its other layers). Exact GELUs of
-  `Dense` sublayers keep only their input (`_gelu`, bit for bit too).
+  RECOMPUTE=0 (a lean attention core here measured no smaller; the GELU of
+  `_gelu` measured 8-15% smaller, but TensorFlow's graph rewrites round its
+  gradient differently from the plain GELU's in `fit`: not bit for bit).
 - `attention`: the call runs as usual and keeps its activations, except in the
   *attention core* of every multi-head attention layer it contains (Keras's
   `MultiHeadAttention._compute_attention`: scaled scores, mask, softmax,
@@ -38,12 +38,7 @@ from . import _attention, _core, _gelu, _tf
 
 def full(adapter, fn, layer, args, kwargs):
     """The whole call is recomputed, as written: bit for bit RECOMPUTE=0's gradients."""
-
-    def call(lyr, *a, **k):
-        with _gelu.kept_input(adapter.sublayers(lyr)):
-            return fn(lyr, *a, **k)
-
-    return _core.recomputed_call(adapter, call, layer, args, kwargs)
+    return _core.recomputed_call(adapter, fn, layer, args, kwargs)
 
 
 def attention(adapter, fn, layer, args, kwargs):
