@@ -8,9 +8,9 @@ and a tape records (`recompute_grad` decides that and passes the layer's
 - `full`: the call is one unit (`_core.recomputed_call`). The forward pass keeps
   only the call's inputs; the backward pass runs the whole call again: about
   one extra forward pass of the layer. Gradients are bit for bit those of
-  RECOMPUTE=0 (a lean attention core here measured no smaller; the GELU of
-  `_gelu` measured 8-15% smaller, but TensorFlow's graph rewrites round its
-  gradient differently from the plain GELU's in `fit`: not bit for bit).
+  RECOMPUTE=0 (a lean attention core and the GELU of `_gelu` here measured no
+  smaller beyond noise, and TensorFlow's graph rewrites round that GELU's
+  gradient differently from the plain one's in `fit`: not bit for bit).
 - `attention`: the call runs as usual and keeps its activations, except in the
   *attention core* of every multi-head attention layer it contains (Keras's
   `MultiHeadAttention._compute_attention`: scaled scores, mask, softmax,
