@@ -23,7 +23,7 @@ from . import _tf
 from ._errors import created_in_recomputation
 
 _legacy_rng_warned = False
-_running = threading.local()  # .layers: ids of the layers whose call runs under `run_call`
+_running = threading.local()  # .calls: the `_RunningCall` of each recomputed call running, this thread
 
 
 def inside_recomputed_call():
@@ -36,23 +36,12 @@ def inside_recomputed_call():
     anyway, and in the recomputation, which would otherwise recompute it a
     second time.
     """
-    return bool(getattr(_running, "layers", None))
+    return bool(getattr(_running, "calls", None))
 
 
-@contextlib.contextmanager
-def _running_call(layer):
-    layers = getattr(_running, "layers", None)
-    if layers is None:
-        layers = _running.layers = []
-    layers.append(id(layer))
-    try:
-        yield
-    finally:
-        layers.pop()
-
-
-class _KeptLog:
-    """What a recomputed call's forward pass keeps for its recomputation (`kept`)."""
+class _RunningCall:
+    """A recomputed call of `layer` while it runs (`recomputed_call`), and what its
+    forward pass keeps for its recomputation (`kept`)."""
 
     def __init__(self, layer):
         self.layer, self.values, self.replaying, self.next = layer, [], False, 0
@@ -60,6 +49,13 @@ class _KeptLog:
     def replay(self):
         self.replaying, self.next = True, 0
         return self
+
+    def take(self):
+        """The next kept result, in the order the forward pass kept them."""
+        self.next += 1
+        if self.next > len(self.values):
+            self.check_replayed()
+        return self.values[self.next - 1]
 
     def check_replayed(self):
         if self.next != len(self.values):
@@ -69,19 +65,16 @@ class _KeptLog:
                 "when recomputed; `call` must run the same code each time.")
 
 
-_kept_logs = threading.local()  # .stack: the `_KeptLog` of each running recomputed call
-
-
 @contextlib.contextmanager
-def _logging_kept(log):
-    stack = getattr(_kept_logs, "stack", None)
-    if stack is None:
-        stack = _kept_logs.stack = []
-    stack.append(log)
+def _running_call(call):
+    calls = getattr(_running, "calls", None)
+    if calls is None:
+        calls = _running.calls = []
+    calls.append(call)
     try:
         yield
     finally:
-        stack.pop()
+        calls.pop()
 
 
 def kept(compute):
@@ -94,18 +87,14 @@ def kept(compute):
     impossible to recompute: an attention dropout's decision as a bool mask
     (`_attention`), 1 byte per entry against a float random draw per entry.
     """
-    stack = getattr(_kept_logs, "stack", None)
-    if not stack:
+    calls = getattr(_running, "calls", None)
+    if not calls:
         return compute()
-    log = stack[-1]
-    if not log.replaying:
-        log.values.append(compute())
-        return log.values[-1]
-    if log.next >= len(log.values):
-        log.next += 1
-        log.check_replayed()
-    log.next += 1
-    return log.values[log.next - 1]
+    call = calls[-1]
+    if call.replaying:
+        return call.take()
+    call.values.append(compute())
+    return call.values[-1]
 
 
 def _is_float_tensor(value):
@@ -114,6 +103,11 @@ def _is_float_tensor(value):
         and not isinstance(value, tf.Variable)
         and (value.dtype.is_floating or value.dtype.is_complex)
     )
+
+
+def float_tensors(structure):
+    """The floating-point tensors (not variables) of a nested structure, in order."""
+    return [value for value in tf.nest.flatten(structure) if _is_float_tensor(value)]
 
 
 def _warn_legacy_rng(layer):
@@ -295,8 +289,8 @@ def recomputed_call(adapter, call, layer, args, kwargs):
     flat = tf.nest.flatten(structure)
     slot_of = {}  # id(tensor) -> its index among the differentiable inputs
     xs = []
-    for value in flat:
-        if _is_float_tensor(value) and id(value) not in slot_of:
+    for value in float_tensors(flat):
+        if id(value) not in slot_of:
             slot_of[id(value)] = len(xs)  # a tensor passed twice is one input
             xs.append(value)
 
@@ -334,11 +328,11 @@ def recomputed_call(adapter, call, layer, args, kwargs):
         created[id(variable)] = variable.read_value()
         return variable
 
-    kept_log = _KeptLog(layer)
+    running = _RunningCall(layer)
 
     def run_call(inputs, seed=legacy_seed, replay=False):
         call_args, call_kwargs = rebuild(inputs)
-        with _running_call(layer), _logging_kept(kept_log.replay() if replay else kept_log):
+        with _running_call(running.replay() if replay else running):
             if legacy is not None:
                 with legacy.replay(seed) as replay:
                     outputs = call(layer, *call_args, **call_kwargs)
@@ -399,7 +393,7 @@ def recomputed_call(adapter, call, layer, args, kwargs):
                         # The legacy seed is a forward-pass tensor too: gated like the state.
                         seed = after([legacy_seed], first_dy)[0] if legacy is not None else None
                         recomputed = run_call(ready, seed, replay=True)
-                kept_log.check_replayed()
+                running.check_replayed()
                 if len(recomputed_losses) != len(losses):
                     raise RuntimeError(
                         f"recompute_grad: layer '{layer.name}' added {len(losses)} "

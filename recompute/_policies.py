@@ -31,8 +31,6 @@ bert4keras's `pay_attention_to`.
 
 import contextlib
 
-import tensorflow as tf
-
 from . import _attention, _core, _gelu, _tf
 
 
@@ -97,8 +95,7 @@ def _class_core(adapter, core):
     def recomputed(layer, *args, **kwargs):
         keep_scores = adapter.scores_asked(args, kwargs)
         if _tf.tape_is_active() and not _core.inside_recomputed_call():
-            floats = [t for t in tf.nest.flatten((args, kwargs)) if tf.is_tensor(t) and t.dtype.is_floating]
-            _core.check_recomputable(adapter, layer, floats)
+            _core.check_recomputable(adapter, layer, _core.float_tensors((args, kwargs)))
             lean = _attention.keras_core(core, layer, args, kwargs, keep_scores)
             if lean is not None:
                 return lean

@@ -26,7 +26,8 @@ layer's backward pass, on top of everything the model keeps.
   (`recomputed_pay_attention_to`) that keeps its inputs and that bool mask:
   the backward pass recomputes the scores and the softmax, not the dropout's
   random numbers (the costliest part of the core on CPU). Under "layer" and
-  "block" the core is recomputed with its layer or block, the draw replayed.
+  "block" the core is recomputed with its layer or block, and the bool mask
+  is kept through that recomputation (`recompute._core.kept`), not redrawn.
 
 Only the standard case is lean: softmax normalization, no attention bias, no
 position bias. `lean_applies` says whether a call is; every other call runs

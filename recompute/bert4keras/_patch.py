@@ -210,7 +210,7 @@ def _attending_to(pay_attention_to):
         inputs, mask, rest = _pay_attention_arguments(args, kwargs)
         if (_tf.tape_is_active() and not _core.inside_recomputed_call()
                 and _attention.lean_applies(self, inputs, rest)):
-            _core.check_recomputable(adapter, self, [t for t in inputs if t.dtype.is_floating])
+            _core.check_recomputable(adapter, self, _core.float_tensors(inputs))
             return attending(self, inputs, mask, keep, compute=recomputed_unit)
         return _policies.recompute_core(adapter, recomputed, self, args, kwargs, keep)
 
