@@ -28,6 +28,8 @@ setup(
         "bert": ["safetensors>=0.4"],
         # Benchmarks: the batch-fit plot.
         "bench": ["matplotlib>=3.7"],
+        # Keras 3 on the JAX backend (KERAS_BACKEND=jax): CPU wheels, no CUDA.
+        "jax": ["jax[cpu]>=0.5"],
         "test": [
             "pytest>=8",
             "pytest-xdist>=3.5",  # the README test command runs each suite on 2 processes
@@ -35,6 +37,7 @@ setup(
             "tokenizers>=0.15",
             "safetensors>=0.4",
             "matplotlib>=3.7",
+            "jax[cpu]>=0.5",  # the JAX-backend suites (tests/recompute_jax, tests/accum_jax)
         ],
     },
 )

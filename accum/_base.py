@@ -54,6 +54,7 @@ class AccumOptimizer:
     # `accum._dispatch.implementation_for(family)`, set when `accum` is imported:
     # the dispatch lives above the family implementations, which import this module.
     _implementation_for = None
+    _implementation_class = None  # `accum._dispatch.implementation_class`
 
     def __new__(cls, *args, **kwargs):
         # `AccumOptimizer(...)` builds the subclass for the optimizer's family.
@@ -73,6 +74,8 @@ class AccumOptimizer:
                     "build it with `accum.AccumOptimizer(optimizer, steps_per_update)`. "
                     f"Received: optimizer={optimizer!r}"
                 )
+            else:  # a class named by a saved config: the one for this Keras 3 backend
+                cls = AccumOptimizer._implementation_class(cls)
         return super().__new__(cls)
 
     def _check_arguments(self, steps_per_update, mode):
@@ -404,10 +407,10 @@ def check_optimizer(optimizer):
         import keras
 
         backend = keras.backend.backend()
-        if backend != "tensorflow":
+        if backend not in ("tensorflow", "jax"):
             raise NotImplementedError(
-                "`AccumOptimizer` supports Keras 3 with the TensorFlow backend only. "
+                "`AccumOptimizer` supports Keras 3 with the TensorFlow or JAX backend. "
                 f"Received: an optimizer of the {backend!r} backend "
-                f"({type(optimizer).__name__}). Set KERAS_BACKEND=tensorflow."
+                f"({type(optimizer).__name__}). Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax."
             )
     return family

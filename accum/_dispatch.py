@@ -7,6 +7,7 @@ gives `AccumOptimizer` its `implementation_for` when `accum` is imported.
 | family            | implementation                            |
 | ----------------- | ----------------------------------------- |
 | `KERAS3`          | `_keras3.Keras3AccumOptimizer`            |
+| `KERAS3`, JAX     | `_keras3_jax.JaxAccumOptimizer`           |
 | `TF_KERAS`        | `_tf_keras.TFKerasAccumOptimizer`         |
 | `TF_KERAS_LEGACY` | `_tf_keras_legacy.LegacyAccumOptimizer`   |
 """
@@ -22,6 +23,10 @@ from ._families import KERAS3, TF_KERAS, TF_KERAS_LEGACY
 def implementation_for(family):
     """Returns the `AccumOptimizer` subclass that wraps optimizers of `family`."""
     if family == KERAS3:
+        if _keras3_backend() == "jax":
+            from ._keras3_jax import JaxAccumOptimizer
+
+            return JaxAccumOptimizer
         from ._keras3 import Keras3AccumOptimizer
 
         return Keras3AccumOptimizer
@@ -34,6 +39,20 @@ def implementation_for(family):
 
         return LegacyAccumOptimizer
     raise ValueError(f"Unknown optimizer family: {family!r}")
+
+
+def _keras3_backend():
+    import keras
+
+    return keras.backend.backend()
+
+
+def implementation_class(cls):
+    """The class `cls` (an implementation, named by a saved config) resolves to on this
+    Keras 3 backend: a model saved on one backend loads on the other."""
+    if getattr(cls, "_FAMILY", None) == KERAS3:
+        return implementation_for(KERAS3)
+    return cls
 
 
 def register_serializable_classes():
@@ -57,6 +76,9 @@ def register_serializable_classes():
     if int(version.split(".")[0]) >= 3:
         from . import _keras3  # noqa: F401
 
+        if keras.backend.backend() == "jax":
+            from . import _keras3_jax  # noqa: F401  (the same registered name, on JAX)
+
     # The values TensorFlow's lazy loader reads as "tf.keras is tf_keras"
     # (recompute.bert4keras reads them the same way).
     legacy_keras = os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
@@ -65,3 +87,4 @@ def register_serializable_classes():
 
 
 AccumOptimizer._implementation_for = staticmethod(implementation_for)
+AccumOptimizer._implementation_class = staticmethod(implementation_class)

@@ -1,4 +1,4 @@
-"""`AccumOptimizer` for Keras 3 optimizers (TensorFlow backend)."""
+"""`AccumOptimizer` for Keras 3 optimizers (TensorFlow backend; `_keras3_jax` derives the JAX one)."""
 
 import contextlib
 
@@ -140,6 +140,10 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             self.inner_optimizer.apply(grads, [self._trainable_variables[i] for i in indices])
             self._iterations.assign_add(1)
             return
+        self._micro_step(grads, indices)
+
+    def _micro_step(self, grads, indices):
+        """Accumulates `grads` (of the variables `indices`) and ends the window when full."""
         with keras.name_scope(self.name, caller=self):
             if _distributed.in_replica_context():
                 if self.mode != "buffer":

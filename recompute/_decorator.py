@@ -5,7 +5,7 @@ import inspect
 
 import tensorflow as tf
 
-from . import _backends, _config, _core, _policies, _tf
+from . import _backends, _config, _core, _jax, _policies, _tf
 
 
 def _describe(obj):
@@ -141,10 +141,12 @@ def recompute_grad(call=None, *, policy="full"):
                 "(`keras.layers.Layer` or `tf_keras.layers.Layer`). "
                 f"Received: a call on {_describe(layer)}"
             )
-        fn = _autographed(unbound, autograph_status)
         if not _config.is_enabled():
-            return fn(layer, *args, **kwargs)
+            return _autographed(unbound, autograph_status)(layer, *args, **kwargs)
         adapter.check_supported(layer)
+        if _backends.on_jax(adapter):
+            return _jax.run(policy, unbound, layer, args, kwargs)
+        fn = _autographed(unbound, autograph_status)
         if not _tf.tape_is_active() or _core.inside_recomputed_call():
             return fn(layer, *args, **kwargs)
         return run_policy(adapter, fn, layer, args, kwargs)

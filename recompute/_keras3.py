@@ -1,5 +1,8 @@
 """Keras 3 (`keras`, TensorFlow backend): the `_adapter.Adapter` of Keras 3 layers.
 
+On the JAX backend a Keras 3 layer is recomputed by `recompute._jax` instead
+(`_backends.on_jax`); other backends are refused here (`check_supported`).
+
 Uses a few private Keras names -- the call context that carries `training` to
 sublayers, the autocast scope of mixed precision, the global seed generator and
 the per-layer loss lists -- because Keras has no public API for them; they are
@@ -21,22 +24,30 @@ def _keras():
     return keras
 
 
+SUPPORTED_BACKENDS = ("tensorflow", "jax")
+
+
 def _refuse_backend(backend, what):
     raise NotImplementedError(
-        "`recompute_grad` supports Keras 3 with the TensorFlow backend only. "
+        "`recompute_grad` supports Keras 3 with the TensorFlow or JAX backend. "
         f"Received: {what} on the {backend!r} backend. "
-        "Set KERAS_BACKEND=tensorflow, or unset RECOMPUTE to run without it."
+        "Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax."
     )
 
 
+def backend():
+    """The Keras 3 backend's name ("tensorflow", "jax", ...)."""
+    return _keras().backend.backend()
+
+
 def check_supported(layer):
-    backend = _keras().backend.backend()
-    if backend != "tensorflow":
-        _refuse_backend(backend, f"layer '{layer.name}' running")
+    name = backend()
+    if name not in SUPPORTED_BACKENDS:
+        _refuse_backend(name, f"layer '{layer.name}' running")
 
 
 def check_decoration(fn):
-    """At decoration: refuses a Keras 3 program on another backend.
+    """At decoration: refuses a Keras 3 program on a backend other than TensorFlow and JAX.
 
     Only when the layer can only be a Keras 3 one (Keras 3 imported, tf_keras
     not): a tf_keras layer decorated in the same process is still allowed, and
@@ -48,9 +59,9 @@ def check_decoration(fn):
     backend_fn = getattr(keras.backend, "backend", None)
     if backend_fn is None:  # bert4keras's `keras` (tf_keras under another name)
         return
-    backend = backend_fn()
-    if backend != "tensorflow":
-        _refuse_backend(backend, f"`{getattr(fn, '__qualname__', fn)}` decorated")
+    name = backend_fn()
+    if name not in SUPPORTED_BACKENDS:
+        _refuse_backend(name, f"`{getattr(fn, '__qualname__', fn)}` decorated")
 
 
 def sublayers(layer):

@@ -9,4 +9,6 @@
   are those workers (`python -m tests.helpers.<worker>`).
 - `save_resume_worker`: saves in one process, loads and resumes in a fresh one.
 - `numpy_bert`: an independent NumPy BERT, the converter's reference.
+- `k3_optimizers`: the Keras 3 inner optimizers of the exactness suites (TensorFlow, JAX).
+- `jax_backend`: selects Keras's JAX backend for the JAX suites (their conftest.py).
 """

@@ -1,7 +1,8 @@
-"""Keras 3 on another backend than TensorFlow: both packages refuse at once, naming the backend.
+"""Keras 3 on a backend other than TensorFlow and JAX: both packages refuse at once, naming
+the backend (the JAX backend is tested in tests/recompute_jax and tests/accum_jax).
 
-JAX and PyTorch are not installed here, so the backend Keras reports is
-replaced for the test (`keras.backend.backend`, which both packages ask).
+PyTorch is not installed (it would bring CUDA libraries), so the backend Keras
+reports is replaced for the test (`keras.backend.backend`, which both packages ask).
 """
 
 import keras
@@ -11,14 +12,14 @@ import recompute
 from accum import AccumOptimizer
 
 
-@pytest.fixture(params=["jax", "torch"])
+@pytest.fixture(params=["torch", "numpy"])
 def other_backend(monkeypatch, request):
     monkeypatch.setattr(keras.backend, "backend", lambda: request.param)
     return request.param
 
 
 def test_accum_refuses_at_construction(other_backend):
-    with pytest.raises(NotImplementedError, match=f"TensorFlow backend only. Received: an optimizer of the '{other_backend}' backend"):
+    with pytest.raises(NotImplementedError, match=f"TensorFlow or JAX backend. Received: an optimizer of the '{other_backend}' backend"):
         AccumOptimizer(keras.optimizers.Adam(), 4)
 
 

@@ -1,4 +1,5 @@
-"""The core install: `recompute` and `accum` import only TensorFlow, Keras and NumPy.
+"""The core install: `recompute` and `accum` import only TensorFlow, Keras and NumPy
+(on Keras's TensorFlow backend: JAX and keras-hub only where a program uses them).
 
 The tools' dependencies (safetensors for the converter, matplotlib for the
 batch-fit plot, the MiniLM weights package) are extras; the library must run
@@ -15,7 +16,8 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL_ONLY = ["matplotlib", "safetensors", "all_minilm_l6_v2", "tokenizers", "sklearn", "torch"]
+TOOL_ONLY = ["matplotlib", "safetensors", "all_minilm_l6_v2", "tokenizers", "sklearn", "torch",
+             "jax", "keras_hub", "tensorflow_text"]
 
 _PROBE = textwrap.dedent(
     """

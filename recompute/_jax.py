@@ -1,0 +1,268 @@
+"""Recomputation on Keras 3's JAX backend: `jax.checkpoint` with the layer's state threaded through.
+
+`jax.checkpoint` (remat) keeps a function's inputs and recomputes the rest in
+the backward pass. A Keras layer is not a pure function: it reads variables
+(weights, seed generators, BatchNorm moving statistics) and assigns some of
+them (a dropout layer's seed advances, BatchNorm updates its statistics).
+Handed to `jax.checkpoint` as is, such a layer lets a tracer escape (Keras's
+own `keras.remat` fails so with seeded dropout: `UnexpectedTracerError`).
+Here the call becomes pure before it is checkpointed:
+
+- every variable of the layer is an explicit input: a `keras.StatelessScope`
+  inside the checkpointed function maps each variable to that input (and any
+  other variable to the value the enclosing scope -- Keras's JAX trainer,
+  `stateless_call` -- gives it);
+- every assignment the call makes stays in that scope and comes back as an
+  explicit output, with the losses passed to `add_loss`; outside the
+  checkpoint, each is assigned (or added) once, to the real variable or to
+  the enclosing scope;
+- Python values (`training=True`, `mask=None`, strings) are static: only
+  arrays go through `jax.checkpoint`.
+
+So the recomputation starts from the same seed state and draws the same
+dropout masks, and a state update happens once, in the forward pass. The
+call's context (training flag, mixed-precision autocast) is the forward
+pass's: JAX traces the call once and replays its jaxpr.
+
+Uses private names of Keras's JAX backend -- the raw value of a variable, the
+symbolic (shape-inference) scope, the global seed generator and the check
+that keeps it out of traced code -- here and nowhere else. `recompute._keras3`
+is the TensorFlow backend's adapter; this module replaces `_core` and the
+policies for JAX (`POLICIES`).
+"""
+
+import contextlib
+import threading
+import types
+
+import numpy as np
+
+from ._errors import created_in_recomputation
+
+_running = threading.local()  # .depth: recomputed calls running in this thread
+
+
+def inside_recomputed_call():
+    """True while a recomputed call is being traced in this thread: the outermost one is the unit."""
+    return getattr(_running, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _running_call():
+    _running.depth = getattr(_running, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _running.depth -= 1
+
+
+def in_shape_inference():
+    """True while Keras infers output shapes (`compute_output_spec`, a symbolic build):
+    nothing is differentiated there, and the call may still create its sublayers' variables."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()
+
+
+def _scope_class():
+    if not _SCOPE:
+        import keras
+
+        class RecordingScope(keras.StatelessScope):
+            """A `StatelessScope` that also records which variables were assigned, in order."""
+
+            def __init__(self, mapping, variables):
+                super().__init__(collect_losses=True, initialize_variables=False)
+                self.state_mapping = mapping  # {id(variable): value}
+                self.assigned = {}  # id -> variable, first assignment first
+                self._known = variables
+
+            def add_update(self, update):
+                variable, value = update
+                super().add_update(update)
+                self.assigned.setdefault(id(variable), variable)
+
+        _SCOPE.append(RecordingScope)
+    return _SCOPE[0]
+
+
+_SCOPE = []
+
+
+def _raw_value(variable, outer):
+    """The value a variable has now: in the enclosing stateless scope if it maps it, else its own
+    (never autocast: the recomputation re-enters the call's autocast scope itself)."""
+    if outer is not None:
+        value = outer.get_current_value(variable)
+        if value is not None:
+            return value
+    return variable._value
+
+
+def _global_seed_state():
+    """The state variable of Keras's global seed generator (unseeded `keras.random` calls),
+    created now if needed so that it is an input of the checkpoint, not created inside it."""
+    from keras.src.random import seed_generator
+
+    return seed_generator.global_seed_generator().state
+
+
+@contextlib.contextmanager
+def _global_seed_allowed(allowed):
+    """While tracing the checkpointed call: lets unseeded random ops draw from the global
+    seed generator if the caller is not traced itself (eager JAX). Keras refuses them in
+    traced code because a traced draw would be frozen into the trace; here its state is an
+    explicit input and output of the checkpoint, traced anew at every call."""
+    if not allowed:
+        yield
+        return
+    from keras.src.random import seed_generator
+
+    original = seed_generator.jax_utils
+    seed_generator.jax_utils = types.SimpleNamespace(is_in_jax_tracing_scope=lambda x=None: False)
+    try:
+        yield
+    finally:
+        seed_generator.jax_utils = original
+
+
+def _unique(variables):
+    out, seen = [], set()
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
+    return out
+
+
+def _is_array(value):
+    import jax
+
+    return isinstance(value, (jax.Array, np.ndarray, np.generic))
+
+
+def recomputed_call(call, layer, args, kwargs):
+    """Runs `call(layer, *args, **kwargs)` under `jax.checkpoint`, state threaded through it."""
+    import jax
+    import keras
+    from keras.src.backend.common import global_state
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+    from keras.src.utils.jax_utils import is_in_jax_tracing_scope
+
+    outer = get_stateless_scope()
+    traced_outside = is_in_jax_tracing_scope()
+    variables = list(layer.variables) + list(getattr(layer, "metrics_variables", []))
+    if not traced_outside:
+        variables.append(_global_seed_state())
+    variables = _unique(variables)
+    values = [_raw_value(v, outer) for v in variables]
+    base = dict(outer.state_mapping) if outer is not None else {}
+
+    structure = (args, kwargs)
+    flat = keras.tree.flatten(structure)
+    dynamic = [i for i, v in enumerate(flat) if _is_array(v)]
+    pending = global_state.get_global_attribute("uninitialized_variables", [], set_to_default=True)
+    n_pending = len(pending)
+    traced = {}  # what the trace found: output structure, assigned variables
+
+    def pure(variable_values, inputs):
+        mapping = dict(base)
+        mapping.update({id(v): value for v, value in zip(variables, variable_values)})
+        new_flat = list(flat)
+        for i, value in zip(dynamic, inputs):
+            new_flat[i] = value
+        call_args, call_kwargs = keras.tree.pack_sequence_as(structure, new_flat)
+        scope = _scope_class()(mapping, variables)
+        try:
+            with scope, _running_call(), _global_seed_allowed(not traced_outside):
+                outputs = call(layer, *call_args, **call_kwargs)
+        except ValueError as e:
+            if "create a variable while in a stateless scope" in str(e):
+                raise created_in_recomputation(layer.name, "a variable") from e
+            raise
+        flat_outputs = keras.tree.flatten(outputs)
+        arrays = [i for i, out in enumerate(flat_outputs) if _is_array(out)]
+        assigned = list(scope.assigned.values())
+        traced.update(outputs=outputs, flat=flat_outputs, arrays=arrays, assigned=assigned)
+        return (
+            [flat_outputs[i] for i in arrays],
+            [scope.state_mapping[id(v)] for v in assigned],
+            list(scope.losses),
+        )
+
+    results, new_state, losses = jax.checkpoint(pure)(values, [flat[i] for i in dynamic])
+    if len(pending) > n_pending:
+        names = [v.path for v in pending[n_pending:]]
+        del pending[n_pending:]
+        raise created_in_recomputation(layer.name, f"variables {names}")
+    for variable, value in zip(traced["assigned"], new_state):
+        variable.assign(value)
+    if losses:
+        layer.add_loss(losses)
+    flat_outputs = list(traced["flat"])
+    for i, value in zip(traced["arrays"], results):
+        flat_outputs[i] = value
+    return keras.tree.pack_sequence_as(traced["outputs"], flat_outputs)
+
+
+# ------------------------------------------------------------------ policies
+
+
+def full(fn, layer, args, kwargs):
+    """The whole call is one `jax.checkpoint`: it keeps its inputs, runs again in the backward pass."""
+    return recomputed_call(fn, layer, args, kwargs)
+
+
+def attention(fn, layer, args, kwargs):
+    """Only the attention core (`MultiHeadAttention._compute_attention`) of each multi-head
+    attention layer in the call is a `jax.checkpoint`; everything else is kept.
+
+    Its dropout is replayed from the seed state, not kept as a mask: JAX's
+    random draws are functions of that state.
+    """
+    from . import _keras3
+
+    layers = _keras3.attention_layers(_keras3.sublayers(layer))
+    if not layers:
+        raise ValueError(
+            "`recompute_grad(policy='attention')` recomputes the attention core of the "
+            "`MultiHeadAttention` layers (Keras 3) that the decorated layer contains. "
+            f"Received: layer '{layer.name}', which contains none. Create them in "
+            "`__init__` or `build` (as attributes of the layer), or use policy='full'."
+        )
+    with _cores_checkpointed(layers, _keras3.attention_core):
+        return fn(layer, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _cores_checkpointed(layers, name):
+    """While active, `name` (the attention core) of each layer runs under `recomputed_call`:
+    an instance attribute shadows the method, removed on exit."""
+    installed = []
+    try:
+        for lyr in layers:
+            if name in vars(lyr):  # shadowed already (an enclosing decorated call)
+                continue
+            method = getattr(type(lyr), name)
+
+            def core(*args, _layer=lyr, _method=method, **kwargs):
+                if inside_recomputed_call() or in_shape_inference():
+                    return _method(_layer, *args, **kwargs)
+                return recomputed_call(_method, _layer, args, kwargs)
+
+            object.__setattr__(lyr, name, core)
+            installed.append(lyr)
+        yield
+    finally:
+        for lyr in installed:
+            object.__delattr__(lyr, name)
+
+
+POLICIES = {"full": full, "attention": attention}
+
+
+def run(policy, fn, layer, args, kwargs):
+    """The decorated call on the JAX backend with recomputation on (`recompute_grad`)."""
+    if inside_recomputed_call() or in_shape_inference():
+        return fn(layer, *args, **kwargs)
+    return POLICIES[policy](fn, layer, args, kwargs)
