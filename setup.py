@@ -30,6 +30,8 @@ setup(
         "bench": ["matplotlib>=3.7"],
         # Keras 3 on the JAX backend (KERAS_BACKEND=jax): CPU wheels, no CUDA.
         "jax": ["jax[cpu]>=0.5"],
+        # keras-hub integration (`recompute.keras_hub`); brings tensorflow-text.
+        "hub": ["keras-hub==0.32.*"],
         "test": [
             "pytest>=8",
             "pytest-xdist>=3.5",  # the README test command runs each suite on 2 processes
@@ -38,6 +40,7 @@ setup(
             "safetensors>=0.4",
             "matplotlib>=3.7",
             "jax[cpu]>=0.5",  # the JAX-backend suites (tests/recompute_jax, tests/accum_jax)
+            "keras-hub==0.32.*",  # recompute.keras_hub's tests (TensorFlow and JAX)
         ],
     },
 )

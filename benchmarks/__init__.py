@@ -8,7 +8,11 @@ saves the figures):
   allocator peak per step), peak RSS and CPU time per step of a
   BERT-base-shaped Keras 3 encoder with `RECOMPUTE=0` vs `1`; per-sample
   memory as the slope between batch sizes; each configuration in a fresh
-  process.
+  process. `--backend jax`: the standard encoder on Keras 3's JAX backend,
+  measured by JAX's saved residuals and XLA's compiled temp buffer.
+- `python -m benchmarks.xla_remat_temp`: whether XLA's compiled temp buffer
+  shrinks when blocks are recomputed (`jax.checkpoint`, and a recomputation
+  that waits for the cotangent); JAX only.
 - `TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.batchfit`: the
   largest micro-batch of a bert4keras BERT (base, large, the real MiniLM)
   whose training keeps the peak RSS within a memory budget, off vs on, each

@@ -13,7 +13,8 @@ classifier, Adam. Two kinds of block (`BLOCKS`):
   `Dense(activation="gelu")`, `keras.layers.Dropout`, `LayerNormalization`.
   Policies "full" and "attention".
 
-Both use fused in-place Adam (the same update as Keras's).
+Both use fused in-place Adam (the same update as Keras's). `build_jax_model`
+builds the standard encoder for Keras 3 on JAX (`recompute_memory --backend jax`).
 """
 
 import math
@@ -136,27 +137,7 @@ def build_model(cfg, block="lean", policy="full"):
             y = self.ffn_out(self.ffn_in(x))
             return self.norm2(x + self.drop2(y, training=training))
 
-    class StandardBlock(keras.layers.Layer):
-        """The same block as a Keras user writes it."""
-
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.attention = keras.layers.MultiHeadAttention(heads, head_dim, dropout=rate,
-                                                             name="attention")
-            self.drop1 = keras.layers.Dropout(rate)
-            self.norm1 = keras.layers.LayerNormalization(epsilon=1e-12, name="norm1")
-            self.ffn_in = keras.layers.Dense(ffn, activation="gelu", name="ffn_in")
-            self.ffn_out = keras.layers.Dense(hidden, name="ffn_out")
-            self.drop2 = keras.layers.Dropout(rate)
-            self.norm2 = keras.layers.LayerNormalization(epsilon=1e-12, name="norm2")
-
-        def call(self, x, training=None):
-            a = self.attention(x, x, training=training)
-            x = self.norm1(x + self.drop1(a, training=training))
-            y = self.ffn_out(self.ffn_in(x))
-            return self.norm2(x + self.drop2(y, training=training))
-
-    block_cls = Block if block == "lean" else StandardBlock
+    block_cls = Block if block == "lean" else standard_block_class(cfg)
     block_cls.call = recompute_grad(block_cls.call, policy=policy)
     drop_cls = keras.layers.Dropout if block == "standard" else Dropout  # embedding's, head's
 
@@ -225,6 +206,66 @@ def build_model(cfg, block="lean", policy="full"):
         return loss
 
     return model, optimizer, train_step
+
+
+def standard_block_class(cfg):
+    """The "standard" block as a Keras user writes it (any Keras 3 backend); a new class per
+    call, so that each model decorates its own."""
+    import keras
+
+    hidden, heads, ffn, rate = cfg["hidden"], cfg["heads"], cfg["ffn"], cfg["dropout"]
+
+    class StandardBlock(keras.layers.Layer):
+        """Post-LN block: `MultiHeadAttention`, `Dense(activation="gelu")`, `Dropout`, `LayerNormalization`."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.attention = keras.layers.MultiHeadAttention(heads, hidden // heads, dropout=rate,
+                                                             name="attention")
+            self.drop1 = keras.layers.Dropout(rate)
+            self.norm1 = keras.layers.LayerNormalization(epsilon=1e-12, name="norm1")
+            self.ffn_in = keras.layers.Dense(ffn, activation="gelu", name="ffn_in")
+            self.ffn_out = keras.layers.Dense(hidden, name="ffn_out")
+            self.drop2 = keras.layers.Dropout(rate)
+            self.norm2 = keras.layers.LayerNormalization(epsilon=1e-12, name="norm2")
+
+        def call(self, x, training=None):
+            a = self.attention(x, x, training=training)
+            x = self.norm1(x + self.drop1(a, training=training))
+            y = self.ffn_out(self.ffn_in(x))
+            return self.norm2(x + self.drop2(y, training=training))
+
+    return StandardBlock
+
+
+def build_jax_model(cfg, policy="full"):
+    """Returns (model, loss_fn) for Keras 3 on JAX: the standard blocks decorated with
+    `recompute_grad(policy=policy)` in the same encoder as `build_model`'s, and
+    `loss_fn(trainable, non_trainable, ids, labels) -> (loss, new non-trainable)` for
+    `jax.value_and_grad` (the model's `stateless_call`, training=True)."""
+    import keras
+
+    from recompute import recompute_grad
+
+    hidden, seq, vocab, rate = cfg["hidden"], cfg["seq"], cfg["vocab"], cfg["dropout"]
+    block_cls = standard_block_class(cfg)
+    block_cls.call = recompute_grad(block_cls.call, policy=policy)
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((seq,), dtype="int32")
+    positions = keras.layers.Embedding(seq, hidden, name="positions")(keras.ops.arange(seq)[None])
+    x = keras.layers.Embedding(vocab, hidden, name="tokens")(ids) + positions
+    x = keras.layers.Dropout(rate)(keras.layers.LayerNormalization(epsilon=1e-12, name="emb_norm")(x))
+    for i in range(cfg["layers"]):
+        x = block_cls(name=f"block_{i}")(x)
+    pooled = keras.layers.Dropout(rate)(keras.layers.Dense(hidden, activation="tanh", name="pool")(x[:, 0]))
+    model = keras.Model(ids, keras.layers.Dense(2, name="classifier")(pooled))
+    cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def loss_fn(trainable, non_trainable, ids, labels):
+        logits, new_non_trainable = model.stateless_call(trainable, non_trainable, ids, training=True)
+        return cross_entropy(labels, logits), new_non_trainable
+
+    return model, loss_fn
 
 
 def add_shape_arguments(parser, defaults, batch_help, steps_help):

@@ -5,6 +5,7 @@
     TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.recompute_memory --model bert4keras
     python -m benchmarks.recompute_memory --quick    # tiny shape, for CI
     python -m benchmarks.recompute_memory --layers 4 --seq 256 --json out.json
+    python -m benchmarks.recompute_memory --backend jax --layers 8   # Keras 3 on JAX, standard block
 
 Models (`--model`) and their modes (`--modes`, default: all of them): `lean`
 and `standard`, the Keras 3 encoders of `benchmarks.encoder` (modes `0`,
@@ -107,8 +108,68 @@ def _bert4keras_step(cfg, policy, batch, steps):
     return (lambda b: float(model.train_on_batch(*b))), batches, int(model.count_params())
 
 
-def run_worker(cfg, model_name, mode, batch, steps, out_path):
+def _jax_worker(cfg, policy, batch, steps):
+    """Keras 3 on JAX: (result fields, progress text) of the standard encoder at `batch`.
+
+    What the backward pass keeps is JAX's saved residuals: the leaves of the
+    VJP of the loss (`jax.vjp`, shapes by `jax.eval_shape`: nothing is
+    allocated), weights included (they cancel in the per-sample slope). Also
+    reported: the temporary buffer XLA's compiled step allocates
+    (`memory_analysis().temp_size_in_bytes`), and CPU seconds of the jitted
+    `value_and_grad` step.
+    """
+    import jax
+    import numpy as np
+
+    model, loss_fn = encoder.build_jax_model(cfg, policy)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    rng = np.random.default_rng(batch)
+    batches = [(rng.integers(0, cfg["vocab"], (batch, cfg["seq"])).astype("int32"),
+                rng.integers(0, 2, (batch,)).astype("int32")) for _ in range(steps + 2)]
+
+    def residuals(trainable):
+        return jax.vjp(lambda t: loss_fn(t, non_trainable, *batches[0])[0], trainable)[1]
+
+    residual_bytes = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+                         for leaf in jax.tree_util.tree_leaves(jax.eval_shape(residuals, trainable)))
+    step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    compiled = step.lower(trainable, non_trainable, *batches[0]).compile()
+    analysis = compiled.memory_analysis()
+    temp = int(getattr(analysis, "temp_size_in_bytes", -1)) if analysis is not None else -1
+    cpu, wall, losses = [], [], []
+    for i, (ids, labels) in enumerate(batches):
+        t0, w0 = time.process_time(), time.perf_counter()
+        (loss, non_trainable), grads = compiled(trainable, non_trainable, ids, labels)
+        jax.block_until_ready(grads)
+        if i >= 2:  # after two warm-up steps
+            cpu.append(time.process_time() - t0)
+            wall.append(time.perf_counter() - w0)
+            losses.append(float(loss))
+    n_params = int(sum(int(np.prod(v.shape)) for v in model.trainable_variables))
+    fields = dict(device="jax " + jax.default_backend(), activation_bytes=int(residual_bytes),
+                  activation_bytes_per_step=[int(residual_bytes)], xla_temp_bytes=temp,
+                  cpu_s_per_step=harness.lower_median(cpu), cpu_s_per_step_each=cpu,
+                  wall_s_per_step=sum(wall) / len(wall), loss=losses[0], params=n_params)
+    text = (f"saved residuals {residual_bytes / MiB:.1f} MiB, XLA temp {temp / MiB:.1f} MiB; "
+            f"{fields['cpu_s_per_step']:.2f} CPU s/step")
+    return fields, text
+
+
+def run_worker(cfg, model_name, mode, batch, steps, out_path, backend="tensorflow"):
     import recompute
+
+    if backend == "jax":
+        policy = MODELS[model_name][0] if mode == "0" else mode
+        tag = f"jax {model_name} mode={mode} batch={batch}"
+        _progress(f"{tag}: building, tracing and running the model")
+        fields, text = _jax_worker(cfg, policy, batch, steps)
+        _progress(f"{tag}: {text}")
+        harness.write_result(out_path, dict(
+            fields, model=model_name, mode=mode, backend="jax", batch=batch,
+            recompute=os.environ.get(recompute.ENV_VAR, ""), recompute_enabled=recompute.is_enabled(),
+            rss_hwm_bytes=harness.peak_rss_kib() * 1024))
+        return
 
     policy = MODELS[model_name][0] if mode == "0" else mode
     tag = f"{model_name} mode={mode} batch={batch}"
@@ -157,14 +218,14 @@ def run_worker(cfg, model_name, mode, batch, steps, out_path):
 # Parent: spawn the workers, summarise.
 
 
-def _spawn(cfg, model_name, mode, batch, steps):
+def _spawn(cfg, model_name, mode, batch, steps, backend="tensorflow"):
     _progress(f"{model_name} mode={mode} batch={batch}: starting a fresh worker process")
-    env = dict(harness.allocator_env(), RECOMPUTE="0" if mode == "0" else "1")
+    env = dict(harness.allocator_env(), RECOMPUTE="0" if mode == "0" else "1", KERAS_BACKEND=backend)
     if model_name == "bert4keras":
         env.update(TF_KERAS="1", TF_USE_LEGACY_KERAS="1")
     runs = harness.run_workers(
         _progress, ["--model", model_name, "--modes", mode, "--batch-sizes", str(batch),
-                    "--steps", str(steps), *encoder.shape_argv(cfg)], [env])
+                    "--steps", str(steps), "--backend", backend, *encoder.shape_argv(cfg)], [env])
     return harness.require_results(runs, f"benchmark worker {model_name} mode={mode} batch={batch}")[0]
 
 
@@ -198,15 +259,21 @@ def summarize(runs, modes, batch_sizes):
 def print_report(cfg, runs, summary, ratios, out=None):
     out = sys.stdout if out is None else out  # the current one: report_to_docs redirects it
     p = lambda *a: print(*a, file=out)  # noqa: E731
+    jax = runs[0].get("backend") == "jax"
+    measure = ("JAX's saved residuals (weights included), XLA's compiled temp buffer, "
+               "the jitted value_and_grad step" if jax else f"allocator of {runs[0].get('device', 'CPU:0')}")
     p(f"recompute benchmark: {runs[0]['model']} model, {cfg['layers']} blocks, hidden "
       f"{cfg['hidden']}, {cfg['heads']} heads, FFN {cfg['ffn']}, seq {cfg['seq']}, vocab "
-      f"{cfg['vocab']}, dropout {cfg['dropout']}, Adam; {runs[0]['params'] / 1e6:.1f}M parameters; "
-      f"allocator of {runs[0].get('device', 'CPU:0')}")
+      f"{cfg['vocab']}, dropout {cfg['dropout']}, {'no optimizer' if jax else 'Adam'}; "
+      f"{runs[0]['params'] / 1e6:.1f}M parameters; {'Keras 3 on JAX, ' if jax else ''}{measure}")
     p("")
-    p(f"{'mode':>9} {'batch':>5} {'activation MiB':>15} {'peak RSS MiB':>13} "
+    label = "residuals MiB" if jax else "activation MiB"
+    extra = f" {'XLA temp MiB':>13}" if jax else ""
+    p(f"{'mode':>9} {'batch':>5} {label:>15}{extra} {'peak RSS MiB':>13} "
       f"{'CPU s/step':>11} {'loss':>8}")
     for r in runs:
-        p(f"{r['mode']:>9} {r['batch']:>5} {r['activation_bytes'] / MiB:>15.1f} "
+        extra = f" {r['xla_temp_bytes'] / MiB:>13.1f}" if jax else ""
+        p(f"{r['mode']:>9} {r['batch']:>5} {r['activation_bytes'] / MiB:>15.1f}{extra} "
           f"{r['rss_hwm_bytes'] / MiB:>13.1f} {r['cpu_s_per_step']:>11.2f} {r['loss']:>8.4f}")
     p("")
     p(f"{'mode':>9} {'MiB/sample':>11} {'fixed MiB':>10} {'RSS MiB/sample':>15} "
@@ -235,8 +302,12 @@ def parse_args(argv=None):
         parser, FULL, steps_help="timed steps after warm-up",
         batch_help="comma-separated batch sizes; the per-sample memory is the "
                    "slope between them (default 2,6)")
-    parser.add_argument("--model", choices=tuple(MODELS), default="lean",
-                        help="lean (default) or standard Keras 3 encoder, or bert4keras's BERT")
+    parser.add_argument("--model", choices=tuple(MODELS),
+                        help="lean (default) or standard Keras 3 encoder, or bert4keras's BERT; "
+                             "--backend jax: standard only (its default)")
+    parser.add_argument("--backend", choices=("tensorflow", "jax"), default="tensorflow",
+                        help="Keras 3 backend of the lean and standard encoders (default "
+                             "tensorflow); jax measures JAX's saved residuals and XLA's temp buffer")
     parser.add_argument("--modes", help="comma-separated: 0 (RECOMPUTE=0) and policies of the "
                                         "model (lean: full; standard: full, attention; bert4keras: "
                                         "layer, block, attention); 1 = the first policy "
@@ -250,6 +321,11 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     harness.check_docs_page(parser, args.docs, TOOL)
 
+    if args.model is None:
+        args.model = "standard" if args.backend == "jax" else "lean"
+    if args.backend == "jax" and args.model != "standard":
+        parser.error(f"--backend jax measures the standard Keras 3 encoder (--model standard); "
+                     f"got --model {args.model}")
     encoder.finish_shape_arguments(parser, args, QUICK if args.quick else FULL,
                                    need_slope=not args.worker)
     policies = MODELS[args.model]
@@ -281,7 +357,8 @@ def _main(argv=None):
     args = parse_args(argv)
     cfg = encoder.shape_config(args)
     if args.worker:
-        run_worker(cfg, args.model, args.modes[0], args.batch_sizes[0], args.steps, args.out)
+        run_worker(cfg, args.model, args.modes[0], args.batch_sizes[0], args.steps, args.out,
+                   args.backend)
         return 0
 
     batch_sizes = sorted(args.batch_sizes)
@@ -291,7 +368,7 @@ def _main(argv=None):
     # the machine during the run does not bias the time ratio.
     for batch in batch_sizes:
         for mode in args.modes:
-            runs.append(_spawn(cfg, args.model, mode, batch, args.steps))
+            runs.append(_spawn(cfg, args.model, mode, batch, args.steps, args.backend))
     runs.sort(key=lambda r: (args.modes.index(r["mode"]), r["batch"]))
     summary, ratios = summarize(runs, args.modes, batch_sizes)
     _progress(f"done in {time.perf_counter() - start:.0f} s wall")
@@ -299,7 +376,7 @@ def _main(argv=None):
         print_report(cfg, runs, summary, ratios)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(config=dict(cfg, model=args.model, batch_sizes=batch_sizes,
+            json.dump(dict(config=dict(cfg, model=args.model, backend=args.backend, batch_sizes=batch_sizes,
                                        steps=args.steps),
                            runs=runs, summary=summary, ratios=ratios), f, indent=2)
         _progress(f"results saved to {args.json}")

@@ -1,0 +1,131 @@
+"""Checks of `recompute.keras_hub`, run on Keras's TensorFlow backend (tests/recompute_keras3)
+and on JAX (tests/recompute_jax). Backend-neutral: they train with `train_on_batch`.
+
+Exactness is checked on gradients: one SGD step with a large learning rate from the same
+state (weights and seed-generator states) with RECOMPUTE off and on; the weight change
+divided by the learning rate is the gradient, compared for every variable.
+"""
+
+import keras
+import numpy as np
+
+from recompute import recompute_scope
+from tests.helpers.numerics import assert_all_close
+
+LR = 1000.0
+
+
+def tiny_backbone(seed=0):
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.BertBackbone(
+        vocabulary_size=60, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=12, dropout=0.1,
+    )
+
+
+def batch(vocab=60, size=4, seq=12, seed=1):
+    """Token ids, segment ids and a padding mask with padded tails of different lengths."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocab, size=(size, seq)).astype("int32")
+    lengths = np.linspace(seq // 3, seq, size).astype(int)
+    mask = np.arange(seq)[None, :] < lengths[:, None]
+    ids = np.where(mask, ids, 0)
+    segments = (np.arange(seq)[None, :] >= lengths[:, None] // 2).astype("int32") * mask
+    x = {"token_ids": ids, "segment_ids": segments.astype("int32"), "padding_mask": mask}
+    y = (np.arange(size) % 2).astype("int32")
+    return x, y
+
+
+def classifier(backbone):
+    inputs = {name: keras.Input((None,), dtype=dtype, name=name) for name, dtype in
+              (("token_ids", "int32"), ("segment_ids", "int32"), ("padding_mask", "bool"))}
+    pooled = backbone(inputs)["pooled_output"]
+    logits = keras.layers.Dense(2)(keras.layers.Dropout(0.1, seed=3)(pooled))
+    return keras.Model(inputs, logits)
+
+
+def gradients_by_step(model, x, y, on):
+    """(gradient of every trainable variable, the variables after the step) of one SGD step,
+    starting from the model's current state, which is restored afterwards."""
+    start = [np.array(v.numpy()) for v in model.variables]
+    model.compile(keras.optimizers.SGD(LR), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = [np.array(v.numpy(), np.float64) for v in model.trainable_variables]
+    with recompute_scope(on):
+        model.train_on_batch(x, y)
+    after = [np.array(v.numpy(), np.float64) for v in model.trainable_variables]
+    state = [np.array(v.numpy()) for v in model.non_trainable_variables]
+    for v, value in zip(model.variables, start):
+        v.assign(value)
+    return [(b - a) / LR for a, b in zip(after, before)], state
+
+
+def check_recompute_exact(model, x, y):
+    """RECOMPUTE=1 gives RECOMPUTE=0's gradients (every variable) and state (dropout seeds)."""
+    grads0, state0 = gradients_by_step(model, x, y, False)
+    grads1, state1 = gradients_by_step(model, x, y, True)
+    names = [v.path for v in model.trainable_variables]
+    assert_all_close(grads0, grads1, names)
+    for a, b in zip(state0, state1):
+        np.testing.assert_array_equal(a, b)
+    # The step trained the encoder: the comparison is not between zeros.
+    encoder = [g for g, n in zip(grads0, names) if "transformer_layer_0" in n]
+    assert encoder and all(np.abs(g).max() > 0 for g in encoder)
+
+
+def check_patch(policy):
+    """Patched, a tiny BertBackbone (dropout 0.1, padding) built before and one built after
+    `patch()` both recompute exactly; `unpatch()` restores keras-hub's own call."""
+    import keras_hub
+
+    import recompute.keras_hub as hub
+
+    encoder = keras_hub.layers.TransformerEncoder
+    original = encoder.__dict__["call"]
+    x, y = batch()
+    built_before = classifier(tiny_backbone(0))
+    try:
+        hub.patch(policy=policy)
+        hub.patch(policy=policy)  # idempotent
+        assert hub.is_patched() == policy
+        assert encoder.__dict__["call"].__recompute_grad_wrapped__ is original
+        check_recompute_exact(built_before, x, y)
+        check_recompute_exact(classifier(tiny_backbone(1)), x, y)
+    finally:
+        hub.unpatch()
+    assert encoder.__dict__["call"] is original and hub.is_patched() is None
+    hub.unpatch()  # nothing to undo
+
+
+def check_minilm_preset(tmp_path, reference):
+    """The real MiniLM, loaded by keras-hub from the preset directory, matches the NumPy BERT
+    (≤ 1e-4 on every real token), and recomputes exactly when patched."""
+    import keras_hub
+
+    import recompute.keras_hub as hub
+
+    path = hub.minilm_preset(tmp_path / "minilm")
+    backbone = keras_hub.models.BertBackbone.from_preset(path)
+    tokenizer = keras_hub.models.BertTokenizer.from_preset(path)
+    ids = [list(tokenizer(s).numpy() if hasattr(tokenizer(s), "numpy") else tokenizer(s))
+           for s in ["a gripping , funny film .", "flat and dull"]]
+    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    seq = 12
+    tokens = np.zeros((2, seq), "int32")
+    for i, row in enumerate(ids):
+        row = [cls] + [int(t) for t in row] + [sep]
+        tokens[i, :len(row)] = row
+    mask = tokens != 0
+    out = backbone({"token_ids": tokens, "segment_ids": np.zeros_like(tokens), "padding_mask": mask})
+    got = np.asarray(keras.ops.convert_to_numpy(out["sequence_output"]), np.float64)
+    want, _ = reference(tokens, None, mask.astype("int32"))
+    err = np.abs(got - want)[mask].max() / np.abs(want[mask]).max()
+    assert err <= 1e-4, err
+    try:
+        hub.patch()
+        model = classifier(backbone)
+        check_recompute_exact(model, {"token_ids": tokens, "segment_ids": np.zeros_like(tokens),
+                                      "padding_mask": mask}, np.array([1, 0], "int32"))
+    finally:
+        hub.unpatch()
