@@ -18,7 +18,6 @@ this measures.
 import argparse
 import os
 import sys
-from functools import partial
 
 from . import harness
 
