@@ -13,7 +13,9 @@ locally and the replicas all-reduce once per update, not once per micro-batch
 (`accum._distributed`; `python -m benchmarks.accum_distribute` measures it).
 
 The Keras families (Keras 3 / tf_keras / tf_keras legacy) are told apart in
-`accum._families`; `accum._dispatch` picks the implementation for each.
+`accum._families`; `accum._dispatch` picks the implementation for each (and for
+Keras 3 on the JAX backend, `accum._keras3_jax`: the window through
+`stateless_apply`, the inner update in a `jax.lax.cond`).
 """
 
 from ._base import AccumOptimizer

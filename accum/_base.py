@@ -20,9 +20,10 @@ class AccumOptimizer:
     model.fit(x, y, batch_size=4)              # trains like batch_size=32
     ```
 
-    Wraps a Keras 3 (TensorFlow backend), tf_keras or tf_keras legacy
+    Wraps a Keras 3 (TensorFlow or JAX backend), tf_keras or tf_keras legacy
     optimizer and is an optimizer of the same family (`compile`, `fit`,
-    custom loops, `tf.distribute`), with `inner_optimizer`, a delegated
+    custom loops, `tf.distribute`; on JAX, Keras's trainer and
+    `stateless_apply`), with `inner_optimizer`, a delegated
     `learning_rate` and a nested config, like `LossScaleOptimizer`. Each
     `apply_gradients` call is a micro-step; every `k`-th applies the inner
     optimizer once to the mean gradient, so everything that counts updates
@@ -33,8 +34,8 @@ class AccumOptimizer:
     saved with the model: resuming mid-window is bit-exact.
 
     Limits: `mode="momentum"` is exact for SGD with momentum only (Adam's
-    second moment is approximate) and refuses other optimizers and
-    `tf.distribute`; BatchNormalization statistics are per micro-batch (a
+    second moment is approximate) and refuses other optimizers,
+    `tf.distribute` and the JAX backend; BatchNormalization statistics are per micro-batch (a
     warning says so); with tf_keras, put its `LossScaleOptimizer` inside the
     wrapper. Semantics, saving and limits in full: docs/accumulation.md;
     distribution: `accum._distributed`; the momentum derivation:

@@ -19,8 +19,10 @@ attention core as a unit that keeps its dropout mask), `_gelu` (a GELU that
 keeps only its input), `_adapter` (the
 interface to a Keras family) with `_keras3` and `_tf_keras` (its two
 implementations, the only users of private Keras API) chosen by `_backends`,
-`_tf` (TensorFlow internals), `_config` (the switch), `_errors`;
-`recompute.bert4keras` (bert4keras integration and checkpoint converter).
+`_tf` (TensorFlow internals), `_config` (the switch), `_errors`; `_jax`
+(Keras 3's JAX backend: the call as a `jax.checkpoint`, state threaded through,
+and its policies); `recompute.bert4keras` (bert4keras integration and checkpoint
+converter); `recompute.keras_hub` (keras-hub's `TransformerEncoder`, offline presets).
 """
 
 from ._config import ENV_VAR, is_enabled, recompute_scope

@@ -72,7 +72,9 @@ def recompute_grad(call=None, *, policy="full"):
     -- and side effects (moving statistics, metrics, `add_loss`) happen once.
     Off, or with no tape recording, `call` runs as written. Keras 3
     (TensorFlow backend) and tf_keras; eager, `tf.function`, `jit_compile`,
-    `fit`, mixed precision, `tf.distribute`. The outermost decorated call is
+    `fit`, mixed precision, `tf.distribute`. On Keras 3's JAX backend the
+    call becomes a `jax.checkpoint` with its state threaded through
+    (`recompute._jax`, docs/jax.md): `fit`, `stateless_call` under `jax.grad`. The outermost decorated call is
     the unit; a functional block: `block.call = recompute_grad(block.call)`.
 
     Limits: sublayers with variables or random state must exist before the
@@ -93,7 +95,7 @@ def recompute_grad(call=None, *, policy="full"):
         TypeError: `call` is not a layer's `call`.
         ValueError: an unknown `policy`; at the call, policy="attention" on a
             layer without `MultiHeadAttention` layers.
-        NotImplementedError: a Keras 3 backend other than TensorFlow.
+        NotImplementedError: a Keras 3 backend other than TensorFlow and JAX.
     """
     if isinstance(call, str):
         raise TypeError(

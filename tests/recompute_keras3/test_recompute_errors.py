@@ -92,14 +92,14 @@ def test_bound_call_of_an_instance():
 
 
 def test_non_tensorflow_backend_raises(monkeypatch):
-    # Only the TensorFlow backend can be loaded here (the others need JAX or
-    # PyTorch), so the backend Keras reports is patched for this test.
+    # JAX is tested in tests/recompute_jax; PyTorch is not installed (it would
+    # bring CUDA libraries), so the backend Keras reports is patched for this test.
     layer = Block(8)
     x = inputs()
     layer(x)
-    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
     with recompute.recompute_scope(True):
-        with pytest.raises(NotImplementedError, match="'jax' backend"):
+        with pytest.raises(NotImplementedError, match="'torch' backend"):
             layer(x)
     with recompute.recompute_scope(False):
         layer(x)  # off: the original call runs, whatever the backend
