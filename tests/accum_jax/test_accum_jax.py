@@ -270,3 +270,78 @@ def test_variable_without_gradient_in_the_window_keeps_weights_and_slots():
     for a, b in zip(ref_opt.variables, opt.inner_optimizer.variables):
         np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=2e-5, atol=1e-9)
     assert not np.allclose(start[-1], model.get_weights()[-1])
+
+
+def scaled_steps(opt, model, batches):
+    """Micro-steps with the loss scaled by `opt.scale_loss` (a LossScaleOptimizer's scale),
+    applied by `opt.stateless_apply` under jit, as Keras's JAX trainer does."""
+    trainable = [v.value for v in model.trainable_variables]
+    opt_vars = [v.value for v in opt.variables]
+
+    def loss_fn(trainable, opt_vars, x, ids, y):
+        out, _ = model.stateless_call(trainable, [], [x, ids])
+        loss = jnp.mean((out - y) ** 2)
+        with keras.StatelessScope(list(zip(opt.variables, opt_vars))):
+            return opt.scale_loss(loss)
+
+    @jax.jit
+    def step(trainable, opt_vars, x, ids, y):
+        grads = jax.grad(loss_fn)(trainable, opt_vars, x, ids, y)
+        return opt.stateless_apply(opt_vars, grads, trainable)
+
+    for (x, ids), y in batches:
+        trainable, opt_vars = step(trainable, opt_vars, x, ids, y)
+    for v, value in zip(model.trainable_variables, trainable):
+        v.assign(value)
+    for v, value in zip(opt.variables, opt_vars):
+        v.assign(value)
+
+
+def poisoned(n_micro, bad):
+    (x, ids), y = make_data(B * n_micro)
+    y = y.copy()
+    y[bad * B] = 3e38  # the squared error overflows float32: non-finite gradients
+    return [((x[i * B:(i + 1) * B], ids[i * B:(i + 1) * B]), y[i * B:(i + 1) * B]) for i in range(n_micro)]
+
+
+def joined(micro, indices):
+    (xs, ids), ys = zip(*[m[0] for m in (micro[i] for i in indices)]), [micro[i][1] for i in indices]
+    return (np.concatenate(xs), np.concatenate(ids)), np.concatenate(ys)
+
+
+def check_windows(model, inner, micro, windows):
+    reference = make_model()
+    ref_opt = keras.optimizers.Adam(0.01)
+    ref_opt.build(reference.trainable_variables)
+    stateless_steps(ref_opt, reference, [(x, y, jnp.float32(1.0)) for x, y in
+                                         (joined(micro, w) for w in windows)])
+    assert int(inner.iterations.numpy()) == len(windows)
+    for a, b in zip(reference.get_weights() + [np.asarray(v.numpy()) for v in ref_opt.variables],
+                    model.get_weights() + [np.asarray(v.numpy()) for v in inner.variables]):
+        np.testing.assert_allclose(a, b, rtol=5e-6, atol=1e-8)
+
+
+def test_loss_scale_optimizer_outside():
+    """LSO(AccumOptimizer): the LSO drops the bad micro-step; windows are k finite micro-steps."""
+    micro = poisoned(9, bad=2)
+    model = make_model()
+    inner = keras.optimizers.Adam(0.01)
+    opt = keras.optimizers.LossScaleOptimizer(AccumOptimizer(inner, K), initial_scale=2.0**10)
+    opt.build(model.trainable_variables)
+    scaled_steps(opt, model, micro)
+    assert float(opt.dynamic_scale.numpy()) == 2.0**9
+    check_windows(model, inner, micro, [[0, 1, 3, 4], [5, 6, 7, 8]])
+
+
+def test_loss_scale_optimizer_inside():
+    """AccumOptimizer(LSO): the bad micro-batch is skipped, the mean divides by the 3 kept,
+    and the inner scale is halved as the LSO would."""
+    micro = poisoned(8, bad=2)
+    model = make_model()
+    adam = keras.optimizers.Adam(0.01)
+    lso = keras.optimizers.LossScaleOptimizer(adam, initial_scale=2.0**10)
+    opt = AccumOptimizer(lso, K)
+    opt.build(model.trainable_variables)
+    scaled_steps(opt, model, micro)
+    assert float(lso.dynamic_scale.numpy()) == 2.0**9 and int(opt.micro_steps.numpy()) == 8
+    check_windows(model, adam, micro, [[0, 1, 3], [4, 5, 6, 7]])
