@@ -71,11 +71,10 @@ def _scope_class():
         class RecordingScope(keras.StatelessScope):
             """A `StatelessScope` that also records which variables were assigned, in order."""
 
-            def __init__(self, mapping, variables):
+            def __init__(self, mapping):
                 super().__init__(collect_losses=True, initialize_variables=False)
                 self.state_mapping = mapping  # {id(variable): value}
                 self.assigned = {}  # id -> variable, first assignment first
-                self._known = variables
 
             def add_update(self, update):
                 variable, value = update
@@ -172,7 +171,7 @@ def recomputed_call(call, layer, args, kwargs):
         for i, value in zip(dynamic, inputs):
             new_flat[i] = value
         call_args, call_kwargs = keras.tree.pack_sequence_as(structure, new_flat)
-        scope = _scope_class()(mapping, variables)
+        scope = _scope_class()(mapping)
         try:
             with scope, _running_call(), _global_seed_allowed(not traced_outside):
                 outputs = call(layer, *call_args, **call_kwargs)
