@@ -29,7 +29,7 @@ setup(
         # Benchmarks: the batch-fit plot.
         "bench": ["matplotlib>=3.7"],
         # Keras 3 on the JAX backend (KERAS_BACKEND=jax): CPU wheels, no CUDA.
-        "jax": ["jax[cpu]>=0.5"],
+        "jax": ["jax[cpu]==0.10.*"],
         # keras-hub integration (`recompute.keras_hub`); brings tensorflow-text.
         "hub": ["keras-hub==0.32.*"],
         "test": [
@@ -39,7 +39,7 @@ setup(
             "tokenizers>=0.15",
             "safetensors>=0.4",
             "matplotlib>=3.7",
-            "jax[cpu]>=0.5",  # the JAX-backend suites (tests/recompute_jax, tests/accum_jax)
+            "jax[cpu]==0.10.*",  # the JAX-backend suites (tests/recompute_jax, tests/accum_jax)
             "keras-hub==0.32.*",  # recompute.keras_hub's tests (TensorFlow and JAX)
         ],
     },
