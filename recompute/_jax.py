@@ -37,7 +37,7 @@ import types
 
 import numpy as np
 
-from ._errors import created_in_recomputation
+from . import _keras3
 
 _running = threading.local()  # .depth: recomputed calls running in this thread
 
@@ -98,12 +98,12 @@ def _raw_value(variable, outer):
     return variable._value
 
 
-def _global_seed_state():
-    """The state variable of Keras's global seed generator (unseeded `keras.random` calls),
-    created now if needed so that it is an input of the checkpoint, not created inside it."""
+def _create_global_seed_generator():
+    """Creates Keras's global seed generator (unseeded `keras.random` calls) if it does not
+    exist yet, so that its state is an input of the checkpoint, not created inside it."""
     from keras.src.random import seed_generator
 
-    return seed_generator.global_seed_generator().state
+    seed_generator.global_seed_generator()
 
 
 @contextlib.contextmanager
@@ -125,15 +125,6 @@ def _global_seed_allowed(allowed):
         seed_generator.jax_utils = original
 
 
-def _unique(variables):
-    out, seen = [], set()
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            out.append(v)
-    return out
-
-
 def _is_array(value):
     import jax
 
@@ -144,24 +135,20 @@ def recomputed_call(call, layer, args, kwargs):
     """Runs `call(layer, *args, **kwargs)` under `jax.checkpoint`, state threaded through it."""
     import jax
     import keras
-    from keras.src.backend.common import global_state
     from keras.src.backend.common.stateless_scope import get_stateless_scope
     from keras.src.utils.jax_utils import is_in_jax_tracing_scope
 
     outer = get_stateless_scope()
     traced_outside = is_in_jax_tracing_scope()
-    variables = list(layer.variables) + list(getattr(layer, "metrics_variables", []))
     if not traced_outside:
-        variables.append(_global_seed_state())
-    variables = _unique(variables)
+        _create_global_seed_generator()
+    variables = list(layer.trainable_variables) + _keras3.state_variables(layer)
     values = [_raw_value(v, outer) for v in variables]
     base = dict(outer.state_mapping) if outer is not None else {}
 
     structure = (args, kwargs)
     flat = keras.tree.flatten(structure)
     dynamic = [i for i, v in enumerate(flat) if _is_array(v)]
-    pending = global_state.get_global_attribute("uninitialized_variables", [], set_to_default=True)
-    n_pending = len(pending)
     traced = {}  # what the trace found: output structure, assigned variables
 
     def pure(variable_values, inputs):
@@ -172,13 +159,9 @@ def recomputed_call(call, layer, args, kwargs):
             new_flat[i] = value
         call_args, call_kwargs = keras.tree.pack_sequence_as(structure, new_flat)
         scope = _scope_class()(mapping)
-        try:
+        with _keras3.creation_refused(layer):
             with scope, _running_call(), _global_seed_allowed(not traced_outside):
                 outputs = call(layer, *call_args, **call_kwargs)
-        except ValueError as e:
-            if "create a variable while in a stateless scope" in str(e):
-                raise created_in_recomputation(layer.name, "a variable") from e
-            raise
         flat_outputs = keras.tree.flatten(outputs)
         arrays = [i for i, out in enumerate(flat_outputs) if _is_array(out)]
         assigned = list(scope.assigned.values())
@@ -190,10 +173,6 @@ def recomputed_call(call, layer, args, kwargs):
         )
 
     results, new_state, losses = jax.checkpoint(pure)(values, [flat[i] for i in dynamic])
-    if len(pending) > n_pending:
-        names = [v.path for v in pending[n_pending:]]
-        del pending[n_pending:]
-        raise created_in_recomputation(layer.name, f"variables {names}")
     for variable, value in zip(traced["assigned"], new_state):
         variable.assign(value)
     if losses:
@@ -219,8 +198,6 @@ def attention(fn, layer, args, kwargs):
     Its dropout is replayed from the seed state, not kept as a mask: JAX's
     random draws are functions of that state.
     """
-    from . import _keras3
-
     layers = _keras3.attention_layers(_keras3.sublayers(layer))
     if not layers:
         raise ValueError(

@@ -110,33 +110,40 @@ def replay_state(layer, state, start):
     assignment to an aggregated variable is combined across replicas as the
     forward pass's was (see `_replay_scope_class`).
     """
+    mapping = [(v, value) for v, value in zip(state, start)]
+    losses = []
+    with creation_refused(layer):
+        with _replay_scope_class()(
+            mapping, collect_losses=True, initialize_variables=False
+        ) as scope:
+            yield losses
+        losses.extend(scope.losses)
+        for lyr in sublayers(layer):
+            lyr._loss_ids.clear()
+
+
+@contextlib.contextmanager
+def creation_refused(layer):
+    """Around a call run in a `StatelessScope` that does not initialize variables (a
+    recomputation): a variable the call creates -- which Keras then refuses, or defers
+    to the scope's exit -- raises `VariableCreatedInRecomputationError` naming `layer`.
+    Also used by `recompute._jax`."""
     from keras.src.backend.common import global_state
 
     pending = global_state.get_global_attribute(
         "uninitialized_variables", [], set_to_default=True
     )
     n_pending = len(pending)
-    mapping = [(v, value) for v, value in zip(state, start)]
-    losses = []
-    def created(what, cause=None):
-        raise created_in_recomputation(layer.name, what) from cause
-
     try:
-        with _replay_scope_class()(
-            mapping, collect_losses=True, initialize_variables=False
-        ) as scope:
-            yield losses
+        yield
     except ValueError as e:
         if "create a variable while in a stateless scope" in str(e):
-            created("a variable", e)
+            raise created_in_recomputation(layer.name, "a variable") from e
         raise
-    losses.extend(scope.losses)
-    for lyr in sublayers(layer):
-        lyr._loss_ids.clear()
     if len(pending) > n_pending:
         names = [v.path for v in pending[n_pending:]]
         del pending[n_pending:]
-        created(f"variables {names}")
+        raise created_in_recomputation(layer.name, f"variables {names}")
 
 
 _REPLAY_SCOPE = []
