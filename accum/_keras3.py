@@ -184,14 +184,19 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         """Keras 3 optimizers all-reduce their gradients inside `apply` (TensorFlow
         backend, `_all_reduce_sum_gradients`) and have no argument to skip it: the
         innermost optimizer's is replaced by the identity while the update is traced."""
-        innermost = self.inner_optimizer
-        while isinstance(innermost, keras.optimizers.LossScaleOptimizer):
-            innermost = innermost.inner_optimizer
+        innermost = self._innermost()
         object.__setattr__(innermost, "_all_reduce_sum_gradients", list)
         try:
             yield
         finally:
             object.__delattr__(innermost, "_all_reduce_sum_gradients")
+
+    def _innermost(self):
+        """The optimizer that does the update: the inner one, unwrapped from `LossScaleOptimizer`s."""
+        innermost = self.inner_optimizer
+        while isinstance(innermost, keras.optimizers.LossScaleOptimizer):
+            innermost = innermost.inner_optimizer
+        return innermost
 
     def _inner_loss_scale(self):
         """The inner `LossScaleOptimizer`'s dynamic scale variable, or None."""
@@ -244,9 +249,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         weight decay with the variables' touched flags while the update is traced
         (instance attributes, removed after), so an untouched variable and its slots
         stay as they are, as if it had no gradient."""
-        innermost = self.inner_optimizer
-        while isinstance(innermost, keras.optimizers.LossScaleOptimizer):
-            innermost = innermost.inner_optimizer
+        innermost = self._innermost()
         flags = {innermost._var_key(v): t for v, t in zip(variables, touched)}
 
         def touched_of(variable):

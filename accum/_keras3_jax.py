@@ -17,7 +17,9 @@ optimizer's `assign`, `assign_add`, `assign_sub`) and its weight decay are
 selected by that variable's flag while the update is traced, as the
 TensorFlow implementation guards them with `tf.cond`.
 
-Not on JAX: `mode="momentum"` and `tf.distribute` (TensorFlow only).
+`build` is the TensorFlow implementation's (without a strategy its
+replica-local scopes are no-ops). Not on JAX: `mode="momentum"` and
+`tf.distribute` (TensorFlow only).
 """
 
 import contextlib
@@ -47,23 +49,6 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
                 "'jax' backend"
             )
         super().__init__(optimizer, steps_per_update, mode=mode, name=name, **kwargs)
-
-    def build(self, var_list):
-        """Creates the counters, the buffers and the inner optimizer's slots."""
-        var_list = list(var_list)
-        self._accum_strategy = None
-        self.window_steps = self.add_variable(shape=(), dtype="int64", initializer="zeros", name="window_steps")
-        self.window_count = self.add_variable(shape=(), dtype="int64", initializer="zeros", name="window_count")
-        self.touched = [
-            self.add_variable(shape=(), dtype="int64", initializer="zeros", name="touched")
-            for _ in var_list
-        ]
-        self.inner_optimizer.build(var_list)
-        self.accumulators = [self.add_variable_from_reference(v, name="accumulator") for v in var_list]
-        keras.optimizers.Optimizer.build(self, var_list)
-        from . import _batchnorm
-
-        _batchnorm.warn_for_training_model(self)
 
     # --------------------------------------------------------------- updates
 
@@ -132,9 +117,7 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
         decay of the innermost optimizer assign a variable's new values only where its
         touched flag is set (`jnp.where`), so an untouched variable and its slots keep theirs."""
         jnp = _jnp()
-        innermost = self.inner_optimizer
-        while isinstance(innermost, keras.optimizers.LossScaleOptimizer):
-            innermost = innermost.inner_optimizer
+        innermost = self._innermost()
         flags = {innermost._var_key(v): t for v, t in zip(variables, touched)}
         update_step = innermost.update_step
         current = []  # the flag of the variable whose update_step runs
