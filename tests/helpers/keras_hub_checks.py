@@ -98,6 +98,24 @@ def check_patch(policy):
     hub.unpatch()  # nothing to undo
 
 
+def numpy_reference():
+    """The NumPy BERT of the MiniLM package's weights, with the GELU keras-hub computes
+    (skips the test if the package is not installed)."""
+    import pytest
+
+    from recompute.bert4keras.converter import minilm_zip
+    from tests.helpers import numpy_bert
+
+    try:
+        src = minilm_zip()
+    except ModuleNotFoundError as e:
+        pytest.skip(str(e))
+    config, weights = numpy_bert.load_hf(src)
+    # keras-hub's BertBackbone always uses the tanh GELU (MiniLM was trained with the erf
+    # one: keras-hub's outputs differ from the original model's by ~4e-4 of their scale).
+    return numpy_bert.NumpyBert(dict(config, hidden_act="gelu_new"), weights)
+
+
 def check_minilm_preset(tmp_path, reference):
     """The real MiniLM, loaded by keras-hub from the preset directory, matches the NumPy BERT
     (≤ 1e-4 on every real token), and recomputes exactly when patched."""

@@ -17,17 +17,7 @@ def test_patch_is_exact_and_reversible(policy):
 
 @pytest.fixture(scope="module")
 def reference():
-    from recompute.bert4keras.converter import minilm_zip
-    from tests.helpers import numpy_bert
-
-    try:
-        src = minilm_zip()
-    except ModuleNotFoundError as e:
-        pytest.skip(str(e))
-    config, weights = numpy_bert.load_hf(src)
-    # keras-hub's BertBackbone always uses the tanh GELU (MiniLM was trained with the erf
-    # one: keras-hub's outputs differ from the original model's by ~4e-4 of their scale).
-    return numpy_bert.NumpyBert(dict(config, hidden_act="gelu_new"), weights)
+    return checks.numpy_reference()
 
 
 def test_minilm_preset_matches_numpy_bert_and_recomputes_exactly(tmp_path, reference):
