@@ -83,10 +83,15 @@ class AccumOptimizer:
         """`steps_per_update` and `mode` validated (`optimizer` is checked in `__new__`)."""
         return _validation.check_steps_per_update(steps_per_update), _validation.check_mode(mode)
 
-    def _momentum_rule(self, optimizer, mode):
-        """The family's `MomentumRule` for `optimizer` with `mode="momentum"` (refuses
-        unsupported optimizers), else None."""
-        return self._momentum_rule_for(optimizer) if mode == "momentum" else None
+    def _mode_rule(self, optimizer, mode, steps_per_update):
+        """What the mode needs of `optimizer`, refusing those it cannot handle: the
+        family's `MomentumRule` (`mode="momentum"`), its `accum._rescale.Rescale`
+        (`mode="rescale"`), or None (`mode="buffer"`)."""
+        if mode == "momentum":
+            return self._momentum_rule_for(optimizer)
+        if mode == "rescale":
+            return self._rescale_spec_for(optimizer, steps_per_update)
+        return None
 
     def _init_window(self, steps_per_update, mode, rule):
         """Sets the validated arguments (after the Keras optimizer's `__init__`)."""
@@ -140,6 +145,7 @@ class AccumOptimizer:
         """
         from ._flush import make_flush_callback
 
+        self._check_flushable()
         return make_flush_callback(self, at)
 
     # ------------------------------------------------------------ window
@@ -167,8 +173,11 @@ class AccumOptimizer:
 
         Does nothing if the window is empty or the optimizer is not built. The
         variables updated are those that got a gradient in some micro-step of
-        the window. Works eagerly and inside `tf.function`.
+        the window. Works eagerly and inside `tf.function`. Not with
+        `mode="rescale"` (a `ValueError`): there the pending micro-steps are
+        already in the moving averages and move the weights at the next update.
         """
+        self._check_flushable()
         if not self._has_window_state():
             return
         if getattr(self, "_accum_strategy", None) is not None:
@@ -176,6 +185,15 @@ class AccumOptimizer:
             self._distributed_window().flush(self._accum_strategy, indices)
             return
         _window.flush(self._tf(self.window_steps), self._end_window)
+
+    def _check_flushable(self):
+        if self.mode == "rescale":
+            raise ValueError(
+                '`flush()` needs `mode="buffer"` or `mode="momentum"`: with '
+                '`mode="rescale"` the micro-steps of a window are already in the inner '
+                "optimizer's moving averages, and the weights move only at the window's "
+                f"last micro-step (every {self.steps_per_update}-th). Received: mode=\"rescale\""
+            )
 
     def _warn_pending(self):
         """Warns once (per optimizer) about micro-steps pending at the end of `fit`

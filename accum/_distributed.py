@@ -117,9 +117,10 @@ def in_replica_context():
     return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
 
 
-def momentum_not_supported():
+def momentum_not_supported(mode="momentum"):
+    """The error for a mode other than "buffer" under a strategy."""
     return NotImplementedError(
-        '`AccumOptimizer(..., mode="momentum")` is not supported under a '
+        f'`AccumOptimizer(..., mode="{mode}")` is not supported under a '
         "`tf.distribute` strategy: its moment slots are mirrored variables "
         "that it would update from each replica's own gradients at every "
         'micro-step. Use `mode="buffer"` (the default), which accumulates '

@@ -40,7 +40,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             raise ValueError(
                 f"AccumOptimizer does not support arguments: `{'`, `'.join(kwargs)}`."
             )
-        rule = self._momentum_rule(optimizer, mode)
+        rule = self._mode_rule(optimizer, mode, steps_per_update)
         super().__init__(learning_rate=0.0, name=name or "accum_optimizer")
         self.inner_optimizer = optimizer
         self._init_window(steps_per_update, mode, rule)
@@ -52,6 +52,12 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
 
         return rule_for(optimizer)
 
+    @staticmethod
+    def _rescale_spec_for(optimizer, steps_per_update):
+        from ._rescale_keras3 import spec_for
+
+        return spec_for(optimizer, steps_per_update)
+
     # ------------------------------------------------------------------ state
 
     def build(self, var_list):
@@ -61,7 +67,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         # (see `accum._distributed`).
         self._accum_strategy = _distributed.current_strategy()
         if self._accum_strategy is not None and self.mode != "buffer":
-            raise _distributed.momentum_not_supported()
+            raise _distributed.momentum_not_supported(self.mode)
         self.window_steps = self.add_variable(
             shape=(), dtype="int64", initializer="zeros", name="window_steps"
         )
@@ -71,9 +77,10 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             )
         with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
             # One flag per variable: did the window give it a gradient (`accum._window`).
+            # (`mode="rescale"` gives every variable a gradient at every micro-step.)
             self.touched = [
                 self.add_variable(shape=(), dtype="int64", initializer="zeros", name="touched")
-                for _ in var_list
+                for _ in (var_list if self.mode != "rescale" else ())
             ]
         self.inner_optimizer.build(var_list)
         if self.mode == "buffer":
@@ -83,7 +90,8 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
                 ]
         else:
             self.accumulators = []
-            self._rule.check_built(self.inner_optimizer, var_list)
+            if self.mode == "momentum":
+                self._rule.check_built(self.inner_optimizer, var_list)
         super().build(var_list)
         _batchnorm.warn_for_training_model(self)
 
@@ -145,9 +153,14 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     def _micro_step(self, grads, indices):
         """Accumulates `grads` (of the variables `indices`) and ends the window when full."""
         with keras.name_scope(self.name, caller=self):
+            if self.mode == "rescale":
+                from ._rescale_keras3 import micro_step
+
+                micro_step(self, grads, indices)
+                return
             if _distributed.in_replica_context():
                 if self.mode != "buffer":
-                    raise _distributed.momentum_not_supported()
+                    raise _distributed.momentum_not_supported(self.mode)
                 self._distributed_window().micro_step(grads, indices)
                 return
             if self.mode == "buffer":

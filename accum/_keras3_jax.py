@@ -18,7 +18,9 @@ selected by that variable's flag while the update is traced, as the
 TensorFlow implementation guards them with `tf.cond`.
 
 `build` is the TensorFlow implementation's (without a strategy its
-replica-local scopes are no-ops). Not on JAX: `mode="momentum"` and
+replica-local scopes are no-ops); `mode="rescale"` is the TensorFlow
+backend's too (`accum._rescale_keras3` is written in `keras.ops`). Not on
+JAX: `mode="momentum"` and
 `tf.distribute` (TensorFlow only).
 """
 
@@ -45,7 +47,7 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
             raise NotImplementedError(
                 '`mode="momentum"` runs on the TensorFlow backend only (its update '
                 "branches on TensorFlow variables). On the JAX backend use "
-                '`mode="buffer"` (the default). Received: mode="momentum" on the '
+                '`mode="buffer"` (the default) or `mode="rescale"`. Received: mode="momentum" on the '
                 "'jax' backend"
             )
         super().__init__(optimizer, steps_per_update, mode=mode, name=name, **kwargs)
@@ -53,7 +55,10 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
     # --------------------------------------------------------------- updates
 
     def _micro_step(self, grads, indices):
-        """Adds `grads` to the buffers of `indices` unless one is non-finite; ends a full window."""
+        """Adds `grads` to the buffers of `indices` unless one is non-finite; ends a full window.
+        (`mode="rescale"`: `accum._rescale_keras3`, in `keras.ops`, as on TensorFlow.)"""
+        if self.mode == "rescale":
+            return super()._micro_step(grads, indices)
         jnp = _jnp()
         scale = self._inner_loss_scale()
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))
@@ -161,8 +166,9 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
 
         Does nothing if the window is empty or the optimizer is not built. Eagerly
         (between `fit` calls, in a callback) or inside a traced function that maps
-        the optimizer's variables (`stateless_apply`-style).
+        the optimizer's variables (`stateless_apply`-style). Not with `mode="rescale"`.
         """
+        self._check_flushable()
         if not self._has_window_state():
             return
         self._end_window_when(self.window_steps.value > 0)

@@ -51,7 +51,7 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         steps_per_update, mode = self._check_arguments(steps_per_update, mode)
         kwargs.pop("is_legacy_optimizer", None)
         self._check_no_kwargs(kwargs)
-        rule = self._momentum_rule(optimizer, mode)
+        rule = self._mode_rule(optimizer, mode, steps_per_update)
         super().__init__(name=name or "AccumOptimizer")
         self.inner_optimizer = optimizer
         self._init_window(steps_per_update, mode, rule)
@@ -82,7 +82,7 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         var_list = list(var_list)
         self._accum_strategy = _distributed.current_strategy()
         if self._accum_strategy is not None and self.mode != "buffer":
-            raise _distributed.momentum_not_supported()
+            raise _distributed.momentum_not_supported(self.mode)
         self.inner_optimizer.build(var_list)
         super().build(var_list)
         self._model_variables.extend(var_list)
@@ -91,18 +91,24 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
             first = len(self.touched)
             self.touched.extend(
                 self.add_variable(shape=(), dtype=tf.int64, name=f"touched_{first + i}")
-                for i in range(len(var_list))
+                for i in range(len(var_list) if self.mode != "rescale" else 0)
             )
         if self.mode == "buffer":
             with _distributed.replica_local_variables():
                 self.accumulators.extend(
                     self.add_variable_from_reference(v, "accumulator") for v in var_list
                 )
-        else:
+        elif self.mode == "momentum":
             self._rule.check_built(self.inner_optimizer, var_list)
         self._built = True
         self._built_accum = True
         _batchnorm.warn_for_training_model(self)
+
+    @staticmethod
+    def _rescale_spec_for(optimizer, steps_per_update):
+        from ._rescale_tf_keras import spec_for
+
+        return spec_for(optimizer, steps_per_update)
 
     def _create_iteration_variable(self):
         # The micro-step counter (tf_keras's `_iterations` of the wrapper) is

@@ -101,12 +101,16 @@ class TFKerasWindow:
         variables = [v for _, v in grads_and_vars]
         indices = tuple(self._variable_index(v) for v in variables)
         with tf.name_scope(name or self._config_name()):
+            if self.mode == "rescale" and not accumulate_locally:
+                from ._rescale_tf_keras import micro_step
+
+                return micro_step(self, grads, indices)  # counts the micro-step
             if accumulate_locally:
                 # Each replica accumulates its own gradients; one all-reduce per
                 # update (`accum._distributed`). Gradients already reduced by the
                 # caller (no aggregation asked) are not supported here.
                 if self.mode != "buffer":
-                    raise _distributed.momentum_not_supported()
+                    raise _distributed.momentum_not_supported(self.mode)
                 return self._distributed_window().micro_step(grads, indices)
             if self.steps_per_update == 1 and self.mode == "buffer":
                 self._inner_apply(list(zip(grads, variables)))

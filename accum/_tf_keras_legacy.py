@@ -31,7 +31,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
     def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
         steps_per_update, mode = self._check_arguments(steps_per_update, mode)
         self._check_no_kwargs(kwargs)
-        rule = self._momentum_rule(optimizer, mode)
+        rule = self._mode_rule(optimizer, mode, steps_per_update)
         super().__init__(name or "AccumOptimizer")
         self._inner = optimizer
         self._track_trackable(optimizer, name="inner_optimizer")
@@ -43,6 +43,12 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
         self.accumulators = []
         self.touched = []
         claim_inner(self, optimizer)
+
+    @staticmethod
+    def _rescale_spec_for(optimizer, steps_per_update):
+        from ._rescale_tf_keras import refuse_legacy
+
+        return refuse_legacy(optimizer, steps_per_update)
 
     @property
     def inner_optimizer(self):
@@ -65,7 +71,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
             if first:
                 self._accum_strategy = _distributed.current_strategy()
                 if self._accum_strategy is not None and self.mode != "buffer":
-                    raise _distributed.momentum_not_supported()
+                    raise _distributed.momentum_not_supported(self.mode)
             # OptimizerV2 has no public `build`; this is what its
             # `apply_gradients` calls first (slots of new variables only).
             self._inner._create_all_weights(new)

@@ -2,7 +2,7 @@
 
 import numbers
 
-MODES = ("buffer", "momentum")
+MODES = ("buffer", "momentum", "rescale")
 
 # The window counters are int64 variables: `window_steps` reaches `k`.
 MAX_STEPS_PER_UPDATE = 2**63 - 1

@@ -190,15 +190,21 @@ def masked_weight_decay(optimizer, variables, touched_of):
         cross_replica(tf.distribute.get_strategy())
 
 
+_MISSING = object()
+
+
 @contextlib.contextmanager
 def instance_hooks(obj, hooks):
-    """Sets the instance attributes `hooks` ({name: function}) on `obj` while the update
-    is traced, then removes them. Re-entrant: under a strategy each replica enters
-    (the hooks are the same for all), and the first to enter installs them."""
+    """Sets the instance attributes `hooks` ({name: value}) on `obj` while the update
+    is traced, then restores what was there (an instance attribute's old value, or
+    nothing). Re-entrant: under a strategy each replica enters (the hooks are the
+    same for all), and the first to enter installs them."""
     depth = obj.__dict__.get("_accum_hooks_depth", 0)
     if depth == 0:
-        for name, fn in hooks.items():
-            object.__setattr__(obj, name, fn)
+        saved = {name: obj.__dict__.get(name, _MISSING) for name in hooks}
+        for name, value in hooks.items():
+            object.__setattr__(obj, name, value)
+        object.__setattr__(obj, "_accum_hooks_saved", saved)
     object.__setattr__(obj, "_accum_hooks_depth", depth + 1)
     try:
         yield
@@ -206,5 +212,9 @@ def instance_hooks(obj, hooks):
         depth = obj.__dict__["_accum_hooks_depth"] - 1
         object.__setattr__(obj, "_accum_hooks_depth", depth)
         if depth == 0:
-            for name in hooks:
-                object.__delattr__(obj, name)
+            for name, value in obj.__dict__["_accum_hooks_saved"].items():
+                if value is _MISSING:
+                    object.__delattr__(obj, name)
+                else:
+                    object.__setattr__(obj, name, value)
+            object.__delattr__(obj, "_accum_hooks_saved")

@@ -1,0 +1,159 @@
+"""`mode="rescale"`: accumulation hidden in the optimizer's own moving averages, no buffer.
+
+The recipe ("hidden in the momentum"): run the inner optimizer at every
+micro-step on the micro-batch's gradient, with every moving-average
+coefficient `β` replaced by
+
+    β̃ = 1 − (1 − β) / k,
+
+and move the weights only at the `k`-th micro-step of each window.
+
+Why. An average `m ← β m + (1 − β) g` run over the `k` micro-steps of a window
+with `β̃` gives
+
+    m ← β̃ᵏ m + ((1 − β) / k) · Σⱼ β̃^(k−j) gⱼ
+      ≈ β m + (1 − β) · ḡ            (β̃ᵏ = β + O((1 − β)²), β̃^(k−j) ≈ 1),
+
+the same average of the window's mean gradient `ḡ` that the inner optimizer
+keeps at batch `k · b`. The weights' move reads the averages at the end of
+the window, as the big batch's update does. A heavy-ball momentum
+`v ← μ v − η g` (Keras's SGD; RMSprop's `momentum`) has no `(1 − μ)` factor:
+there `μ̃` and a learning rate `η / k` in the momentum give `v ≈ μ v − η ḡ`.
+
+So the recipe is approximate (exact for `k = 1`): each gradient is weighted
+by `β̃^(k−j)` instead of `1`, and a decay `β̃ᵏ` replaces `β`. `docs/accumulation.md`
+measures how far it ends from batch `k · b`, beside `mode="buffer"` (exact)
+and `mode="momentum"` (exact for SGD, nearly for Adam).
+
+What the wrapper does at each micro-step (`_rescale_keras3`, `_rescale_tf_keras`):
+- The inner optimizer's update runs with the attributes `Rescale.coefficients`
+  set to `β̃` (instance attributes while the update is traced, then restored,
+  so its config keeps `β`).
+- Its iteration count is the micro-step count `n`, so bias corrections are
+  those of the `β̃` averages, `1 − β̃ⁿ` (at update `t`, `1 − β̃ᵏᵗ ≈ 1 − βᵗ`).
+- Its learning rate is the one at update `t` (schedules count updates, read
+  from the inner optimizer's `iterations`, which counts updates), divided by
+  `k` for a heavy-ball momentum.
+- Assignments to the model's variables are kept at the `k`-th micro-step
+  only; weight decay runs there only, with the update's learning rate.
+- A variable without a gradient in a micro-step gets a zero gradient (its
+  averages decay), as at batch `k · b`. A non-finite micro-step is skipped.
+
+No per-parameter state is added: the window is the micro-step counter.
+"""
+
+import dataclasses
+import numbers
+
+MODE = "rescale"
+
+# Optimizers whose weights move by a moving average of the gradient, by class
+# name (the same in Keras 3 and tf_keras): the attributes that are moving-average
+# coefficients of the form `m ← β m + (1 − β) x`.
+_AVERAGES = {
+    "Adam": ("beta_1", "beta_2"),
+    "AdamW": ("beta_1", "beta_2"),
+    "Adamax": ("beta_1", "beta_2"),
+    "Nadam": ("beta_1", "beta_2"),
+    "Lamb": ("beta_1", "beta_2"),
+    "Lion": ("beta_1", "beta_2"),
+}
+# Heavy-ball momentum `v ← μ v + η x` (`μ` attribute `momentum`, which must be > 0),
+# with the moving averages of the same optimizer.
+_HEAVY_BALL = {"SGD": (), "RMSprop": ("rho",)}
+
+SUPPORTED = tuple(sorted(_AVERAGES)) + ("RMSprop (momentum > 0)", "SGD (momentum > 0)")
+
+
+def rescaled(beta, k):
+    """`β̃ = 1 − (1 − β) / k`."""
+    return 1.0 - (1.0 - float(beta)) / k
+
+
+def unsupported(optimizer, reason):
+    """The Keras-style error for an optimizer `mode="rescale"` cannot rescale."""
+    return ValueError(
+        '`mode="rescale"` needs an optimizer whose weights move by a moving average '
+        f"of the gradient ({', '.join(SUPPORTED)}); {reason}. Use "
+        '`mode="buffer"` (exact for every optimizer). '
+        f"Received: optimizer={type(optimizer).__name__}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Rescale:
+    """What `mode="rescale"` changes in one inner optimizer.
+
+    Attributes:
+        k: micro-steps per update.
+        coefficients: {attribute: β} of the moving-average coefficients
+            (including a heavy-ball `momentum`), as configured.
+        heavy_ball: whether the weights move by a heavy-ball momentum (whose
+            gradient term carries the learning rate, divided by `k`).
+    """
+
+    k: int
+    coefficients: dict
+    heavy_ball: bool
+
+    def hooks(self):
+        """{attribute: β̃}: the instance attributes set while a micro-step is traced."""
+        return {name: rescaled(beta, self.k) for name, beta in self.coefficients.items()}
+
+    def learning_rate(self, learning_rate):
+        """The learning rate the inner optimizer uses at a micro-step."""
+        return learning_rate / self.k if self.heavy_ball else learning_rate
+
+
+def spec_for(optimizer, k, classes, family_description):
+    """The `Rescale` of `optimizer`, or a Keras-style `ValueError` naming it.
+
+    `classes`: the family's optimizer namespace (`keras.optimizers`,
+    `tf_keras.optimizers`); the optimizer must be one of its classes exactly
+    (a subclass may change the update rule).
+    """
+    name = type(optimizer).__name__
+    known = getattr(classes, name, None)
+    if known is None or type(optimizer) is not known or (
+        name not in _AVERAGES and name not in _HEAVY_BALL
+    ):
+        reason = (
+            f"{name} keeps no moving average of the gradient"
+            if known is not None and type(optimizer) is known
+            else f"{name} is not one of the {family_description} optimizers it knows"
+        )
+        raise unsupported(optimizer, reason)
+    if hasattr(optimizer, "inner_optimizer") or getattr(optimizer, "loss_scale_factor", None):
+        raise unsupported(
+            optimizer, "a loss-scaling optimizer cannot be rescaled (put a LossScaleOptimizer outside)"
+        )
+    if getattr(optimizer, "use_ema", False):
+        raise unsupported(
+            optimizer, "`use_ema=True`: the weights' moving average counts the optimizer's steps"
+        )
+    if name in _HEAVY_BALL:
+        momentum = getattr(optimizer, "momentum", 0.0)
+        if not _is_number(momentum) or not momentum > 0:
+            raise unsupported(
+                optimizer,
+                f"{name} with momentum={momentum!r} moves the weights by the current "
+                "gradient alone (set `momentum` > 0)",
+            )
+        names = _HEAVY_BALL[name] + ("momentum",)
+    else:
+        names = _AVERAGES[name]
+    coefficients = {}
+    for attribute in names:
+        beta = getattr(optimizer, attribute)
+        if not _is_number(beta) or not 0.0 <= float(beta) <= 1.0:
+            raise unsupported(
+                optimizer,
+                f"`{attribute}` must be a number in [0, 1] to be rescaled. "
+                f"Received: {attribute}={beta!r}",
+            )
+        coefficients[attribute] = float(beta)
+    return Rescale(k=k, coefficients=coefficients, heavy_ball=name in _HEAVY_BALL)
+
+
+def _is_number(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -1,0 +1,94 @@
+"""`mode="rescale"` for Keras 3 (TensorFlow and JAX backends): one micro-step in `keras.ops`.
+
+See `accum._rescale` for the recipe. The inner optimizer's own `apply` runs at
+every micro-step with its moving-average coefficients, iteration counter,
+learning rate, weight decay and `assign` methods replaced on the instance
+while it is traced. Its `assign`, `assign_add` and `assign_sub` select
+(`ops.where`) instead of branching: a model variable takes the new value at
+the window's last micro-step only, a slot at every finite micro-step. The same
+code therefore runs eagerly, in `tf.function`, under XLA and in JAX's
+functional `stateless_apply`.
+"""
+
+import keras
+from keras import ops
+
+from . import _rescale, _window
+
+
+def spec_for(optimizer, k):
+    """The `Rescale` of a Keras 3 optimizer (or a Keras-style `ValueError`)."""
+    return _rescale.spec_for(optimizer, k, keras.optimizers, "Keras 3")
+
+
+def _current(variable):
+    """The current value of a `keras.Variable` (or of a backend variable)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _dense(variable, value, assign):
+    """`value` as a dense tensor for `variable` (TensorFlow `IndexedSlices` are scattered)."""
+    import tensorflow as tf
+
+    if isinstance(value, tf.IndexedSlices):
+        base = tf.convert_to_tensor(variable) if assign else tf.zeros(variable.shape, variable.dtype)
+        value = tf.cast(value, variable.dtype)
+        return tf.tensor_scatter_nd_update(base, tf.expand_dims(value.indices, -1), value.values) if assign \
+            else tf.tensor_scatter_nd_add(base, tf.expand_dims(value.indices, -1), value.values)
+    return value
+
+
+def micro_step(wrapper, grads, indices):
+    """One micro-step of `wrapper` (a built Keras 3 `AccumOptimizer`, `mode="rescale"`)
+    with `grads` for the variables at `indices`."""
+    spec = wrapper._rule
+    inner = wrapper.inner_optimizer
+    variables = list(wrapper._trainable_variables)
+    given = dict(zip(indices, grads))
+    grads = [given[i] if i in given else ops.zeros(v.shape, v.dtype) for i, v in enumerate(variables)]
+
+    micro = wrapper._iterations
+    last = ops.equal(ops.mod(micro.value + 1, spec.k), 0)
+    finite = ops.all(ops.stack([ops.all(ops.isfinite(_values(g))) for g in grads]))
+    move = ops.logical_and(last, finite)
+    # The schedule at the update count (the inner optimizer's iterations count updates).
+    learning_rate = inner._get_current_learning_rate()
+
+    if inner.weight_decay is not None:  # at the window's last micro-step, with the update's rate
+        for v in variables:
+            if inner._use_weight_decay(v):
+                lr = ops.cast(learning_rate, v.dtype)
+                wd = ops.cast(inner.weight_decay, v.dtype)
+                v.assign(ops.where(move, v.value - v.value * wd * lr, v.value))
+
+    model = {inner._var_key(v) for v in variables}
+    assign = inner.assign
+
+    def selected(variable, new):
+        keep = move if inner._var_key(variable) in model else finite
+        return ops.where(keep, new, _current(variable))
+
+    hooks = dict(spec.hooks())
+    hooks.update(
+        _iterations=micro,  # `apply` counts the micro-step in it
+        _get_current_learning_rate=lambda: spec.learning_rate(learning_rate),
+        _apply_weight_decay=lambda variables: None,
+        assign=lambda variable, value: assign(
+            variable, selected(variable, _dense(variable, value, assign=True))
+        ),
+        assign_add=lambda variable, value: assign(
+            variable, selected(variable, _current(variable) + ops.cast(_dense(variable, value, False), variable.dtype))
+        ),
+        assign_sub=lambda variable, value: assign(
+            variable, selected(variable, _current(variable) - ops.cast(_dense(variable, value, False), variable.dtype))
+        ),
+    )
+    with _window.instance_hooks(inner, hooks):
+        inner.apply(grads, variables)
+    inner._iterations.assign(inner._iterations + ops.cast(move, inner._iterations.dtype))
+    steps = wrapper.window_steps
+    steps.assign(ops.where(last, ops.zeros_like(steps.value), steps.value + 1))
+
+
+def _values(g):
+    return getattr(g, "values", g) if type(g).__name__ == "IndexedSlices" else g
