@@ -210,6 +210,7 @@ def test_config_round_trip():
 
 KINDS = ("sequential", "functional", "subclassed")
 PLAN = {("adam", kind): ["keras", "weights"] for kind in KINDS}
+PLAN[("rescale", "functional")] = ["keras"]
 CASES = [(spec, kind, fmt) for (spec, kind), formats in PLAN.items() for fmt in formats]
 
 

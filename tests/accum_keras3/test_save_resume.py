@@ -12,6 +12,7 @@ from tests.helpers import save_resume_worker as worker
 KINDS = ("sequential", "functional", "subclassed")
 PLAN = {("adam", kind): ["keras", "weights"] for kind in KINDS}
 PLAN[("momentum", "sequential")] = ["keras"]
+PLAN[("rescale", "functional")] = ["keras", "weights"]
 CASES = [(spec, kind, fmt) for (spec, kind), formats in PLAN.items() for fmt in formats]
 
 

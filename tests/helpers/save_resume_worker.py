@@ -87,8 +87,9 @@ def make_model(lib, kind, seed):
 
 
 def make_optimizer(lib, spec):
-    """`spec`: "adam" (Adam with an LR schedule), "legacy_adam" (tf_keras legacy) or
-    "momentum" (SGD with momentum, `mode="momentum"`)."""
+    """`spec`: "adam" (Adam with an LR schedule), "legacy_adam" (tf_keras legacy),
+    "momentum" (SGD with momentum, `mode="momentum"`) or "rescale" (Adam with an LR
+    schedule, `mode="rescale"`)."""
     from accum import AccumOptimizer
 
     keras = importlib.import_module(lib)
@@ -96,7 +97,7 @@ def make_optimizer(lib, spec):
         return AccumOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), K, mode="momentum")
     optimizers = keras.optimizers.legacy if spec == "legacy_adam" else keras.optimizers
     schedule = keras.optimizers.schedules.ExponentialDecay(0.02, 1, 0.8)
-    return AccumOptimizer(optimizers.Adam(schedule), K)
+    return AccumOptimizer(optimizers.Adam(schedule), K, mode="rescale" if spec == "rescale" else "buffer")
 
 
 def compiled_model(lib, kind, spec, seed):
