@@ -21,8 +21,9 @@ Keras 3 on the JAX backend, `accum._keras3_jax`: the window through
 from ._base import AccumOptimizer
 from ._dispatch import register_serializable_classes as _register
 from ._batchnorm import has_batch_normalization, warn_if_batch_normalization
+from ._batchnorm_window import BatchNormalization
 
-__all__ = ["AccumOptimizer", "has_batch_normalization", "warn_if_batch_normalization"]
+__all__ = ["AccumOptimizer", "BatchNormalization", "has_batch_normalization", "warn_if_batch_normalization"]
 __version__ = "0.1.0"
 
 # `load_model` of a model compiled with `AccumOptimizer` needs only `import accum`.

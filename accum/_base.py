@@ -167,6 +167,33 @@ class AccumOptimizer:
         _window.end_window(
             buffers, self._tf(self.window_steps), self._tf(self.window_count), apply, touched=touched
         )
+        self._finish_batch_norm()
+
+    # ------------------------------------------------- accum.BatchNormalization
+
+    def _link_batch_norm(self, var_list):
+        """Links the `accum.BatchNormalization` layers this optimizer trains (at `build`)."""
+        from ._batchnorm_window import link_layers
+
+        layers = link_layers(self, var_list)
+        if layers and self._FAMILY == _families.KERAS3:
+            import keras
+
+            if keras.backend.backend() != "tensorflow":
+                raise NotImplementedError(
+                    "`accum.BatchNormalization` updates its window statistics on the "
+                    "TensorFlow backend only. Received: the layer(s) "
+                    f"{[layer.name for layer in layers]} trained on the "
+                    f"{keras.backend.backend()!r} backend; use "
+                    "`keras.layers.BatchNormalization` there (statistics per micro-batch)."
+                )
+        self._batch_norm_layers = layers
+
+    def _finish_batch_norm(self, when=True):
+        """The window's end for the linked `accum.BatchNormalization` layers."""
+        from ._batchnorm_window import finish_windows
+
+        finish_windows(getattr(self, "_batch_norm_layers", ()), when)
 
     def flush(self):
         """Applies the pending partial window now, normalized by the micro-batches it holds.

@@ -28,10 +28,14 @@ def _layers(layer, seen):
 
 
 def has_batch_normalization(model):
-    """True if `model` (a Keras 3 or tf_keras model or layer) contains a BatchNormalization layer."""
+    """True if `model` (a Keras 3 or tf_keras model or layer) contains a BatchNormalization
+    layer other than `accum.BatchNormalization`."""
+    from ._batchnorm_window import BatchNormalization as WindowBatchNormalization
+
     return any(
         "BatchNormalization" in {cls.__name__ for cls in type(layer).__mro__}
         and "Synchronized" not in type(layer).__name__
+        and not isinstance(layer, WindowBatchNormalization)
         or type(layer).__name__ == "SyncBatchNormalization"
         for layer in _layers(model, set())
     )
@@ -45,8 +49,10 @@ def warn_if_batch_normalization(model, steps_per_update=None):
     warnings.warn(
         f"AccumOptimizer{k}: the model contains BatchNormalization. Gradient "
         "accumulation cannot reproduce big-batch statistics: every micro-batch "
-        "is normalized with its own mean and variance. Consider "
-        "GroupNormalization or LayerNormalization.",
+        "is normalized with its own mean and variance, and moves the moving "
+        "statistics once per micro-batch. Use `accum.BatchNormalization` (a "
+        "drop-in layer whose moving statistics are those of the whole batch, "
+        "updated once per window), or GroupNormalization/LayerNormalization.",
         stacklevel=3,
     )
     return True

@@ -299,6 +299,9 @@ class Window:
             count, lambda c: c.assign(tf.zeros((), c.dtype)), group=False
         )
         self.window_steps().assign(0)
+        # `accum.BatchNormalization`: its replica-local sums, read here, are summed
+        # over the replicas (one reduction per window).
+        self.wrapper._finish_batch_norm()
 
     def flush(self, distribution, indices):
         """Applies a partial window (cross-replica context; a collective)."""

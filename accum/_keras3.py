@@ -93,6 +93,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             if self.mode == "momentum":
                 self._rule.check_built(self.inner_optimizer, var_list)
         super().build(var_list)
+        self._link_batch_norm(var_list)
         _batchnorm.warn_for_training_model(self)
 
     @property
@@ -147,6 +148,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             # gradients exactly as given (sparse ones stay sparse).
             self.inner_optimizer.apply(grads, [self._trainable_variables[i] for i in indices])
             self._iterations.assign_add(1)
+            self._finish_batch_norm()
             return
         self._micro_step(grads, indices)
 

@@ -88,6 +88,7 @@ def micro_step(wrapper, grads, indices):
     inner._iterations.assign(inner._iterations + ops.cast(move, inner._iterations.dtype))
     steps = wrapper.window_steps
     steps.assign(ops.where(last, ops.zeros_like(steps.value), steps.value + 1))
+    wrapper._finish_batch_norm(last)
 
 
 def _values(g):

@@ -81,4 +81,5 @@ def micro_step(wrapper, grads, indices):
         result = inner.apply_gradients(list(zip(grads, variables)), skip_gradients_aggregation=True)
     inner.iterations.assign_add(tf.cast(move, inner.iterations.dtype))
     wrapper.window_steps.assign(tf.where(last, tf.zeros_like(wrapper.window_steps), wrapper.window_steps + 1))
+    wrapper._finish_batch_norm(last)
     return result

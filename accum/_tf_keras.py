@@ -102,6 +102,7 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
             self._rule.check_built(self.inner_optimizer, var_list)
         self._built = True
         self._built_accum = True
+        self._link_batch_norm(var_list)
         _batchnorm.warn_for_training_model(self)
 
     @staticmethod

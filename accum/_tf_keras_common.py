@@ -114,6 +114,7 @@ class TFKerasWindow:
                 return self._distributed_window().micro_step(grads, indices)
             if self.steps_per_update == 1 and self.mode == "buffer":
                 self._inner_apply(list(zip(grads, variables)))
+                self._finish_batch_norm()
             else:
                 if self.mode == "buffer":
                     self._accumulate(grads, indices)

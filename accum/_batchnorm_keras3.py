@@ -1,0 +1,67 @@
+"""`accum.BatchNormalization` for Keras 3 (TensorFlow backend): see `accum._batchnorm_window`."""
+
+import types
+
+import keras
+from keras import ops as kops
+
+from . import _distributed
+from ._batchnorm_window import KERAS3, BatchNormalization
+
+_OPS = types.SimpleNamespace(
+    sum=kops.sum, square=kops.square, where=kops.where, cast=kops.cast, maximum=kops.maximum,
+    reshape=kops.reshape, zeros_like=kops.zeros_like, ones_like=kops.ones_like,
+    logical_and=kops.logical_and, convert=kops.convert_to_tensor, float32="float32",
+)
+
+
+@keras.saving.register_keras_serializable(package="accum", name="BatchNormalization")
+class Keras3BatchNormalization(BatchNormalization, keras.layers.BatchNormalization):
+    """`accum.BatchNormalization` for Keras 3; see there."""
+
+    _FAMILY = KERAS3
+    _ops = _OPS
+
+    def __init__(self, *args, family=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._check_window_arguments()
+
+    @staticmethod
+    def _value(variable):
+        return variable.value
+
+    def build(self, input_shape):
+        super().build(input_shape)
+
+        def add_weight(name, shape):
+            return self.add_weight(
+                shape=shape, name=name, initializer="zeros", trainable=False,
+                dtype="float32", autocast=False,
+            )
+
+        self._build_window_state(self.moving_mean.shape, add_weight, _distributed.replica_local_variables)
+
+    def call(self, inputs, training=None, mask=None):
+        if not (training and self.trainable):
+            return super().call(inputs, training=training, mask=mask)
+        linked = self.accum_linked.value > 0
+        x = kops.cast(inputs, "float32")
+        weights = None
+        if mask is not None:
+            weights = kops.broadcast_to(kops.expand_dims(kops.cast(mask, "float32"), -1), kops.shape(x))
+        shape = [1] * len(x.shape)
+        shape[self.axis] = self.moving_mean.shape[0]
+        self._accumulate(x, self._reduction_axes, shape, linked, weights)
+        old = [kops.copy(v.value) for v in (self.moving_mean, self.moving_variance)]
+        outputs = super().call(inputs, training=training, mask=mask)
+        for variable, value in zip((self.moving_mean, self.moving_variance), old):
+            variable.assign(kops.where(linked, value, variable.value))
+        if not _in_traced_function():
+            self._accum_plain_steps = self._accum_plain_steps or not bool(linked)
+        return outputs
+
+
+def _in_traced_function():
+    import tensorflow as tf
+
+    return not tf.executing_eagerly()
