@@ -59,7 +59,8 @@ def register_serializable_classes():
     """Registers the implementations with Keras's serialization (called by `import accum`).
 
     Saved models name the class `accum>AccumOptimizer` (Keras 3, tf_keras) or
-    `accum>LegacyAccumOptimizer` (tf_keras legacy), which `load_model` looks
+    `accum>LegacyAccumOptimizer` (tf_keras legacy), and the layer
+    `accum>BatchNormalization`, which `load_model` looks
     up in the Keras registry; the registering decorators run when the
     implementation modules are imported. The Keras 3 class is registered if
     Keras 3 is installed and `keras` is not replaced by another module. The
@@ -74,7 +75,7 @@ def register_serializable_classes():
         import keras
     version = getattr(keras, "__version__", "0") if getattr(keras, "__name__", None) == "keras" else "0"
     if int(version.split(".")[0]) >= 3:
-        from . import _keras3  # noqa: F401
+        from . import _batchnorm_keras3, _keras3  # noqa: F401
 
         if keras.backend.backend() == "jax":
             from . import _keras3_jax  # noqa: F401  (the same registered name, on JAX)
@@ -83,7 +84,7 @@ def register_serializable_classes():
     # (recompute.bert4keras reads them the same way).
     legacy_keras = os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
     if "tf_keras" in sys.modules or (legacy_keras and importlib.util.find_spec("tf_keras") is not None):
-        from . import _tf_keras, _tf_keras_legacy  # noqa: F401
+        from . import _batchnorm_tf_keras, _tf_keras, _tf_keras_legacy  # noqa: F401
 
 
 AccumOptimizer._implementation_for = staticmethod(implementation_for)
