@@ -189,11 +189,12 @@ class AccumOptimizer:
                 )
         self._batch_norm_layers = layers
 
-    def _finish_batch_norm(self, when=True):
-        """The window's end for the linked `accum.BatchNormalization` layers."""
+    def _finish_batch_norm(self, when=True, reduce=None):
+        """The window's end for the linked `accum.BatchNormalization` layers (`reduce`: see
+        `accum._batchnorm_window.finish_windows`)."""
         from ._batchnorm_window import finish_windows
 
-        finish_windows(getattr(self, "_batch_norm_layers", ()), when)
+        finish_windows(getattr(self, "_batch_norm_layers", ()), when, reduce)
 
     def flush(self):
         """Applies the pending partial window now, normalized by the micro-batches it holds.

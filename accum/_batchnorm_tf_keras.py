@@ -1,5 +1,6 @@
 """`accum.BatchNormalization` for tf_keras: see `accum._batchnorm_window`."""
 
+import threading
 import types
 
 import tensorflow as tf
@@ -15,6 +16,15 @@ _OPS = types.SimpleNamespace(
 )
 
 
+# While a layer's `call` runs: id(layer) -> `on`. Thread-local: under a
+# `MirroredStrategy` each replica runs `call` in its own thread.
+_ON = threading.local()
+
+
+def _on(layer):
+    return getattr(_ON, "layers", {}).get(id(layer))
+
+
 @tf_keras.saving.register_keras_serializable(package="accum", name="BatchNormalization")
 class TFKerasBatchNormalization(BatchNormalization, tf_keras.layers.BatchNormalization):
     """`accum.BatchNormalization` for tf_keras; see there."""
@@ -28,7 +38,8 @@ class TFKerasBatchNormalization(BatchNormalization, tf_keras.layers.BatchNormali
 
     @staticmethod
     def _value(variable):
-        return tf.convert_to_tensor(variable)
+        # `read_value`: in the cross-replica context a replica-local sum is summed.
+        return variable.read_value()
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -40,6 +51,12 @@ class TFKerasBatchNormalization(BatchNormalization, tf_keras.layers.BatchNormali
             )
 
         self._build_window_state(self.moving_mean.shape, add_weight, _distributed.replica_local_variables)
+
+    def _window_variance(self, variance, count):
+        # The fused kernel (4-D inputs) moves the statistics with the unbiased variance.
+        if self.fused:
+            return variance * count / tf.maximum(count - 1.0, 1.0)
+        return variance
 
     def call(self, inputs, training=None, mask=None):
         if training is None:
@@ -57,11 +74,24 @@ class TFKerasBatchNormalization(BatchNormalization, tf_keras.layers.BatchNormali
         for a in axes:
             shape[a] = x.shape[a]
         self._accumulate(x, reduction, shape, on)
-        old = [tf.identity(self.moving_mean), tf.identity(self.moving_variance)]
-        outputs = super().call(inputs, training=training, mask=mask)
-        with tf.control_dependencies([outputs]):
-            for variable, value in zip((self.moving_mean, self.moving_variance), old):
-                variable.assign(tf.where(on, value, tf.convert_to_tensor(variable)))
+        # The layer's own per-batch update of the moving statistics keeps the old
+        # values where `on` (`_assign_moving_average`, `_assign_new_value` below).
+        active = _ON.__dict__.setdefault("layers", {})
+        active[id(self)] = on
+        try:
+            outputs = super().call(inputs, training=training, mask=mask)
+        finally:
+            del active[id(self)]
         if tf.executing_eagerly():
             self._accum_plain_steps = self._accum_plain_steps or not bool(self.accum_linked > 0)
         return outputs
+
+    def _assign_moving_average(self, variable, value, momentum, inputs_size):
+        if _on(self) is not None:
+            value = tf.where(_on(self), tf.cast(tf.convert_to_tensor(variable), value.dtype), value)
+        return super()._assign_moving_average(variable, value, momentum, inputs_size)
+
+    def _assign_new_value(self, variable, value):
+        if _on(self) is not None:
+            value = tf.where(_on(self), tf.cast(tf.convert_to_tensor(variable), value.dtype), value)
+        return super()._assign_new_value(variable, value)

@@ -112,16 +112,20 @@ class BatchNormalization:
             current = self._value(variable)
             variable.assign(ops.where(on, current + ops.reshape(value, current.shape), current))
 
-    def finish_window(self, when=True):
+    def window_sums(self):
+        """The window's `(count, Σ(x − s), Σ(x − s)²)` variables."""
+        return self.accum_count, self.accum_sum, self.accum_sum_squares
+
+    def finish_window(self, when=True, sums=None):
         """Moves the moving statistics once with the window's big-batch statistics
         (if it holds any) and empties the window, where `when` (a bool tensor or
-        `True`) holds. Called by the `AccumOptimizer` at the end of each window."""
+        `True`) holds. Called by the `AccumOptimizer` at the end of each window;
+        under a strategy with `sums`, the `window_sums()` summed over the replicas."""
         ops = self._ops
-        count = self._value(self.accum_count)
-        s1, s2 = self._value(self.accum_sum), self._value(self.accum_sum_squares)
+        count, s1, s2 = sums if sums is not None else [self._value(v) for v in self.window_sums()]
         n = ops.maximum(count, 1.0)
         mean_shifted = s1 / n
-        variance = ops.maximum(s2 / n - ops.square(mean_shifted), 0.0)
+        variance = self._window_variance(ops.maximum(s2 / n - ops.square(mean_shifted), 0.0), n)
         apply = ops.logical_and(ops.convert(when), count > 0)
         momentum = self.momentum
         for variable, value in (
@@ -134,6 +138,11 @@ class BatchNormalization:
         for variable in (self.accum_count, self.accum_sum, self.accum_sum_squares):
             current = self._value(variable)
             variable.assign(ops.where(ops.convert(when), ops.zeros_like(current), current))
+
+    def _window_variance(self, variance, count):
+        """The variance the family's layer moves its statistics with (biased: Keras 3,
+        tf_keras non-fused), from the biased one over `count` elements."""
+        return variance
 
     def _link(self, optimizer):
         if self._accum_plain_steps:
@@ -148,7 +157,12 @@ class BatchNormalization:
         import tensorflow as tf
 
         with tf.init_scope():  # `build` may run while a step is traced (or a scratch graph)
-            self.accum_linked.assign(self._ops.ones_like(self._value(self.accum_linked)))
+            target = self.accum_linked
+            target = target if hasattr(target, "read_value") else target.value  # Keras 3
+            # Each replica's copy (a mirrored variable assigned outside the strategy's
+            # scope would set the first copy only).
+            for copy in getattr(target, "values", (target,)):
+                copy.assign(tf.ones_like(copy))
 
 
 def _choose_family(family):
@@ -198,7 +212,13 @@ def link_layers(optimizer, var_list):
     return layers
 
 
-def finish_windows(layers, when=True):
-    """`finish_window(when)` of each layer (the optimizer's window end)."""
+def finish_windows(layers, when=True, reduce=None):
+    """`finish_window(when)` of each layer (the optimizer's window end). `reduce`: under a
+    strategy, `fn(variables) -> values` summing replica-local variables over the replicas."""
+    if reduce is not None and layers:
+        sums = reduce([v for layer in layers for v in layer.window_sums()])
+        for i, layer in enumerate(layers):
+            layer.finish_window(when, sums[3 * i:3 * i + 3])
+        return
     for layer in layers:
         layer.finish_window(when)

@@ -299,9 +299,20 @@ class Window:
             count, lambda c: c.assign(tf.zeros((), c.dtype)), group=False
         )
         self.window_steps().assign(0)
-        # `accum.BatchNormalization`: its replica-local sums, read here, are summed
-        # over the replicas (one reduction per window).
-        self.wrapper._finish_batch_norm()
+        # `accum.BatchNormalization`: its replica-local window sums, summed over
+        # the replicas (one batched reduction per window).
+        self.wrapper._finish_batch_norm(reduce=lambda variables: self._summed(distribution, variables))
+
+    @staticmethod
+    def _summed(distribution, variables):
+        """Replica-local variables summed over the replicas (cross-replica context)."""
+
+        def read_local():
+            return [(v if hasattr(v, "read_value") else v.value).read_value() for v in variables]
+
+        local = distribution.extended.call_for_each_replica(read_local)
+        reduced = distribution.extended.batch_reduce_to(_SUM, [(t, t) for t in local])
+        return [distribution.experimental_local_results(r)[0] for r in reduced]
 
     def flush(self, distribution, indices):
         """Applies a partial window (cross-replica context; a collective)."""

@@ -120,12 +120,13 @@ def train(arm, args, data, initial_weights, orders):
         steps_per_execution=STEPS_PER_EXECUTION,
     )
 
+    history = {"accuracy": [], "loss": []}
+
     def evaluate():
         loss, accuracy = model.evaluate(x_test, y_test, batch_size=512, verbose=0)
         history["accuracy"].append(float(accuracy))
         history["loss"].append(float(loss))
 
-    history = {"accuracy": [], "loss": []}
     evaluate()
     for perm in orders:
         model.fit(x_train[perm], y_train[perm], batch_size=args.batch_size, epochs=1,
@@ -168,7 +169,7 @@ def table(results, args):
     """The Markdown table of held-out accuracy and loss after the last epoch."""
     names = labels(args.k, args.batch_size)
     lines = [
-        f"| arm | held-out accuracy, mean ± std | min – max | held-out loss, mean ± std | min – max |",
+        "| arm | held-out accuracy, mean ± std | min – max | held-out loss, mean ± std | min – max |",
         "|---|---|---|---|---|",
     ]
     for arm in ARMS:

@@ -1,0 +1,140 @@
+"""tf_keras `accum.BatchNormalization`: the moving statistics of the whole k*b batch (plain
+tf_keras BatchNormalization at batch k*b, <= 1e-6), for dense and convolutional (fused) inputs,
+in `fit` (every mode), custom loops, mixed precision, MirroredStrategy, saved mid-window."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as K
+
+import accum
+from accum import AccumOptimizer
+from tests.helpers.bn_reference import B, WINDOWS, assert_statistics_equal, make_data, make_model
+from tests.helpers.bn_reference import K as STEPS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+IMAGE = (4, 4, 3)
+
+
+def bn_of(model):
+    return [layer for layer in model._flatten_layers() if "BatchNormalization" in type(layer).__name__][0]
+
+
+def inner(mode):
+    return K.optimizers.SGD(0.05, momentum=0.9) if mode == "momentum" else K.optimizers.Adam(1e-2)
+
+
+def test_family_follows_the_calling_module():
+    layer = accum.BatchNormalization()
+    assert isinstance(layer, K.layers.BatchNormalization) and isinstance(layer, accum.BatchNormalization)
+
+
+@pytest.mark.parametrize("mode", ["buffer", "momentum", "rescale"])
+@pytest.mark.parametrize("shape", [(5,), IMAGE], ids=["dense", "conv_fused"])
+def test_fit_gives_big_batch_statistics(shape, mode):
+    x, y = make_data(STEPS * B * WINDOWS, shape=shape)
+    model = make_model(K, accum.BatchNormalization(momentum=0.8), "functional", shape)
+    ref = make_model(K, K.layers.BatchNormalization(momentum=0.8), "functional", shape)
+    model.compile(AccumOptimizer(inner(mode), STEPS, mode=mode), "mse")
+    ref.compile(inner(mode), "mse")
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    ref.fit(x, y, batch_size=STEPS * B, shuffle=False, verbose=0)
+    assert_statistics_equal(bn_of(ref), bn_of(model))
+
+
+def test_custom_loop_in_tf_function():
+    x, y = make_data(STEPS * B * WINDOWS)
+    model = make_model(K, accum.BatchNormalization(), "subclassed")
+    ref = make_model(K, K.layers.BatchNormalization(), "subclassed")
+    opt = AccumOptimizer(K.optimizers.Adam(1e-2), STEPS)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    for i in range(0, len(x), B):
+        step(tf.constant(x[i:i + B]), tf.constant(y[i:i + B]))
+    ref.compile(K.optimizers.Adam(1e-2), "mse")
+    ref.fit(x, y, batch_size=STEPS * B, shuffle=False, verbose=0)
+    assert_statistics_equal(bn_of(ref), bn_of(model))
+
+
+def test_mixed_precision():
+    """float16 inputs; the loss-scale optimizer has a fixed scale of 1, so no step is skipped."""
+    x, y = make_data(STEPS * B * WINDOWS)
+    K.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = make_model(K, accum.BatchNormalization(), "sequential")
+        ref = make_model(K, K.layers.BatchNormalization(), "sequential")
+        lso = K.mixed_precision.LossScaleOptimizer
+        model.compile(lso(AccumOptimizer(K.optimizers.Adam(1e-2), STEPS), dynamic=False, initial_scale=1.0), "mse")
+        ref.compile(lso(K.optimizers.Adam(1e-2), dynamic=False, initial_scale=1.0), "mse")
+        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+        ref.fit(x, y, batch_size=STEPS * B, shuffle=False, verbose=0)
+    finally:
+        K.mixed_precision.set_global_policy("float32")
+    assert bn_of(model).compute_dtype == "float16"
+    assert_statistics_equal(bn_of(ref), bn_of(model))
+
+
+@pytest.mark.skipif(len(tf.config.list_logical_devices("CPU")) < 2, reason="needs 2 logical CPUs")
+def test_mirrored_strategy_reduces_statistics_once_per_window(mirrored_strategy):
+    x, y = make_data(STEPS * B * WINDOWS)
+    with mirrored_strategy.scope():
+        model = make_model(K, accum.BatchNormalization(), "sequential")
+        model.compile(AccumOptimizer(K.optimizers.SGD(0.01), STEPS), "mse")
+    ref = make_model(K, K.layers.BatchNormalization(), "sequential")
+    ref.compile(K.optimizers.SGD(0.01), "mse")
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    ref.fit(x, y, batch_size=STEPS * B, shuffle=False, verbose=0)
+    assert_statistics_equal(bn_of(ref), bn_of(model))
+
+
+RESUME = r"""
+import json, sys, numpy as np, tf_keras, accum
+from tests.helpers.bn_reference import make_data, B
+path, start, stop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+model = tf_keras.models.load_model(path)
+x, y = make_data(stop * B)
+for i in range(start, stop):
+    model.train_on_batch(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
+bn = [l for l in model._flatten_layers() if "BatchNormalization" in type(l).__name__][0]
+print(json.dumps([np.asarray(bn.moving_mean).tolist(), np.asarray(bn.moving_variance).tolist()]))
+"""
+
+
+@pytest.mark.parametrize("suffix", ["keras", "h5"])
+def test_save_mid_window_resume_in_fresh_process(tmp_path, suffix):
+    stop, total = STEPS + 2, 3 * STEPS
+    x, y = make_data(total * B)
+    model = make_model(K, accum.BatchNormalization(), "functional")
+    model.compile(AccumOptimizer(K.optimizers.Adam(1e-2), STEPS), "mse")
+    for i in range(total):
+        if i == stop:
+            path = str(tmp_path / f"bn.{suffix}")
+            model.save(path)
+            assert np.any(np.asarray(bn_of(model).accum_count))
+        model.train_on_batch(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
+    out = subprocess.run([sys.executable, "-c", RESUME, path, str(stop), str(total)],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    mean, variance = json.loads(out.stdout.strip().splitlines()[-1])
+    np.testing.assert_array_equal(np.asarray(bn_of(model).moving_mean), np.float32(mean))
+    np.testing.assert_array_equal(np.asarray(bn_of(model).moving_variance), np.float32(variance))
+
+
+def test_without_accum_optimizer_it_is_keras_layer():
+    x, y = make_data(STEPS * B)
+    model = make_model(K, accum.BatchNormalization(), "sequential")
+    ref = make_model(K, K.layers.BatchNormalization(), "sequential")
+    for m in (model, ref):
+        m.compile(K.optimizers.Adam(1e-2), "mse")
+        m.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    assert_statistics_equal(bn_of(ref), bn_of(model), tol=0.0)
