@@ -12,6 +12,11 @@ the model and the optimizer in `strategy.scope()`; each replica accumulates
 locally and the replicas all-reduce once per update, not once per micro-batch
 (`accum._distributed`; `python -m benchmarks.accum_distribute` measures it).
 
+Modes: `"buffer"` (exact; `accum._window`), `"momentum"` (`accum._momentum`)
+and `"rescale"` (`accum._rescale`: β̃ = 1 − (1 − β)/k, no buffer).
+`accum.BatchNormalization` (`accum._batchnorm_window`) keeps the big batch's
+moving statistics; the optimizer ends its window.
+
 The Keras families (Keras 3 / tf_keras / tf_keras legacy) are told apart in
 `accum._families`; `accum._dispatch` picks the implementation for each (and for
 Keras 3 on the JAX backend, `accum._keras3_jax`: the window through

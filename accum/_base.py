@@ -35,11 +35,15 @@ class AccumOptimizer:
 
     Limits: `mode="momentum"` is exact for SGD with momentum only (Adam's
     second moment is approximate) and refuses other optimizers,
-    `tf.distribute` and the JAX backend; BatchNormalization statistics are per micro-batch (a
-    warning says so); with tf_keras, put its `LossScaleOptimizer` inside the
-    wrapper. Semantics, saving and limits in full: docs/accumulation.md;
-    distribution: `accum._distributed`; the momentum derivation:
-    `accum._momentum`.
+    `tf.distribute` and the JAX backend; `mode="rescale"` is approximate (exact
+    for `k=1`), refuses optimizers whose weights move by the current gradient
+    (Adagrad, Adafactor, SGD without momentum, ...), `tf.distribute` and
+    `flush()`; Keras's BatchNormalization keeps per-micro-batch moving
+    statistics (a warning points to `accum.BatchNormalization`, whose moving
+    statistics are the big batch's); with tf_keras, put its
+    `LossScaleOptimizer` inside the wrapper. Semantics, saving and limits in
+    full: docs/accumulation.md; distribution: `accum._distributed`; the
+    derivations: `accum._momentum`, `accum._rescale`.
 
     Args:
         optimizer: the optimizer to wrap. Not an `AccumOptimizer`, not one with
@@ -47,8 +51,10 @@ class AccumOptimizer:
             `AccumOptimizer` wraps.
         steps_per_update: `k`, an integer from 1 to `2**63 - 1` (read-only);
             `k=1` behaves exactly like `optimizer`.
-        mode: `"buffer"` (default; exact for every optimizer) or `"momentum"`
-            (no buffers).
+        mode: `"buffer"` (default; exact for every optimizer), `"momentum"`
+            (no buffers; SGD/Adam/AdamW) or `"rescale"` (no buffers; every
+            optimizer with moving averages: `β̃ = 1 − (1 − β)/k`, weights
+            moved at every `k`-th micro-step; see `accum._rescale`).
         name: optional name of the wrapper.
     """
 
@@ -173,9 +179,9 @@ class AccumOptimizer:
 
     def _link_batch_norm(self, var_list):
         """Links the `accum.BatchNormalization` layers this optimizer trains (at `build`)."""
-        from ._batchnorm_window import link_layers
+        from ._batchnorm_window import layers_trained_by
 
-        layers = link_layers(self, var_list)
+        layers = layers_trained_by(var_list)
         if layers and self._FAMILY == _families.KERAS3:
             import keras
 
@@ -187,6 +193,8 @@ class AccumOptimizer:
                     f"{keras.backend.backend()!r} backend; use "
                     "`keras.layers.BatchNormalization` there (statistics per micro-batch)."
                 )
+        for layer in layers:
+            layer._link(self)
         self._batch_norm_layers = layers
 
     def _finish_batch_norm(self, when=True, reduce=None):

@@ -199,17 +199,10 @@ def _implementation(family):
     return Keras3BatchNormalization
 
 
-def link_layers(optimizer, var_list):
-    """Links the built `accum.BatchNormalization` layers whose `gamma` or `beta` is in
-    `var_list` to `optimizer` (an `AccumOptimizer` being built); returns them."""
+def layers_trained_by(var_list):
+    """The built `accum.BatchNormalization` layers whose `gamma` or `beta` is in `var_list`."""
     ids = {id(v) for v in var_list}
-    layers = [
-        layer for layer in list(_LAYERS)
-        if any(id(w) in ids for w in layer.trainable_weights)
-    ]
-    for layer in layers:
-        layer._link(optimizer)
-    return layers
+    return [layer for layer in list(_LAYERS) if any(id(w) in ids for w in layer.trainable_weights)]
 
 
 def finish_windows(layers, when=True, reduce=None):

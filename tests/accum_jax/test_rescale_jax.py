@@ -56,3 +56,14 @@ def test_k1_is_the_inner_optimizer():
     for m in (model, ref):
         m.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     assert_all_close(ref.get_weights(), model.get_weights(), rtol=1e-6)
+
+
+def test_accum_batch_normalization_is_refused_on_jax():
+    """The window statistics are updated by the optimizer, which on JAX cannot assign the
+    model's non-trainable variables: refused when the optimizer is built, naming the layer."""
+    import accum
+
+    model = keras.Sequential([keras.Input((5,)), accum.BatchNormalization(name="bn"), keras.layers.Dense(1)])
+    opt = AccumOptimizer(keras.optimizers.Adam(), K)
+    with pytest.raises(NotImplementedError, match=r"TensorFlow backend only.*\['bn'\]"):
+        opt.build(model.trainable_variables)

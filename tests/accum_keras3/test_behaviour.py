@@ -59,7 +59,7 @@ def test_already_wrapped():
 
 @pytest.mark.parametrize("bad", ["Buffer", "sum", "", None, 1])
 def test_unknown_mode(bad):
-    with pytest.raises(ValueError, match=r"`mode` must be one of 'buffer', 'momentum'\. Received: mode="):
+    with pytest.raises(ValueError, match=r"`mode` must be one of 'buffer', 'momentum', 'rescale'\. Received: mode="):
         AccumOptimizer(keras.optimizers.SGD(), 2, mode=bad)
 
 
