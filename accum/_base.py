@@ -237,7 +237,16 @@ class AccumOptimizer:
         if not self._has_window_state() or self._warned_pending or not tf.executing_eagerly():
             return
         pending = int(self.window_steps.numpy())
-        if pending:
+        if pending and self.mode == "rescale":
+            self._warned_pending = True
+            warnings.warn(
+                f"AccumOptimizer: {pending} micro-step(s) of an incomplete window "
+                f"(steps_per_update={self.steps_per_update}, mode=\"rescale\") are pending "
+                "at the end of training. They are in the inner optimizer's moving averages "
+                "and move the weights at the next update (the window's last micro-step).",
+                stacklevel=3,
+            )
+        elif pending:
             self._warned_pending = True
             warnings.warn(
                 f"AccumOptimizer: {pending} micro-step(s) of an incomplete window "

@@ -69,10 +69,13 @@ class BatchNormalization:
     """
 
     _FAMILY = None
+    # `accum._dispatch.batch_normalization_class(family)`, set when `accum` is
+    # imported (the family implementations import this module).
+    _implementation_for = None
 
     def __new__(cls, *args, family=None, **kwargs):
         if cls is BatchNormalization:
-            cls = _implementation(_choose_family(family))
+            cls = BatchNormalization._implementation_for(_choose_family(family))
         return super().__new__(cls)
 
     # -------------------------------------------------- the family's parts
@@ -187,16 +190,6 @@ def _choose_family(family):
         if uses_tf_keras and not uses_keras3:
             return TF_KERAS
     return KERAS3
-
-
-def _implementation(family):
-    if family == TF_KERAS:
-        from ._batchnorm_tf_keras import TFKerasBatchNormalization
-
-        return TFKerasBatchNormalization
-    from ._batchnorm_keras3 import Keras3BatchNormalization
-
-    return Keras3BatchNormalization
 
 
 def layers_trained_by(var_list):

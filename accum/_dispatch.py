@@ -17,6 +17,7 @@ import os
 import sys
 
 from ._base import AccumOptimizer
+from ._batchnorm_window import BatchNormalization
 from ._families import KERAS3, TF_KERAS, TF_KERAS_LEGACY
 
 
@@ -87,5 +88,17 @@ def register_serializable_classes():
         from . import _batchnorm_tf_keras, _tf_keras, _tf_keras_legacy  # noqa: F401
 
 
+def batch_normalization_class(family):
+    """The `accum.BatchNormalization` class of a family (`"keras3"` or `"tf_keras"`)."""
+    if family == "tf_keras":
+        from ._batchnorm_tf_keras import TFKerasBatchNormalization
+
+        return TFKerasBatchNormalization
+    from ._batchnorm_keras3 import Keras3BatchNormalization
+
+    return Keras3BatchNormalization
+
+
 AccumOptimizer._implementation_for = staticmethod(implementation_for)
+BatchNormalization._implementation_for = staticmethod(batch_normalization_class)
 AccumOptimizer._implementation_class = staticmethod(implementation_class)

@@ -21,9 +21,11 @@ the window, as the big batch's update does. A heavy-ball momentum
 there `μ̃` and a learning rate `η / k` in the momentum give `v ≈ μ v − η ḡ`.
 
 So the recipe is approximate (exact for `k = 1`): each gradient is weighted
-by `β̃^(k−j)` instead of `1`, and a decay `β̃ᵏ` replaces `β`. `docs/accumulation.md`
-measures how far it ends from batch `k · b`, beside `mode="buffer"` (exact)
-and `mode="momentum"` (exact for SGD, nearly for Adam).
+by `β̃^(k−j)` instead of `1`, a decay `β̃ᵏ` replaces `β`, and an average of a
+nonlinear function of the gradient (Adam's second moment) averages the
+micro-gradients' squares, not the square of their mean (as `mode="momentum"`
+does for Adam). `docs/rescale.md` measures how far it ends from batch `k · b`,
+beside `mode="buffer"` (exact) and `mode="momentum"`.
 
 What the wrapper does at each micro-step (`_rescale_keras3`, `_rescale_tf_keras`):
 - The inner optimizer's update runs with the attributes `Rescale.coefficients`

@@ -27,15 +27,17 @@ def _current(variable):
 
 
 def _dense(variable, value, assign):
-    """`value` as a dense tensor for `variable` (TensorFlow `IndexedSlices` are scattered)."""
+    """`value` as a dense tensor for `variable`: TensorFlow `IndexedSlices` are scattered
+    into the variable's value (`assign`) or into zeros (`assign_add`/`assign_sub`)."""
     import tensorflow as tf
 
-    if isinstance(value, tf.IndexedSlices):
-        base = tf.convert_to_tensor(variable) if assign else tf.zeros(variable.shape, variable.dtype)
-        value = tf.cast(value, variable.dtype)
-        return tf.tensor_scatter_nd_update(base, tf.expand_dims(value.indices, -1), value.values) if assign \
-            else tf.tensor_scatter_nd_add(base, tf.expand_dims(value.indices, -1), value.values)
-    return value
+    if not isinstance(value, tf.IndexedSlices):
+        return value
+    indices = tf.expand_dims(value.indices, -1)
+    values = tf.cast(value.values, variable.dtype)
+    if assign:
+        return tf.tensor_scatter_nd_update(tf.convert_to_tensor(_current(variable)), indices, values)
+    return tf.tensor_scatter_nd_add(tf.zeros(variable.shape, variable.dtype), indices, values)
 
 
 def micro_step(wrapper, grads, indices):

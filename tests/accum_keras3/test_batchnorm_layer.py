@@ -2,10 +2,6 @@
 the whole k*b batch (plain BatchNormalization at batch k*b, <= 1e-6), once per window, in
 `fit`, custom loops, every mode, mixed precision, MirroredStrategy; Keras's layer otherwise."""
 
-import json
-import os
-import subprocess
-import sys
 import warnings
 
 import keras
@@ -15,20 +11,11 @@ import tensorflow as tf
 
 import accum
 from accum import AccumOptimizer
-from tests.helpers.bn_reference import B, K, WINDOWS, assert_statistics_equal, make_data, make_model
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def pair(kind="sequential", **bn):
-    """(model with accum.BatchNormalization, reference with keras's), same weights."""
-    model = make_model(keras, accum.BatchNormalization(**bn), kind)
-    ref = make_model(keras, keras.layers.BatchNormalization(**bn), kind)
-    return model, ref, model.layers[0] if kind != "sequential" or True else None
+from tests.helpers.bn_reference import (
+    B, K, WINDOWS, assert_statistics_equal, bn_of, check_resume_in_fresh_process, fit_both, make_data, make_model,
+)
 
 
-def bn_of(model):
-    return [layer for layer in model._flatten_layers() if "BatchNormalization" in type(layer).__name__][0]
 
 
 def inner(mode):
@@ -41,13 +28,9 @@ def test_fit_gives_big_batch_statistics(kind, mode):
     x, y = make_data(K * B * WINDOWS)
     model = make_model(keras, accum.BatchNormalization(momentum=0.8), kind)
     ref = make_model(keras, keras.layers.BatchNormalization(momentum=0.8), kind)
-    model.compile(AccumOptimizer(inner(mode), K, mode=mode), "mse")
-    ref.compile(inner(mode), "mse")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no BatchNormalization warning for accum's layer
-        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
-    ref.fit(x, y, batch_size=K * B, shuffle=False, verbose=0)
-    assert_statistics_equal(bn_of(ref), bn_of(model))
+        fit_both(model, AccumOptimizer(inner(mode), K, mode=mode), ref, inner(mode), x, y)
     assert not np.any(np.asarray(bn_of(model).accum_count))  # window empty after its end
 
 
@@ -118,14 +101,11 @@ def test_mixed_precision():
         model = make_model(keras, accum.BatchNormalization(), "sequential")
         ref = make_model(keras, keras.layers.BatchNormalization(), "sequential")
         scaled = keras.optimizers.LossScaleOptimizer
-        model.compile(scaled(AccumOptimizer(keras.optimizers.Adam(1e-2), K), initial_scale=1.0), "mse")
-        ref.compile(scaled(keras.optimizers.Adam(1e-2), initial_scale=1.0), "mse")
-        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
-        ref.fit(x, y, batch_size=K * B, shuffle=False, verbose=0)
+        fit_both(model, scaled(AccumOptimizer(keras.optimizers.Adam(1e-2), K), initial_scale=1.0),
+                 ref, scaled(keras.optimizers.Adam(1e-2), initial_scale=1.0), x, y)
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
     assert bn_of(model).compute_dtype == "float16"
-    assert_statistics_equal(bn_of(ref), bn_of(model))
 
 
 @pytest.mark.skipif(len(tf.config.list_logical_devices("CPU")) < 2, reason="needs 2 logical CPUs")
@@ -135,47 +115,15 @@ def test_mirrored_strategy_reduces_statistics_once_per_window(mirrored_strategy)
     x, y = make_data(K * B * WINDOWS)
     with mirrored_strategy.scope():
         model = make_model(keras, accum.BatchNormalization(), "sequential")
-        model.compile(AccumOptimizer(keras.optimizers.SGD(0.01), K), "mse")
+        optimizer = AccumOptimizer(keras.optimizers.SGD(0.01), K)
     ref = make_model(keras, keras.layers.BatchNormalization(), "sequential")
-    ref.compile(keras.optimizers.SGD(0.01), "mse")
-    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
-    ref.fit(x, y, batch_size=K * B, shuffle=False, verbose=0)
-    assert_statistics_equal(bn_of(ref), bn_of(model))
-
-
-RESUME = r"""
-import json, sys, numpy as np, keras, accum
-from tests.helpers.bn_reference import make_data, B
-path, start, stop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-model = keras.models.load_model(path)
-x, y = make_data(stop * B)
-for i in range(start, stop):
-    model.train_on_batch(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
-bn = [l for l in model._flatten_layers() if "BatchNormalization" in type(l).__name__][0]
-print(json.dumps([np.asarray(bn.moving_mean).tolist(), np.asarray(bn.moving_variance).tolist()]))
-"""
+    fit_both(model, optimizer, ref, keras.optimizers.SGD(0.01), x, y)
 
 
 def test_save_mid_window_resume_in_fresh_process(tmp_path):
-    stop, total = K + 2, 3 * K  # saved with two micro-steps pending
-    x, y = make_data(total * B)
     model = make_model(keras, accum.BatchNormalization(), "functional")
     model.compile(AccumOptimizer(keras.optimizers.Adam(1e-2), K), "mse")
-    for i in range(total):
-        if i == stop:
-            path = str(tmp_path / "bn.keras")
-            model.save(path)
-            assert np.any(np.asarray(bn_of(model).accum_count))
-        model.train_on_batch(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
-    out = subprocess.run(
-        [sys.executable, "-c", RESUME, path, str(stop), str(total)],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "KERAS_BACKEND": "tensorflow"},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    mean, variance = json.loads(out.stdout.strip().splitlines()[-1])
-    np.testing.assert_array_equal(np.asarray(bn_of(model).moving_mean), np.float32(mean))
-    np.testing.assert_array_equal(np.asarray(bn_of(model).moving_variance), np.float32(variance))
-
+    check_resume_in_fresh_process(keras, model, str(tmp_path / "bn.keras"))
 
 def test_keras_layer_warns_and_points_to_accum_layer():
     x, y = make_data(K * B)

@@ -2,27 +2,19 @@
 tf_keras BatchNormalization at batch k*b, <= 1e-6), for dense and convolutional (fused) inputs,
 in `fit` (every mode), custom loops, mixed precision, MirroredStrategy, saved mid-window."""
 
-import json
-import os
-import subprocess
-import sys
-
-import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras as K
 
 import accum
 from accum import AccumOptimizer
-from tests.helpers.bn_reference import B, WINDOWS, assert_statistics_equal, make_data, make_model
+from tests.helpers.bn_reference import (
+    B, WINDOWS, assert_statistics_equal, bn_of, check_resume_in_fresh_process, fit_both, make_data, make_model,
+)
 from tests.helpers.bn_reference import K as STEPS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IMAGE = (4, 4, 3)
 
-
-def bn_of(model):
-    return [layer for layer in model._flatten_layers() if "BatchNormalization" in type(layer).__name__][0]
 
 
 def inner(mode):
@@ -40,11 +32,7 @@ def test_fit_gives_big_batch_statistics(shape, mode):
     x, y = make_data(STEPS * B * WINDOWS, shape=shape)
     model = make_model(K, accum.BatchNormalization(momentum=0.8), "functional", shape)
     ref = make_model(K, K.layers.BatchNormalization(momentum=0.8), "functional", shape)
-    model.compile(AccumOptimizer(inner(mode), STEPS, mode=mode), "mse")
-    ref.compile(inner(mode), "mse")
-    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
-    ref.fit(x, y, batch_size=STEPS * B, shuffle=False, verbose=0)
-    assert_statistics_equal(bn_of(ref), bn_of(model))
+    fit_both(model, AccumOptimizer(inner(mode), STEPS, mode=mode), ref, inner(mode), x, y)
 
 
 def test_custom_loop_in_tf_function():
@@ -74,14 +62,11 @@ def test_mixed_precision():
         model = make_model(K, accum.BatchNormalization(), "sequential")
         ref = make_model(K, K.layers.BatchNormalization(), "sequential")
         lso = K.mixed_precision.LossScaleOptimizer
-        model.compile(lso(AccumOptimizer(K.optimizers.Adam(1e-2), STEPS), dynamic=False, initial_scale=1.0), "mse")
-        ref.compile(lso(K.optimizers.Adam(1e-2), dynamic=False, initial_scale=1.0), "mse")
-        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
-        ref.fit(x, y, batch_size=STEPS * B, shuffle=False, verbose=0)
+        fit_both(model, lso(AccumOptimizer(K.optimizers.Adam(1e-2), STEPS), dynamic=False, initial_scale=1.0),
+                 ref, lso(K.optimizers.Adam(1e-2), dynamic=False, initial_scale=1.0), x, y)
     finally:
         K.mixed_precision.set_global_policy("float32")
     assert bn_of(model).compute_dtype == "float16"
-    assert_statistics_equal(bn_of(ref), bn_of(model))
 
 
 @pytest.mark.skipif(len(tf.config.list_logical_devices("CPU")) < 2, reason="needs 2 logical CPUs")
@@ -89,46 +74,16 @@ def test_mirrored_strategy_reduces_statistics_once_per_window(mirrored_strategy)
     x, y = make_data(STEPS * B * WINDOWS)
     with mirrored_strategy.scope():
         model = make_model(K, accum.BatchNormalization(), "sequential")
-        model.compile(AccumOptimizer(K.optimizers.SGD(0.01), STEPS), "mse")
+        optimizer = AccumOptimizer(K.optimizers.SGD(0.01), STEPS)
     ref = make_model(K, K.layers.BatchNormalization(), "sequential")
-    ref.compile(K.optimizers.SGD(0.01), "mse")
-    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
-    ref.fit(x, y, batch_size=STEPS * B, shuffle=False, verbose=0)
-    assert_statistics_equal(bn_of(ref), bn_of(model))
-
-
-RESUME = r"""
-import json, sys, numpy as np, tf_keras, accum
-from tests.helpers.bn_reference import make_data, B
-path, start, stop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-model = tf_keras.models.load_model(path)
-x, y = make_data(stop * B)
-for i in range(start, stop):
-    model.train_on_batch(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
-bn = [l for l in model._flatten_layers() if "BatchNormalization" in type(l).__name__][0]
-print(json.dumps([np.asarray(bn.moving_mean).tolist(), np.asarray(bn.moving_variance).tolist()]))
-"""
+    fit_both(model, optimizer, ref, K.optimizers.SGD(0.01), x, y)
 
 
 @pytest.mark.parametrize("suffix", ["keras", "h5"])
 def test_save_mid_window_resume_in_fresh_process(tmp_path, suffix):
-    stop, total = STEPS + 2, 3 * STEPS
-    x, y = make_data(total * B)
     model = make_model(K, accum.BatchNormalization(), "functional")
     model.compile(AccumOptimizer(K.optimizers.Adam(1e-2), STEPS), "mse")
-    for i in range(total):
-        if i == stop:
-            path = str(tmp_path / f"bn.{suffix}")
-            model.save(path)
-            assert np.any(np.asarray(bn_of(model).accum_count))
-        model.train_on_batch(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
-    out = subprocess.run([sys.executable, "-c", RESUME, path, str(stop), str(total)],
-                         cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    mean, variance = json.loads(out.stdout.strip().splitlines()[-1])
-    np.testing.assert_array_equal(np.asarray(bn_of(model).moving_mean), np.float32(mean))
-    np.testing.assert_array_equal(np.asarray(bn_of(model).moving_variance), np.float32(variance))
-
+    check_resume_in_fresh_process(K, model, str(tmp_path / f"bn.{suffix}"))
 
 def test_without_accum_optimizer_it_is_keras_layer():
     x, y = make_data(STEPS * B)

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import tensorflow as tf
 import tf_keras as K
 
 from accum import AccumOptimizer

@@ -54,3 +54,58 @@ def assert_statistics_equal(reference, actual, tol=TOL):
         assert err <= tol, (name, err, want, got)
     # the statistics did move (the comparison is not between two initial states)
     assert not np.allclose(statistics(reference)[0], 0.0)
+
+
+def bn_of(model):
+    """The model's (only) BatchNormalization layer."""
+    return [layer for layer in model._flatten_layers() if "BatchNormalization" in type(layer).__name__][0]
+
+
+def fit_both(model, optimizer, ref, ref_optimizer, x, y, **fit_kwargs):
+    """`model` with the `AccumOptimizer` at batch `B`, `ref` with the plain optimizer at
+    batch `K * B`, on the same data; asserts the moving statistics are equal."""
+    model.compile(optimizer, "mse")
+    ref.compile(ref_optimizer, "mse")
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0, **fit_kwargs)
+    ref.fit(x, y, batch_size=K * B, shuffle=False, verbose=0)
+    assert_statistics_equal(bn_of(ref), bn_of(model))
+
+
+_RESUME = r"""
+import json, sys, numpy as np
+lib, path, start, stop = sys.argv[1:5]
+keras = __import__(lib)  # before accum: a tf_keras program imports tf_keras first
+import accum
+from tests.helpers.bn_reference import B, bn_of, make_data
+start, stop = int(start), int(stop)
+model = keras.models.load_model(path)
+x, y = make_data(stop * B)
+for i in range(start, stop):
+    model.train_on_batch(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
+print(json.dumps([np.asarray(bn_of(model).moving_mean).tolist(), np.asarray(bn_of(model).moving_variance).tolist()]))
+"""
+
+
+def check_resume_in_fresh_process(keras, model, path):
+    """Trains `model` (compiled with an `AccumOptimizer(k=K)`) 3 windows, saving to `path`
+    with two micro-steps pending; a fresh process loads it and finishes: the moving
+    statistics must be bit-identical to the uninterrupted run's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    stop, total = K + 2, 3 * K
+    x, y = make_data(total * B)
+    for i in range(total):
+        if i == stop:
+            model.save(path)
+            assert np.any(np.asarray(bn_of(model).accum_count))  # mid-window
+        model.train_on_batch(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B])
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _RESUME, keras.__name__, path, str(stop), str(total)],
+                         cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    mean, variance = json.loads(out.stdout.strip().splitlines()[-1])
+    np.testing.assert_array_equal(np.asarray(bn_of(model).moving_mean), np.float32(mean))
+    np.testing.assert_array_equal(np.asarray(bn_of(model).moving_variance), np.float32(variance))
