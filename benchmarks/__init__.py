@@ -29,6 +29,13 @@ saves the figures):
   and CPU time per effective batch of `AccumOptimizer` on 2
   `MultiWorkerMirroredStrategy` workers, against all-reducing every
   micro-step.
+- `python -m benchmarks.accum_modes`: how far each `AccumOptimizer` mode
+  (buffer, momentum, rescale) ends from the inner optimizer at batch k*b, for
+  six optimizers on scikit-learn's digits (`docs/rescale.md`).
+- `python -m benchmarks.accum_batchnorm`: the distance of
+  `accum.BatchNormalization`'s moving statistics from a plain layer at batch
+  k*b, per mode, under mixed precision and `MirroredStrategy`, in both Keras
+  families (`docs/accumulation.md`).
 
 Shared modules (not tools): `harness` (fresh worker processes, peak RSS,
 allocator statistics, free ports, argument types, least squares, progress
