@@ -12,7 +12,7 @@ import tensorflow as tf
 import accum
 from accum import AccumOptimizer
 from tests.helpers.bn_reference import (
-    B, K, WINDOWS, assert_statistics_equal, bn_of, check_resume_in_fresh_process, fit_both, make_data, make_model,
+    B, K, WINDOWS, assert_statistics_equal, bn_of, check_resume_in_fresh_process, fit_both, loop_both, make_data, make_model,
 )
 
 
@@ -57,17 +57,7 @@ def test_custom_loop(compiled):
     if not compiled:
         opt.build(model.trainable_variables)
 
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-
-    step = tf.function(step) if compiled else step
-    for i in range(0, len(x), B):
-        step(tf.constant(x[i:i + B]), tf.constant(y[i:i + B]))
-    ref.compile(keras.optimizers.Adam(1e-2), "mse")
-    ref.fit(x, y, batch_size=K * B, shuffle=False, verbose=0)
-    assert_statistics_equal(bn_of(ref), bn_of(model))
+    loop_both(model, opt, ref, keras.optimizers.Adam(1e-2), x, y, compiled)
 
 
 def test_eager_loop_without_building_first_warns():

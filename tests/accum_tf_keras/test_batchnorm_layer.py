@@ -9,7 +9,7 @@ import tf_keras as K
 import accum
 from accum import AccumOptimizer
 from tests.helpers.bn_reference import (
-    B, WINDOWS, assert_statistics_equal, bn_of, check_resume_in_fresh_process, fit_both, make_data, make_model,
+    B, WINDOWS, assert_statistics_equal, bn_of, check_resume_in_fresh_process, fit_both, loop_both, make_data, make_model,
 )
 from tests.helpers.bn_reference import K as STEPS
 
@@ -41,17 +41,7 @@ def test_custom_loop_in_tf_function():
     ref = make_model(K, K.layers.BatchNormalization(), "subclassed")
     opt = AccumOptimizer(K.optimizers.Adam(1e-2), STEPS)
 
-    @tf.function
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-
-    for i in range(0, len(x), B):
-        step(tf.constant(x[i:i + B]), tf.constant(y[i:i + B]))
-    ref.compile(K.optimizers.Adam(1e-2), "mse")
-    ref.fit(x, y, batch_size=STEPS * B, shuffle=False, verbose=0)
-    assert_statistics_equal(bn_of(ref), bn_of(model))
+    loop_both(model, opt, ref, K.optimizers.Adam(1e-2), x, y)
 
 
 def test_mixed_precision():

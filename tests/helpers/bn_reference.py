@@ -109,3 +109,23 @@ def check_resume_in_fresh_process(keras, model, path):
     mean, variance = json.loads(out.stdout.strip().splitlines()[-1])
     np.testing.assert_array_equal(np.asarray(bn_of(model).moving_mean), np.float32(mean))
     np.testing.assert_array_equal(np.asarray(bn_of(model).moving_variance), np.float32(variance))
+
+
+def loop_both(model, optimizer, ref, ref_optimizer, x, y, compiled=True):
+    """`model` trained by a custom loop (`tf.function` if `compiled`) with the
+    `AccumOptimizer` at batch `B`, `ref` by `fit` at batch `K * B`; asserts the
+    moving statistics are equal."""
+    import tensorflow as tf
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    step = tf.function(step) if compiled else step
+    for i in range(0, len(x), B):
+        step(tf.constant(x[i:i + B]), tf.constant(y[i:i + B]))
+    ref.compile(ref_optimizer, "mse")
+    ref.fit(x, y, batch_size=K * B, shuffle=False, verbose=0)
+    assert_statistics_equal(bn_of(ref), bn_of(model))
