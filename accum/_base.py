@@ -36,9 +36,10 @@ class AccumOptimizer:
     Limits: `mode="momentum"` is exact for SGD with momentum only (Adam's
     second moment is approximate) and refuses other optimizers,
     `tf.distribute` and the JAX backend; `mode="rescale"` is approximate (exact
-    for `k=1`), refuses optimizers whose weights move by the current gradient
-    (Adagrad, Adafactor, SGD without momentum, ...), `tf.distribute` and
-    `flush()`; Keras's BatchNormalization keeps per-micro-batch moving
+    for `k=1`), refuses optimizers with no moving average (Adagrad, Ftrl, SGD
+    without momentum, ...), `tf.distribute` and `flush()`, and warns where
+    only the window's last micro-gradient moves the weights (RMSprop without
+    momentum, Adadelta, Adafactor); Keras's BatchNormalization keeps per-micro-batch moving
     statistics (a warning points to `accum.BatchNormalization`, whose moving
     statistics are the big batch's); with tf_keras, put its
     `LossScaleOptimizer` inside the wrapper. Semantics, saving and limits in

@@ -42,16 +42,22 @@ What the wrapper does at each micro-step (`_rescale_keras3`, `_rescale_tf_keras`
   averages decay), as at batch `k · b`. A non-finite micro-step is skipped.
 
 No per-parameter state is added: the window is the micro-step counter.
+
+Optimizers whose weights move by the current gradient rather than by a moving
+average of it (RMSprop without momentum, Adadelta, Adafactor) are rescaled
+too (their second-moment averages see every micro-gradient), but only the
+window's last micro-gradient moves the weights: a warning says so. Adafactor's
+`β₂ = 1 − t^beta_2_decay` is a schedule, counted in micro-steps, not rescaled.
 """
 
 import dataclasses
 import numbers
+import warnings
 
 MODE = "rescale"
 
-# Optimizers whose weights move by a moving average of the gradient, by class
-# name (the same in Keras 3 and tf_keras): the attributes that are moving-average
-# coefficients of the form `m ← β m + (1 − β) x`.
+# By class name (the same in Keras 3 and tf_keras): the attributes that are
+# moving-average coefficients of the form `m ← β m + (1 − β) x`.
 _AVERAGES = {
     "Adam": ("beta_1", "beta_2"),
     "AdamW": ("beta_1", "beta_2"),
@@ -59,12 +65,20 @@ _AVERAGES = {
     "Nadam": ("beta_1", "beta_2"),
     "Lamb": ("beta_1", "beta_2"),
     "Lion": ("beta_1", "beta_2"),
+    "RMSprop": ("rho",),
+    "Adadelta": ("rho",),
+    "SGD": (),
+    # β₂ = 1 − tᵈᵉᶜᵃʸ is a schedule of the step: counted in micro-steps, not rescaled.
+    "Adafactor": (),
 }
-# Heavy-ball momentum `v ← μ v + η x` (`μ` attribute `momentum`, which must be > 0),
-# with the moving averages of the same optimizer.
-_HEAVY_BALL = {"SGD": (), "RMSprop": ("rho",)}
+# A heavy-ball momentum `v ← μ v + η x` (the attribute `momentum`, when > 0).
+_HEAVY_BALL = ("SGD", "RMSprop")
+# Whose weights move by the current gradient, not by a moving average of it
+# (unless a heavy-ball momentum is set).
+_NO_FIRST_MOMENT = ("RMSprop", "Adadelta", "Adafactor")
 
-SUPPORTED = tuple(sorted(_AVERAGES)) + ("RMSprop (momentum > 0)", "SGD (momentum > 0)")
+SUPPORTED = ("Adam", "AdamW", "Adamax", "Nadam", "Lamb", "Lion", "RMSprop", "Adadelta",
+             "Adafactor", "SGD with momentum > 0")
 
 
 def rescaled(beta, k):
@@ -75,8 +89,8 @@ def rescaled(beta, k):
 def unsupported(optimizer, reason):
     """The Keras-style error for an optimizer `mode="rescale"` cannot rescale."""
     return ValueError(
-        '`mode="rescale"` needs an optimizer whose weights move by a moving average '
-        f"of the gradient ({', '.join(SUPPORTED)}); {reason}. Use "
+        '`mode="rescale"` needs an optimizer with moving-average coefficients '
+        f"({', '.join(SUPPORTED)}); {reason}. Use "
         '`mode="buffer"` (exact for every optimizer). '
         f"Received: optimizer={type(optimizer).__name__}"
     )
@@ -116,11 +130,9 @@ def spec_for(optimizer, k, classes, family_description):
     """
     name = type(optimizer).__name__
     known = getattr(classes, name, None)
-    if known is None or type(optimizer) is not known or (
-        name not in _AVERAGES and name not in _HEAVY_BALL
-    ):
+    if known is None or type(optimizer) is not known or name not in _AVERAGES:
         reason = (
-            f"{name} keeps no moving average of the gradient"
+            f"{name} keeps no moving average"
             if known is not None and type(optimizer) is known
             else f"{name} is not one of the {family_description} optimizers it knows"
         )
@@ -133,17 +145,26 @@ def spec_for(optimizer, k, classes, family_description):
         raise unsupported(
             optimizer, "`use_ema=True`: the weights' moving average counts the optimizer's steps"
         )
+    names = _AVERAGES[name]
+    heavy_ball = False
     if name in _HEAVY_BALL:
         momentum = getattr(optimizer, "momentum", 0.0)
-        if not _is_number(momentum) or not momentum > 0:
-            raise unsupported(
-                optimizer,
-                f"{name} with momentum={momentum!r} moves the weights by the current "
-                "gradient alone (set `momentum` > 0)",
-            )
-        names = _HEAVY_BALL[name] + ("momentum",)
-    else:
-        names = _AVERAGES[name]
+        if not _is_number(momentum):
+            raise unsupported(optimizer, f"`momentum` must be a number. Received: momentum={momentum!r}")
+        heavy_ball = momentum > 0
+        if heavy_ball:
+            names = names + ("momentum",)
+        elif not names:
+            raise unsupported(optimizer, f"{name} with momentum={momentum!r} keeps no moving average (set `momentum` > 0)")
+    if name in _NO_FIRST_MOMENT and not heavy_ball:
+        warnings.warn(
+            f'AccumOptimizer(..., mode="rescale"): {name}{" with momentum=0" if name in _HEAVY_BALL else ""} '
+            "moves the weights by the current gradient, not by a moving average of it, so at "
+            f"each update only the window's last micro-gradient (1 of {k}) moves the weights; "
+            "the others reach only its moving averages. Use mode=\"buffer\" to accumulate "
+            f"every micro-gradient{' (or set momentum > 0)' if name in _HEAVY_BALL else ''}.",
+            stacklevel=4,
+        )
     coefficients = {}
     for attribute in names:
         beta = getattr(optimizer, attribute)
@@ -154,7 +175,7 @@ def spec_for(optimizer, k, classes, family_description):
                 f"Received: {attribute}={beta!r}",
             )
         coefficients[attribute] = float(beta)
-    return Rescale(k=k, coefficients=coefficients, heavy_ball=name in _HEAVY_BALL)
+    return Rescale(k=k, coefficients=coefficients, heavy_ball=heavy_ball)
 
 
 def _is_number(value):

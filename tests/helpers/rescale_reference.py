@@ -20,8 +20,13 @@ OPTIMIZERS = [
     ("Lamb", dict(learning_rate=1e-2), ("beta_1", "beta_2"), False),
     ("SGD", dict(learning_rate=0.05, momentum=0.9, nesterov=True, weight_decay=0.01), ("momentum",), True),
     ("RMSprop", dict(learning_rate=1e-2, momentum=0.5, centered=True), ("rho", "momentum"), True),
+    # No moving average of the gradient: the window's last micro-gradient moves the weights.
+    ("RMSprop", dict(learning_rate=1e-2), ("rho",), False),
+    ("Adadelta", dict(learning_rate=1.0), ("rho",), False),
+    ("Adafactor", dict(learning_rate=1e-2), (), False),
 ]
-IDS = [name for name, *_ in OPTIMIZERS]
+IDS = [name + ("_no_momentum" if name == "RMSprop" and "momentum" not in kwargs else "")
+       for name, kwargs, *_ in OPTIMIZERS]
 
 
 def rescaled_config(optimizer, k, coefficients, heavy_ball):
