@@ -238,25 +238,23 @@ class AccumOptimizer:
         if not self._has_window_state() or self._warned_pending or not tf.executing_eagerly():
             return
         pending = int(self.window_steps.numpy())
-        if pending and self.mode == "rescale":
-            self._warned_pending = True
-            warnings.warn(
-                f"AccumOptimizer: {pending} micro-step(s) of an incomplete window "
-                f"(steps_per_update={self.steps_per_update}, mode=\"rescale\") are pending "
-                "at the end of training. They are in the inner optimizer's moving averages "
-                "and move the weights at the next update (the window's last micro-step).",
-                stacklevel=3,
-            )
-        elif pending:
-            self._warned_pending = True
-            warnings.warn(
-                f"AccumOptimizer: {pending} micro-step(s) of an incomplete window "
-                f"(steps_per_update={self.steps_per_update}) are pending at the end "
-                "of training. They stay in the buffer and join the next window; call "
-                "`optimizer.flush()` to apply them now, or pass "
-                "`callbacks=[optimizer.flush_callback()]` to `fit`.",
-                stacklevel=3,
-            )
+        if not pending:
+            return
+        self._warned_pending = True
+        if self.mode == "rescale":
+            window = f"steps_per_update={self.steps_per_update}, mode=\"rescale\""
+            fate = ("They are in the inner optimizer's moving averages and move the weights "
+                    "at the next update (the window's last micro-step).")
+        else:
+            window = f"steps_per_update={self.steps_per_update}"
+            fate = ("They stay in the buffer and join the next window; call "
+                    "`optimizer.flush()` to apply them now, or pass "
+                    "`callbacks=[optimizer.flush_callback()]` to `fit`.")
+        warnings.warn(
+            f"AccumOptimizer: {pending} micro-step(s) of an incomplete window ({window}) "
+            f"are pending at the end of training. {fate}",
+            stacklevel=3,
+        )
 
     # ------------------------------------------------------ saved state
     # Keras saves an optimizer's variables by position; the inner optimizer

@@ -5,7 +5,6 @@ import types
 import keras
 from keras import ops as kops
 
-from . import _distributed
 from ._batchnorm_window import KERAS3, BatchNormalization
 
 _OPS = types.SimpleNamespace(
@@ -22,24 +21,14 @@ class Keras3BatchNormalization(BatchNormalization, keras.layers.BatchNormalizati
     _FAMILY = KERAS3
     _ops = _OPS
 
-    def __init__(self, *args, family=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._check_window_arguments()
-
     @staticmethod
     def _value(variable):
         return variable.value
 
-    def build(self, input_shape):
-        super().build(input_shape)
-
-        def add_weight(name, shape):
-            return self.add_weight(
-                shape=shape, name=name, initializer="zeros", trainable=False,
-                dtype="float32", autocast=False,
-            )
-
-        self._build_window_state(self.moving_mean.shape, add_weight, _distributed.replica_local_variables)
+    def _add_window_weight(self, name, shape):
+        return self.add_weight(
+            shape=shape, name=name, initializer="zeros", trainable=False, dtype="float32", autocast=False
+        )
 
     def call(self, inputs, training=None, mask=None):
         if not (training and self.trainable):

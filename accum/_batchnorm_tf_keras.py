@@ -6,7 +6,6 @@ import types
 import tensorflow as tf
 import tf_keras
 
-from . import _distributed
 from ._batchnorm_window import TF_KERAS, BatchNormalization
 
 _OPS = types.SimpleNamespace(
@@ -32,25 +31,16 @@ class TFKerasBatchNormalization(BatchNormalization, tf_keras.layers.BatchNormali
     _FAMILY = TF_KERAS
     _ops = _OPS
 
-    def __init__(self, *args, family=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._check_window_arguments()
-
     @staticmethod
     def _value(variable):
         # `read_value`: in the cross-replica context a replica-local sum is summed.
         return variable.read_value()
 
-    def build(self, input_shape):
-        super().build(input_shape)
-
-        def add_weight(name, shape):
-            return self.add_weight(
-                name=name, shape=shape, dtype=tf.float32, initializer="zeros", trainable=False,
-                experimental_autocast=False,
-            )
-
-        self._build_window_state(self.moving_mean.shape, add_weight, _distributed.replica_local_variables)
+    def _add_window_weight(self, name, shape):
+        return self.add_weight(
+            name=name, shape=shape, dtype=tf.float32, initializer="zeros", trainable=False,
+            experimental_autocast=False,
+        )
 
     def _window_variance(self, variance, count):
         # The fused kernel (4-D inputs) moves the statistics with the unbiased variance.

@@ -81,9 +81,11 @@ class BatchNormalization:
     # -------------------------------------------------- the family's parts
     # `_ops`: a namespace with `sum`, `square`, `where`, `cast`, `maximum`,
     # `reshape`, `zeros_like`, `ones_like`, `logical_and`, `convert` (to a
-    # tensor) and `float32`; `_value(v)`: a variable's current tensor.
+    # tensor) and `float32`; `_value(v)`: a variable's current tensor;
+    # `_add_window_weight(name, shape)`: a float32 non-trainable zeros weight.
 
-    def _check_window_arguments(self):
+    def __init__(self, *args, family=None, **kwargs):
+        super().__init__(*args, **kwargs)
         if getattr(self, "renorm", False):
             raise ValueError(
                 "`accum.BatchNormalization` does not support `renorm=True`: batch "
@@ -91,13 +93,17 @@ class BatchNormalization:
                 "which move once per window here. Received: renorm=True"
             )
 
-    def _build_window_state(self, param_shape, add_weight, replica_local):
-        """Creates the window's variables (after the layer's own)."""
-        with replica_local():
-            self.accum_count = add_weight("accum_count", param_shape)
-            self.accum_sum = add_weight("accum_sum", param_shape)
-            self.accum_sum_squares = add_weight("accum_sum_squares", param_shape)
-        self.accum_linked = add_weight("accum_linked", ())
+    def build(self, input_shape):
+        """The layer's own variables, then the window's (replica-local under a strategy)."""
+        from ._distributed import replica_local_variables
+
+        super().build(input_shape)
+        shape = self.moving_mean.shape
+        with replica_local_variables():
+            self.accum_count = self._add_window_weight("accum_count", shape)
+            self.accum_sum = self._add_window_weight("accum_sum", shape)
+            self.accum_sum_squares = self._add_window_weight("accum_sum_squares", shape)
+        self.accum_linked = self._add_window_weight("accum_linked", ())
         self._accum_plain_steps = False
         _LAYERS.add(self)
 

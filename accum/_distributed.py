@@ -117,8 +117,8 @@ def in_replica_context():
     return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
 
 
-def momentum_not_supported(mode="momentum"):
-    """The error for a mode other than "buffer" under a strategy."""
+def mode_not_supported(mode):
+    """The error for a mode other than "buffer" (`"momentum"`, `"rescale"`) under a strategy."""
     return NotImplementedError(
         f'`AccumOptimizer(..., mode="{mode}")` is not supported under a '
         "`tf.distribute` strategy: its moment slots are mirrored variables "

@@ -67,7 +67,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         # (see `accum._distributed`).
         self._accum_strategy = _distributed.current_strategy()
         if self._accum_strategy is not None and self.mode != "buffer":
-            raise _distributed.momentum_not_supported(self.mode)
+            raise _distributed.mode_not_supported(self.mode)
         self.window_steps = self.add_variable(
             shape=(), dtype="int64", initializer="zeros", name="window_steps"
         )
@@ -162,7 +162,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
                 return
             if _distributed.in_replica_context():
                 if self.mode != "buffer":
-                    raise _distributed.momentum_not_supported(self.mode)
+                    raise _distributed.mode_not_supported(self.mode)
                 self._distributed_window().micro_step(grads, indices)
                 return
             if self.mode == "buffer":

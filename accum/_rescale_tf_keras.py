@@ -56,7 +56,7 @@ def micro_step(wrapper, grads, indices):
 
     def guarded_update_step(gradient, variable):
         def slots_only():
-            old = tf.identity(variable.read_value())
+            old = variable.read_value()
             update_step(gradient, variable)
             variable.assign(old)
 

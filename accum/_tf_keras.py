@@ -82,7 +82,7 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         var_list = list(var_list)
         self._accum_strategy = _distributed.current_strategy()
         if self._accum_strategy is not None and self.mode != "buffer":
-            raise _distributed.momentum_not_supported(self.mode)
+            raise _distributed.mode_not_supported(self.mode)
         self.inner_optimizer.build(var_list)
         super().build(var_list)
         self._model_variables.extend(var_list)

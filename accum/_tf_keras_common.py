@@ -110,7 +110,7 @@ class TFKerasWindow:
                 # update (`accum._distributed`). Gradients already reduced by the
                 # caller (no aggregation asked) are not supported here.
                 if self.mode != "buffer":
-                    raise _distributed.momentum_not_supported(self.mode)
+                    raise _distributed.mode_not_supported(self.mode)
                 return self._distributed_window().micro_step(grads, indices)
             if self.steps_per_update == 1 and self.mode == "buffer":
                 self._inner_apply(list(zip(grads, variables)))

@@ -71,7 +71,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
             if first:
                 self._accum_strategy = _distributed.current_strategy()
                 if self._accum_strategy is not None and self.mode != "buffer":
-                    raise _distributed.momentum_not_supported(self.mode)
+                    raise _distributed.mode_not_supported(self.mode)
             # OptimizerV2 has no public `build`; this is what its
             # `apply_gradients` calls first (slots of new variables only).
             self._inner._create_all_weights(new)
