@@ -107,7 +107,7 @@ FULL = dict(models=("base", "large"), seq_len=512, budget_gib=8.0, steps=2)
 QUICK = dict(models=("minilm",), seq_len=256, budget_gib=2.0, steps=1)
 
 ENV = {"TF_KERAS": "1", "TF_USE_LEGACY_KERAS": "1"}
-POLICIES = ("layer", "block", "attention")  # of recompute.bert4keras.patch
+POLICIES = ("layer", "block", "attention", "block_keep_ffn")  # of recompute.bert4keras.patch
 
 
 def policy_of(mode):
@@ -255,7 +255,7 @@ def run_worker(spec, out_path):
     import recompute
 
     device = harness.measured_device()  # the GPU's allocator when there is one
-    result.update(device=device)
+    result.update(device=device, malloc=harness.malloc_setting())
 
     def peak_bytes():
         if device == "CPU:0":
@@ -337,7 +337,8 @@ def measure(model, shape, mode, batch, opts, paths=None):
             json.dump(spec, f)
         c0 = time.time()
         env = dict(ENV, RECOMPUTE="0" if mode == "0" else "1",
-                   CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+                   CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                   **harness.malloc_env(opts["malloc"]))
         run, = harness.run_workers(_progress, ["--spec", spec_path], [env],
                                    rss_abort_bytes=int(abort * 1.05) + 64 * MiB)
         wall = time.time() - c0
@@ -382,7 +383,8 @@ def activation_estimate_mib(shape, seq_len, mode):
     block one unit): one [seq, hidden] input per layer plus one block's
     activations, while it is recomputed; "layer": about seven [seq, hidden]
     tensors per layer plus that; "attention": RECOMPUTE=0 without the
-    attention tensors, plus one layer's.
+    attention tensors, plus one layer's; "block_keep_ffn": "block" plus one
+    [seq, hidden] product per layer.
     """
     s, d, f, h, n = seq_len, shape["hidden"], shape["ffn"], shape["heads"], shape["layers"]
     block = 6 * h * s * s + 5 * s * f + 20 * s * d
@@ -393,6 +395,8 @@ def activation_estimate_mib(shape, seq_len, mode):
         floats = 0.7 * n * (5 * s * f + 20 * s * d) + 6 * h * s * s
     elif policy == "layer":
         floats = 7 * n * s * d + block
+    elif policy == "block_keep_ffn":
+        floats = 2 * n * s * d + block
     else:
         floats = n * s * d + block
     return floats * 4 / MiB
@@ -602,7 +606,8 @@ def print_report(rows, opts, out=None):
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p("what batch fits? bert4keras BERT + CLS->Dense(2), tf_keras Adam"
       + (f" in AccumOptimizer(k={opts['accum_steps']})" if opts["accum_steps"] > 1 else "")
-      + f", dropout {DROPOUT}; peak {_measured(rows)} of a fresh process per candidate")
+      + f", dropout {DROPOUT}; peak {_measured(rows)} of a fresh process per candidate"
+      + f"; glibc malloc: {opts.get('malloc', 'default')} (--malloc)")
     p("")
     header = (f"{'model':<8} {'seq':>5} {'budget GiB':>10} {'policy':>9} {'max batch':>9} "
               f"{'peak MiB':>9} {'CPU s/sample':>12} {'batch x':>8} "
@@ -680,7 +685,8 @@ def plot(rows, opts, path):
               "1": dict(color="tab:blue", marker="s", label="policy=block"),
               "layer": dict(color="tab:green", marker="^", label="policy=layer"),
               "block": dict(color="tab:blue", marker="s", label="policy=block"),
-              "attention": dict(color="tab:orange", marker="D", label="policy=attention")}
+              "attention": dict(color="tab:orange", marker="D", label="policy=attention"),
+              "block_keep_ffn": dict(color="tab:purple", marker="v", label="policy=block_keep_ffn")}
     for ax, model in zip(axes[0], models):
         for r in rows:
             if r["model"] != model:
@@ -852,7 +858,8 @@ def parse_args(argv=None):
                              f"--quick: {QUICK['budget_gib']:g}; with a GPU: its memory)")
     parser.add_argument("--policies", type=_policies,
                         help="comma-separated recomputation policies measured beside "
-                             "RECOMPUTE=0, from layer,block,attention (default attention,block)")
+                             "RECOMPUTE=0, from layer,block,attention,block_keep_ffn "
+                             "(default attention,block)")
     parser.add_argument("--accum-steps", type=harness.positive_int, default=1,
                         help="wrap Adam in AccumOptimizer(steps_per_update=K) when K > 1 "
                              "(default 1: plain Adam)")
@@ -870,6 +877,7 @@ def parse_args(argv=None):
     parser.add_argument("--plot", metavar="PATH", default="batchfit.png",
                         help="PNG of peak RSS vs batch (default batchfit.png)")
     parser.add_argument("--json", metavar="PATH", help="save all measurements as JSON")
+    harness.add_malloc_argument(parser)
     harness.add_docs_argument(parser, TOOL)
     harness.add_worker_arguments(parser)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -916,7 +924,7 @@ def _main(argv=None):
     opts = dict(models=args.models, modes=("0",) + tuple(args.policies),
                 seq_len=args.seq_len, budget_gib=args.budget_gib,
                 accum_steps=args.accum_steps, steps=args.steps, max_batch=args.max_batch,
-                abort_factor=args.abort_factor)
+                abort_factor=args.abort_factor, malloc=args.malloc)
     start_wall, start_cpu = time.time(), _children_cpu()
     paths = {}
     if "minilm" in args.models or args.quick:

@@ -53,7 +53,7 @@ FULL = dict(layers=12, hidden=768, heads=12, ffn=3072, seq=512, vocab=30522,
 QUICK = dict(layers=3, hidden=256, heads=4, ffn=1024, seq=128, vocab=1000,
              batch_sizes=(2, 6), steps=2, dropout=0.1)
 MODELS = {"lean": ("full",), "standard": ("full", "attention"),
-          "bert4keras": ("layer", "block", "attention")}  # model -> its policies
+          "bert4keras": ("layer", "block", "attention", "block_keep_ffn")}  # model -> its policies
 TOOL = "benchmarks.recompute_memory"
 _progress = harness.Progress(TOOL)
 

@@ -7,7 +7,9 @@ runs its gradient through the dropout's scaled copy. Two lean forms, both with
 the layer's own ops and random numbers in the forward pass (values bit for bit
 those of the layer's own core), the dropout's decision kept as a bool mask
 (`_decision`: 1 byte per entry) and the gradients of the dropout and the
-product taken by hand as autodiff takes them (`_combine_gradients`):
+product taken by hand as autodiff takes them (`_combine_gradients`); the
+mask is held from the forward pass to the backward pass as bits
+(`pack_bits`, 1 bit per entry):
 
 - `dropout_then_combine`: the probabilities are kept (for a core recomputed
   as part of a larger unit: bert4keras's "layer" and "block" policies); the
@@ -66,6 +68,52 @@ def _decision(probs, dropped, rate, training):
     return keep, tf.where(ran, on, tf.ones([], probs.dtype))
 
 
+_BITS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def pack_bits(mask):
+    """A bool tensor as 1 bit per entry: a uint8 vector of `ceil(size / 8)`.
+
+    The dropout's decision is the one [batch, heads, seq, seq] tensor the lean
+    cores keep from the forward pass to the backward pass (across every layer
+    of the model under the "block" and "attention" policies): as bits it takes
+    an eighth of the bytes of a bool mask. `unpack_bits` inverts it exactly.
+    """
+    flat = tf.cast(tf.reshape(mask, [-1]), tf.uint8)
+    size = mask.shape.num_elements()  # static where known (XLA needs the padding constant)
+    pad = tf.math.floormod(-tf.size(flat), 8) if size is None else -size % 8
+    if size is None or pad:
+        flat = tf.pad(flat, [[0, pad]])
+    return tf.reduce_sum(tf.reshape(flat, [-1, 8]) * tf.constant(_BITS, tf.uint8), axis=1)
+
+
+def unpack_bits(bits, like):
+    """The bool tensor of `like`'s shape that `pack_bits` packed into `bits`."""
+    flat = tf.reshape(tf.not_equal(tf.bitwise.bitwise_and(bits[:, None], tf.constant(_BITS, tf.uint8)),
+                                   tf.zeros([], tf.uint8)), [-1])
+    size = like.shape.num_elements()
+    if size is None:
+        shape = tf.shape(like)
+        return tf.reshape(flat[:tf.reduce_prod(shape)], shape)
+    return tf.reshape(flat[:size] if size % 8 else flat, like.shape)
+
+
+def _packed(decision):
+    """What a lean core keeps of its dropout's decision `(keep, scale)`: the mask as bits."""
+    keep, scale = decision
+    return (None if keep is None else pack_bits(keep)), scale
+
+
+def _unpacked(packed, probs):
+    """`(keep, scale)` back from `_packed(...)`, for the (recomputed) `probs`: made to
+    wait for them, so that a graph executor unpacks it in the backward pass, not in
+    the forward pass (`_core.after`)."""
+    bits, scale = packed
+    if bits is None:
+        return None, scale
+    return unpack_bits(after([bits], probs)[0], probs), scale
+
+
 def _dropped(probs, keep, scale):
     return probs if keep is None else tf.where(keep, probs * scale, tf.zeros([], probs.dtype))
 
@@ -110,18 +158,25 @@ def dropout_then_combine(probs, value, dropout, rate, equation, training=None):
         The attended values, equal bit for bit to `einsum(equation, dropout(probs),
         value)` for a dropout computing `where(keep, x / (1 - rate), 0)`.
     """
-    dropped = None
+    if _core.inside_recomputed_call():
+        # Inside a recomputed layer or block, the decision is kept from the
+        # forward pass, as bits: the recomputation neither draws it again nor
+        # needs the dropout.
+        dropped = keep = None
 
-    def decide():
-        nonlocal dropped
+        def decide():
+            nonlocal dropped, keep
+            dropped, keep, scale = _drop(probs, dropout, rate, training)
+            return _packed((keep, scale))
+
+        packed = _core.kept(decide)
+        if dropped is None:  # the recomputation
+            keep, scale = _unpacked(packed, probs)
+            dropped = _dropped(probs, keep, scale)
+        else:
+            scale = packed[1]
+    else:
         dropped, keep, scale = _drop(probs, dropout, rate, training)
-        return keep, scale
-
-    # Inside a recomputed layer or block, the decision is kept from the forward
-    # pass: the recomputation neither draws it again nor needs the dropout.
-    keep, scale = _core.kept(decide)
-    if dropped is None:
-        dropped = _dropped(probs, keep, scale)
 
     @tf.custom_gradient
     def combine(probs, value):
@@ -164,12 +219,14 @@ def recomputed_core(probabilities, query, key, value, dropout, rate, equation,
         probs, second = probabilities(query, key, False)
         dropped, keep, scale = _drop(probs, dropout, rate, training)
         output = tf.einsum(equation, dropped, value)
+        packed = _packed((keep, scale))  # the mask as bits, until the gradient
 
         def grad(d_out, d_second=None):
             q, k = after([query, key], d_out)  # recomputed when the gradient arrives
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch([q, k])
                 probs, second = probabilities(q, k, True)
+            keep, scale = _unpacked(packed, probs)
             d_probs, d_value = _combine_gradients(probs, value, keep, scale, d_out, equation)
             targets, seeds = [probs], [d_probs]
             if d_second is not None:

@@ -84,8 +84,8 @@ def kept(compute):
     until the backward pass, and the recomputation gets that result back
     instead of computing it again (the calls are matched in order). Elsewhere
     it is simply `compute()`. For what is cheap to keep and costly or
-    impossible to recompute: an attention dropout's decision as a bool mask
-    (`_attention`), 1 byte per entry against a float random draw per entry.
+    impossible to recompute: an attention dropout's decision, kept as bits
+    (`_attention`), 1 bit per entry against a float random draw per entry.
     """
     calls = getattr(_running, "calls", None)
     if not calls:

@@ -86,7 +86,8 @@ def _owned_dropout(dropout_cls):
     return Dropout
 
 
-POLICIES = ("layer", "block", "attention")
+POLICIES = ("layer", "block", "attention", "block_keep_ffn")
+BLOCK_POLICIES = ("block", "block_keep_ffn")  # each Transformer block one recomputed unit
 _policy = "layer"  # the policy of `patch()`, taken by each patched layer at its first call
 _POLICY_ATTR = "_recompute_bert4keras_policy"
 
@@ -113,9 +114,19 @@ def _marked_call(call, cls):
     element-wise classes (`ELEMENTWISE`) are still units; the others run as
     written, except a `FeedForward`, whose GELU keeps only its input
     (`_feed_forward`)."""
-    decorated = recompute_grad(call)
     elementwise = cls.__name__ in ELEMENTWISE
     feed_forward = cls.__name__ == "FeedForward"
+
+    @functools.wraps(call)
+    def keeping_product(self, *args, **kwargs):
+        # "block_keep_ffn": the FeedForward's second product is kept from the
+        # forward pass for the recomputation (`_feed_forward.lean_call`).
+        if (_policy_of(self) == "block_keep_ffn" and _core.inside_recomputed_call()
+                and len(args) == 1 and not kwargs and _feed_forward.lean_applies(self, args[0])):
+            return _feed_forward.lean_call(self, args[0], keep_product=True)
+        return call(self, *args, **kwargs)
+
+    decorated = recompute_grad(keeping_product if feed_forward else call)
 
     def wrapper(self, *args, **kwargs):
         if _policy_of(self) != "attention" or elementwise:
@@ -272,7 +283,7 @@ def _recomputed_blocks(apply_main_layers, keras):
     """
 
     def wrapper(self, inputs, index):
-        if _policy != "block":
+        if _policy not in BLOCK_POLICIES:
             return apply_main_layers(self, inputs, index)
         reason = _block_inputs_ok(self, inputs, index)
         if reason is not None:
@@ -385,7 +396,12 @@ def patch(policy=None, *, blocks=None):
             mask, softmax, dropout) and the element-wise work (layer norms;
             the FeedForward's GELU keeps only its input) are recomputed, the
             outputs of the dense layers are kept: much of the memory for
-            little time.
+            little time. "block_keep_ffn": "block", except that each
+            FeedForward's output product is kept from the forward pass
+            (one [seq, hidden] tensor per block and sample), so the
+            recomputation skips that product, 30% of the block's forward
+            FLOPs at BERT-base (`_feed_forward.lean_call`; float32,
+            bert4keras's GELU; elsewhere as "block").
             Layers take the policy in effect at their first call (when the
             model is built); weights, checkpoints and outputs are the same
             under every policy.

@@ -28,9 +28,10 @@ from tests.helpers.numerics import assert_all_close, to_numpy  # noqa: E402
 
 
 
-@pytest.fixture(params=["layer", "block", "attention"])
+@pytest.fixture(params=rbp.POLICIES)
 def policy(request):
-    """Each policy: per marked layer (default), whole Transformer blocks, attention only."""
+    """Each policy: per marked layer (default), whole Transformer blocks, attention
+    only, whole blocks keeping the feed-forward products."""
     rb.patch(policy=request.param)
     yield request.param
     rb.patch()
@@ -193,7 +194,7 @@ def test_default_patch_keeps_bert4keras_structure(config_path):
     assert "Transformer-1-FeedForward-Norm" in names and "Transformer-1" not in names
     with pytest.raises(TypeError, match="`blocks` must be True or False. Received: blocks='yes'"):
         rb.patch(blocks="yes")
-    with pytest.raises(ValueError, match="`policy` must be one of 'layer', 'block', 'attention'. "
+    with pytest.raises(ValueError, match="`policy` must be one of 'layer', 'block', 'attention', 'block_keep_ffn'. "
                                          "Received: policy='full'"):
         rb.patch(policy="full")
     with pytest.raises(ValueError, match="`blocks=True` means policy='block'"):
@@ -233,7 +234,8 @@ def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, m
     # and two layer norms) and the embedding layer norm; or, under "attention",
     # the five layer norms, and the two attention cores as units of their own
     # (`recomputed_core`: the dropout's mask kept, not redrawn).
-    assert calls["n"] == 2 * {"block": 2 + 1, "layer": 2 * 4 + 1, "attention": 2 * 2 + 1}[policy]
+    assert calls["n"] == 2 * {"block": 2 + 1, "block_keep_ffn": 2 + 1, "layer": 2 * 4 + 1,
+                              "attention": 2 * 2 + 1}[policy]
     assert cores["n"] == (2 * 2 if policy == "attention" else 0)
 
 
@@ -333,3 +335,36 @@ def test_attention_policy_recomputes_when_the_gradient_arrives(dropout_config_pa
                 gated = gated or (parent.name in backward and parent.name.startswith("gradient_tape/"))
                 stack.append(parent)
         assert gated, f"{op.name} reads only forward tensors"
+
+
+@pytest.mark.parametrize("policy", ["block", "block_keep_ffn"])
+def test_block_keep_ffn_does_not_recompute_the_second_product(
+        dropout_config_path, replayable_rng, monkeypatch, policy):
+    """Under "block_keep_ffn" each FeedForward's product `gelu(h) @ kernel` is computed
+    once per step (in the forward pass; the recomputed block takes it back) and the
+    loss and gradients equal RECOMPUTE=0's; "block" recomputes the layer as written."""
+    from recompute.bert4keras import _feed_forward
+
+    products = []
+    real = _feed_forward._matmul_last
+    monkeypatch.setattr(_feed_forward, "_matmul_last",
+                        lambda x, w, **k: products.append(bool(k)) or real(x, w, **k))
+    token_ids, segment_ids, labels = batch()
+    rb.patch(policy=policy)
+    results = []
+    for on in (False, True):
+        model = build(dropout_config_path)
+        products.clear()
+        with recompute.recompute_scope(on):
+            with tf.GradientTape() as tape:
+                logits = model([token_ids, segment_ids], training=True)
+                loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                    labels, logits, from_logits=True))
+            grads = tape.gradient(loss, model.trainable_weights)
+        results.append([float(loss)] + to_numpy(grads))
+        if on and policy == "block_keep_ffn":
+            # 2 blocks: 2 forward products, 2 transposed products for the gradient.
+            assert products.count(False) == 2 and products.count(True) == 2, products
+        else:
+            assert products == []  # bert4keras's own FeedForward
+    assert_all_close(results[0], results[1])

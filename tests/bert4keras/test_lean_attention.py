@@ -21,7 +21,7 @@ import bert4keras.layers as B  # noqa: E402
 from bert4keras.models import build_transformer_model  # noqa: E402
 
 from tests.helpers import tiny_bert  # noqa: E402
-from tests.helpers.attention_blocks import forward_tensors_kept  # noqa: E402
+from tests.helpers.attention_blocks import check_mask_kept_as_bits, forward_tensors_kept  # noqa: E402
 from tests.helpers.numerics import assert_all_close, to_numpy  # noqa: E402
 
 SEQ = 10
@@ -203,3 +203,27 @@ def test_lean_core_keeps_only_the_softmax_and_a_bool_mask():
 
     assert forward_tensors_kept(graph(lean), (SEQ, SEQ)) == {"Softmax"}
     assert len(forward_tensors_kept(graph(bert4keras), (SEQ, SEQ))) >= 3
+
+
+@pytest.mark.parametrize("policy", _patch.POLICIES)
+def test_dropout_decision_kept_as_bits(config_path, policy):
+    """Every policy keeps each attention layer's dropout decision from the forward
+    to the backward pass as bits (1 bit per entry, not a bool [.., seq, seq]
+    mask), unpacked once the gradient arrives; the step still equals RECOMPUTE=0."""
+    token_ids, segment_ids, labels = batch()
+    rb.patch(policy=policy)
+    with recompute.recompute_scope(True):
+        model = build(config_path)
+
+        @tf.function
+        def step(token_ids, segment_ids, labels):
+            with tf.GradientTape() as tape:
+                logits = model([token_ids, segment_ids], training=True)
+                loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                    labels, logits, from_logits=True))
+            return tape.gradient(loss, model.trainable_weights)
+
+        graph = step.get_concrete_function(
+            tf.TensorSpec([None, SEQ], tf.int32), tf.TensorSpec([None, SEQ], tf.int32),
+            tf.TensorSpec([None], tf.int32)).graph
+    check_mask_kept_as_bits(graph, SEQ)

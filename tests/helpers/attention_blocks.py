@@ -131,6 +131,36 @@ def forward_tensors_kept(graph, rank4_last_dims=(SEQ, SEQ)):
             and tuple(t.shape[-2:]) == rank4_last_dims and t.dtype.is_floating}
 
 
+def _ancestors(op):
+    seen, stack = set(), [op]
+    while stack:
+        o = stack.pop()
+        if o.name in seen:
+            continue
+        seen.add(o.name)
+        stack.extend(t.op for t in o.inputs)
+        stack.extend(o.control_inputs)
+    return seen
+
+
+def check_mask_kept_as_bits(graph, seq=SEQ):
+    """The dropout decision crosses from the forward to the backward pass as bits
+    (a uint8 vector, `recompute._attention.pack_bits`), no bool [.., seq, seq]
+    mask, and is unpacked only once the gradient has arrived (`_core.after`)."""
+    import tensorflow as tf
+
+    read = forward_tensors_read_by_backward(graph)
+    masks = [t.name for t in read if t.dtype == tf.bool and t.shape.rank is not None
+             and t.shape.rank >= 3 and tuple(t.shape[-2:]) == (seq, seq)
+             and t.op.type != "Placeholder"]  # (the attention mask passed in is an input)
+    assert not masks, masks
+    assert any(t.dtype == tf.uint8 and t.shape.rank == 1 for t in read), [t.name for t in read]
+    unpacks = [op for op in graph.get_operations() if op.type == "BitwiseAnd"]
+    assert unpacks
+    for op in unpacks:
+        assert any(name.startswith("gradient_tape/") for name in _ancestors(op)), op.name
+
+
 # The checks both suites run (tests/recompute_*/test_recompute_policies*.py).
 
 
@@ -188,8 +218,8 @@ def check_gelus_keep_their_input(K, policy, monkeypatch):
 
 def check_recomputation_draws_nothing(K):
     """Under "attention" the backward pass draws no random numbers (the dropout's
-    decision is kept as a bool mask) and reads one bool [.., seq, seq] tensor per
-    core; under "full" it draws the masks again (replayed)."""
+    decision is kept as bits) and reads one uint8 vector of bits per core; under
+    "full" it draws the masks again (replayed)."""
 
     def backward_ops(graph):
         ops = graph.get_operations()
@@ -202,7 +232,7 @@ def check_recomputation_draws_nothing(K):
     graph = run(K, "attention", True, "function")[3]
     assert draws(graph) == []
     masks = {t.name for t in forward_tensors_read_by_backward(graph)
-             if t.dtype == tf.bool and t.shape.rank == 4 and tuple(t.shape[-2:]) == (SEQ, SEQ)}
+             if t.dtype == tf.uint8 and t.shape.rank == 1}
     assert len(masks) == 2, masks  # 2 blocks
     assert draws(run(K, "full", True, "function")[3])
 
@@ -220,3 +250,4 @@ def check_attention_policy_keeps_no_attention_matrix(K):
     kept_on = forward_tensors_kept(run(K, "attention", True, "function")[3])
     assert "Softmax" in kept_off, kept_off
     assert not kept_on, kept_on
+    check_mask_kept_as_bits(run(K, "attention", True, "function")[3])

@@ -86,3 +86,28 @@ def test_a_recomputation_that_asks_for_more_is_refused():
         with pytest.raises(RuntimeError, match="kept 1 results with `kept` in the forward pass "
                                                "but asked for 2"):
             _step(block, x)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "dynamic", "jit"])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 2, 8, 8), (3,), (0, 4)])
+def test_mask_bits_round_trip(shape, mode):
+    """`pack_bits` keeps a bool mask as 1 bit per entry; `unpack_bits` gives it back
+    exactly, for sizes that are and are not multiples of 8, with static and
+    unknown shapes and under XLA."""
+    from recompute._attention import pack_bits, unpack_bits
+
+    mask = tf.constant(np.random.RandomState(0).rand(*shape) < 0.7)
+
+    def round_trip(m):
+        bits = pack_bits(m)
+        return bits, unpack_bits(bits, tf.zeros_like(m, tf.float32))
+
+    if mode == "eager":
+        fn = round_trip
+    elif mode == "dynamic":
+        fn = tf.function(round_trip, input_signature=[tf.TensorSpec([None] * len(shape), tf.bool)])
+    else:
+        fn = tf.function(round_trip, jit_compile=mode == "jit")
+    bits, back = fn(mask)
+    assert bits.dtype == tf.uint8 and bits.shape == (-(-int(np.prod(shape)) // 8),)
+    np.testing.assert_array_equal(back.numpy(), mask.numpy())
