@@ -12,8 +12,8 @@ benchmarks stay light); `allocator_step` imports it when called.
 - Memory: `peak_rss_kib` (VmHWM of this process), `proc_status_kib`,
   `mem_available_bytes`, `allocator_step` (TensorFlow's allocator peak of one
   step, `tf.config.experimental.get_memory_info`; workers need `allocator_env`).
-- Allocation: `add_malloc_argument` (`--malloc hugepages|default`) and
-  `malloc_env`, the workers' glibc setting (huge pages by default: see there).
+- Allocation: `add_malloc_argument` (`--malloc default|hugepages`) and
+  `malloc_env`, the workers' glibc setting (see there).
 - Command lines: `positive_int`, `positive_float`, `float_above`,
   `fraction`, `int_list`, `name_list` (argparse types whose errors say what
   was expected and what was received).
@@ -127,7 +127,9 @@ def malloc_env(choice):
     with transparent huge pages (the kernel's setting "madvise" or "always"),
     which cuts the faults ten- to fortyfold and leaves the peak RSS as it was;
     "default" measures glibc as configured. Ignored where glibc is older or
-    absent. A GPU's memory is unaffected (TensorFlow pools it).
+    absent. A GPU's memory is unaffected (TensorFlow pools it). Measured in
+    docs/batchfit.md: it lowers the CPU time of both modes, RECOMPUTE=0's at
+    small batches most, so the ratios move.
     """
     if choice not in MALLOC_CHOICES:
         raise ValueError(f"`malloc` must be one of {', '.join(MALLOC_CHOICES)}. "
@@ -140,13 +142,13 @@ def malloc_env(choice):
 
 
 def add_malloc_argument(parser):
-    """`--malloc hugepages|default` (default hugepages): see `malloc_env`."""
+    """`--malloc default|hugepages` (default: glibc as configured): see `malloc_env`."""
     parser.add_argument(
-        "--malloc", choices=MALLOC_CHOICES, default="hugepages",
-        help="glibc's malloc in the workers: 'hugepages' (default) backs large "
-             "tensors with transparent huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1), "
-             "so the kernel does not fault in every 4 KiB page of every tensor on "
-             "every step; 'default' leaves glibc as configured")
+        "--malloc", choices=MALLOC_CHOICES, default="default",
+        help="glibc's malloc in the workers: 'default' (default) leaves it as "
+             "configured; 'hugepages' backs large tensors with transparent huge pages "
+             "(GLIBC_TUNABLES=glibc.malloc.hugetlb=1), so the kernel does not fault in "
+             "every 4 KiB page of every tensor on every step")
 
 
 def malloc_setting():

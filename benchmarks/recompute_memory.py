@@ -202,7 +202,8 @@ def run_worker(cfg, model_name, mode, batch, steps, out_path, backend="tensorflo
     cpu_step = harness.lower_median(cpu)  # robust to a step slowed by other work
     wall_step = sum(wall) / len(wall)
     result = dict(
-        device=harness.measured_device(), model=model_name, mode=mode, recompute=os.environ.get(recompute.ENV_VAR, ""),
+        device=harness.measured_device(), malloc=harness.malloc_setting(), model=model_name,
+        mode=mode, recompute=os.environ.get(recompute.ENV_VAR, ""),
         recompute_enabled=recompute.is_enabled(), batch=batch,
         activation_bytes=int(activation), activation_bytes_per_step=[int(a) for a in activations],
         rss_hwm_bytes=harness.peak_rss_kib() * 1024, cpu_s_per_step=cpu_step,
@@ -218,9 +219,10 @@ def run_worker(cfg, model_name, mode, batch, steps, out_path, backend="tensorflo
 # Parent: spawn the workers, summarise.
 
 
-def _spawn(cfg, model_name, mode, batch, steps, backend="tensorflow"):
+def _spawn(cfg, model_name, mode, batch, steps, backend="tensorflow", malloc="default"):
     _progress(f"{model_name} mode={mode} batch={batch}: starting a fresh worker process")
-    env = dict(harness.allocator_env(), RECOMPUTE="0" if mode == "0" else "1", KERAS_BACKEND=backend)
+    env = dict(harness.allocator_env(), RECOMPUTE="0" if mode == "0" else "1", KERAS_BACKEND=backend,
+               **harness.malloc_env(malloc))
     if model_name == "bert4keras":
         env.update(TF_KERAS="1", TF_USE_LEGACY_KERAS="1")
     runs = harness.run_workers(
@@ -265,7 +267,8 @@ def print_report(cfg, runs, summary, ratios, out=None):
     p(f"recompute benchmark: {runs[0]['model']} model, {cfg['layers']} blocks, hidden "
       f"{cfg['hidden']}, {cfg['heads']} heads, FFN {cfg['ffn']}, seq {cfg['seq']}, vocab "
       f"{cfg['vocab']}, dropout {cfg['dropout']}, {'no optimizer' if jax else 'Adam'}; "
-      f"{runs[0]['params'] / 1e6:.1f}M parameters; {'Keras 3 on JAX, ' if jax else ''}{measure}")
+      f"{runs[0]['params'] / 1e6:.1f}M parameters; {'Keras 3 on JAX, ' if jax else ''}{measure}"
+      f"; glibc malloc: {runs[0].get('malloc', 'default')} (--malloc)")
     p("")
     label = "residuals MiB" if jax else "activation MiB"
     extra = f" {'XLA temp MiB':>13}" if jax else ""
@@ -310,12 +313,13 @@ def parse_args(argv=None):
                              "tensorflow); jax measures JAX's saved residuals and XLA's temp buffer")
     parser.add_argument("--modes", help="comma-separated: 0 (RECOMPUTE=0) and policies of the "
                                         "model (lean: full; standard: full, attention; bert4keras: "
-                                        "layer, block, attention); 1 = the first policy "
+                                        "layer, block, attention, block_keep_ffn); 1 = the first policy "
                                         "(default: 0 and every policy)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shape (3 blocks, hidden 256, seq 128): about 30 s; "
                              "explicit options still override it")
     parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
+    harness.add_malloc_argument(parser)
     harness.add_docs_argument(parser, TOOL)
     harness.add_worker_arguments(parser)
     args = parser.parse_args(argv)
@@ -368,7 +372,7 @@ def _main(argv=None):
     # the machine during the run does not bias the time ratio.
     for batch in batch_sizes:
         for mode in args.modes:
-            runs.append(_spawn(cfg, args.model, mode, batch, args.steps, args.backend))
+            runs.append(_spawn(cfg, args.model, mode, batch, args.steps, args.backend, args.malloc))
     runs.sort(key=lambda r: (args.modes.index(r["mode"]), r["batch"]))
     summary, ratios = summarize(runs, args.modes, batch_sizes)
     _progress(f"done in {time.perf_counter() - start:.0f} s wall")
@@ -377,7 +381,7 @@ def _main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=dict(cfg, model=args.model, backend=args.backend, batch_sizes=batch_sizes,
-                                       steps=args.steps),
+                                       steps=args.steps, malloc=args.malloc),
                            runs=runs, summary=summary, ratios=ratios), f, indent=2)
         _progress(f"results saved to {args.json}")
     return 0
