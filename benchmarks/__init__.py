@@ -19,6 +19,10 @@ saves the figures):
   candidate in a fresh process; a table and a plot. `--quick` ends with the
   fine-tuning example (`examples/bert_finetune.py`) run with
   `--recompute --accum-steps 4`.
+- `TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.cpu_split`: where
+  a training step's CPU time goes -- user and system seconds, page faults,
+  peak RSS per sample -- per mode and batch of `batchfit`'s model (optionally
+  with fewer blocks), with glibc's default malloc or huge pages (`--malloc`).
 - `python -m benchmarks.recompute_distribute`: per-replica activation memory
   and CPU time with `RECOMPUTE=0` vs `1` under `MultiWorkerMirroredStrategy`
   (2 processes on loopback) or `MirroredStrategy` (2 logical CPUs).

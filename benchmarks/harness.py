@@ -125,7 +125,7 @@ def malloc_env(choice):
     time), and it grows with the batch: the larger the tensors, the more of
     them are mapped afresh. "hugepages" asks glibc 2.35+ to back those blocks
     with transparent huge pages (the kernel's setting "madvise" or "always"),
-    which cuts the faults ten- to fortyfold and leaves the peak RSS as it was;
+    which cuts the faults ten- to forty-fivefold and leaves the peak RSS as it was;
     "default" measures glibc as configured. Ignored where glibc is older or
     absent. A GPU's memory is unaffected (TensorFlow pools it). Measured in
     docs/batchfit.md: it lowers the CPU time of both modes, RECOMPUTE=0's at

@@ -23,7 +23,12 @@ the block's input is kept: the least memory; the block's layers are then
 reached through `model.get_layer("Transformer-<i>")`), or
 `patch(policy="attention")` (selective: the attention probabilities and the
 element-wise work are recomputed, the dense layers' outputs kept: the least
-time). The trade-off is measured in docs/bert.md.
+time), or `patch(policy="block_keep_ffn")` ("block", keeping each
+feed-forward layer's output product so that the recomputation skips it: 30%
+of a block's forward multiply-adds for one [seq, hidden] tensor per block and
+sample). Under every policy the attention dropout's decision is kept as bits
+from the forward pass, never drawn again. The trade-off is measured in
+docs/bert.md.
 
 bert4keras needs `TF_KERAS=1 TF_USE_LEGACY_KERAS=1` in the environment and is
 installed with `pip install --no-deps bert4keras==0.11.5` (it pins an ancient

@@ -123,3 +123,26 @@ def test_policies_argument():
     assert batchfit.parse_args([]).policies == ("attention", "block")
     assert batchfit.parse_args(["--policies", "layer"]).policies == ("layer",)
     assert batchfit.policy_of("0") is None and batchfit.policy_of("1") == "block"
+
+
+def test_cpu_split_measures_user_and_system_time(tmp_path):
+    """benchmarks.cpu_split (the CPU-time split behind docs/batchfit.md): a tiny BERT,
+    RECOMPUTE=0 and a policy, fresh processes, with and without huge pages."""
+    import json
+
+    out = tmp_path / "split.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cpu_split", "--shape", "tiny", "--layers", "1",
+         "--seq-len", "16", "--modes", "0,block_keep_ffn", "--batch-sizes", "2", "--steps", "1",
+         "--malloc", "hugepages", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "glibc malloc: hugepages" in proc.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["mode"], r["batch"], r["layers"]) for r in rows] == [("0", 2, 1), ("block_keep_ffn", 2, 1)]
+    for r in rows:
+        assert r["user_per_sample"] > 0 and r["sys_per_sample"] >= 0 and r["peak_rss_mib"] > 100
+        assert r["malloc"] == "hugepages"
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.cpu_split", "--modes", "0,full"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--modes: expected" in bad.stderr

@@ -1,0 +1,152 @@
+"""Where a training step's CPU time goes: user and system time, page faults, per sample.
+
+    TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.cpu_split \\
+        --layers 2 --modes 0,block --batch-sizes 6,43
+    TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.cpu_split \\
+        --layers 2 --modes 0,block --batch-sizes 6,43 --malloc hugepages
+
+The model is `benchmarks.batchfit`'s (bert4keras BERT of the `--shape`, here
+with `--layers` Transformer blocks, a CLS -> Dense(2) head, tf_keras Adam,
+dropout 0.1, random token ids with padding), trained with `train_on_batch`
+at each mode (`0`: RECOMPUTE=0; a policy of `recompute.bert4keras.patch`)
+and batch, each configuration in a fresh process. After one untimed step it
+times `--steps` steps and reports per sample: user and system CPU seconds
+(`os.times`, all threads), minor page faults (`getrusage`) and wall
+seconds, the mean over the steps, and the process's peak RSS.
+
+Why: on CPU, TensorFlow takes each tensor from glibc's malloc, which maps a
+block larger than its threshold (at most 32 MiB) afresh for each tensor and
+unmaps it when the tensor dies, so the kernel faults in and zeroes every
+page of every large tensor on every step. That is system time, and it grows
+with the batch (more tensors pass the threshold), so CPU time per sample at
+two different batch sizes -- "what batch fits?" compares RECOMPUTE=0 at its
+largest batch with a policy at its own -- differs by more than the
+recomputation. `--malloc hugepages` (see `harness.malloc_env`) shows the
+same step with transparent huge pages. Figures: docs/batchfit.md.
+"""
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+
+from . import batchfit, harness
+
+TOOL = "benchmarks.cpu_split"
+_progress = harness.Progress(TOOL)
+MODES = ("0",) + batchfit.POLICIES
+
+
+def run_worker(args):
+    """One configuration (`args.modes[0]`, `args.batch_sizes[0]`): writes its result to `args.out`."""
+    import recompute.bert4keras
+
+    mode, batch = args.modes[0], args.batch_sizes[0]
+    recompute.bert4keras.patch(policy=batchfit.policy_of(mode) or "block")
+    import tf_keras
+
+    shape = dict(batchfit.SHAPES[args.shape], layers=args.layers)
+    tf_keras.utils.set_random_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = batchfit._prepare_config(dict(shape=shape, seq_len=args.seq_len), tmp)
+        model = batchfit.build_classifier(config)
+    model.compile(optimizer=batchfit.make_optimizer(1),
+                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    batches = batchfit._random_batches(args.steps + 1, batch, args.seq_len, shape["vocab"], seed=batch)
+    model.train_on_batch(*batches[0])  # traces the graph; not timed
+    steps = []
+    for x, y in batches[1:]:
+        t0, r0 = os.times(), resource.getrusage(resource.RUSAGE_SELF)
+        model.train_on_batch(x, y)
+        t1, r1 = os.times(), resource.getrusage(resource.RUSAGE_SELF)
+        steps.append(dict(user=(t1.user - t0.user) / batch, sys=(t1.system - t0.system) / batch,
+                          wall=(t1.elapsed - t0.elapsed) / batch,
+                          minflt=(r1.ru_minflt - r0.ru_minflt) / batch))
+    mean = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+    harness.write_result(args.out, dict(
+        mode=mode, batch=batch, layers=args.layers, shape=args.shape, seq_len=args.seq_len,
+        malloc=harness.malloc_setting(), steps=steps, peak_rss_mib=harness.peak_rss_kib() / 1024.0,
+        **{f"{k}_per_sample": v for k, v in mean.items()}))
+
+
+def measure(args, mode, batch):
+    _progress(f"{args.shape} x{args.layers} seq {args.seq_len} mode {mode} batch {batch}: "
+              "measuring in a fresh process ...")
+    argv = ["--shape", args.shape, "--layers", str(args.layers), "--seq-len", str(args.seq_len),
+            "--steps", str(args.steps), "--modes", mode, "--batch-sizes", str(batch)]
+    env = dict(batchfit.ENV, RECOMPUTE="0" if mode == "0" else "1", CUDA_VISIBLE_DEVICES="",
+               **harness.malloc_env(args.malloc))
+    result, = harness.require_results(harness.run_workers(_progress, argv, [env]),
+                                      f"{TOOL} worker mode={mode} batch={batch}")
+    return result
+
+
+def print_report(args, rows, out=None):
+    out = sys.stdout if out is None else out
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    p(f"CPU time per sample of a bert4keras BERT ({args.shape} shape, {args.layers} blocks, seq "
+      f"{args.seq_len}), tf_keras Adam, train_on_batch; mean of {args.steps} steps; "
+      f"glibc malloc: {args.malloc}")
+    p("")
+    header = (f"{'mode':>15} {'batch':>5} {'user s':>7} {'sys s':>7} {'CPU s':>7} {'wall s':>7} "
+              f"{'faults':>8} {'peak MiB':>9}")
+    p(header)
+    p("-" * len(header))
+    for r in rows:
+        p(f"{r['mode']:>15} {r['batch']:>5} {r['user_per_sample']:>7.3f} {r['sys_per_sample']:>7.3f} "
+          f"{r['user_per_sample'] + r['sys_per_sample']:>7.3f} {r['wall_per_sample']:>7.3f} "
+          f"{r['minflt_per_sample'] / 1000:>7.0f}k {r['peak_rss_mib']:>9.0f}")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {TOOL}",
+        description="User and system CPU time, page faults and peak RSS per sample of a "
+                    "bert4keras BERT training step, per mode and batch (fresh processes).")
+    parser.add_argument("--shape", choices=tuple(batchfit.SHAPES), default="base",
+                        help="model shape of benchmarks.batchfit (default base)")
+    parser.add_argument("--layers", type=harness.positive_int,
+                        help="Transformer blocks (default: the shape's)")
+    parser.add_argument("--seq-len", type=harness.positive_int, default=512,
+                        help="sequence length (default 512)")
+    parser.add_argument("--modes", type=harness.name_list(MODES), default=("0", "block"),
+                        help=f"comma-separated, from {','.join(MODES)} (default 0,block)")
+    parser.add_argument("--batch-sizes", type=harness.int_list, default=(6, 43),
+                        help="comma-separated batch sizes (default 6,43)")
+    parser.add_argument("--steps", type=harness.positive_int, default=3,
+                        help="timed steps after the first (default 3)")
+    parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
+    harness.add_malloc_argument(parser)
+    harness.add_worker_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.layers is None:
+        args.layers = batchfit.SHAPES[args.shape]["layers"]
+    if args.worker and (not args.out or len(args.modes) != 1 or len(args.batch_sizes) != 1):
+        parser.error("--worker needs --out, one mode and one batch size")
+    if args.json:
+        harness.existing_folder(parser, "--json", args.json)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args)
+        return 0
+    try:
+        rows = [measure(args, mode, batch) for batch in args.batch_sizes for mode in args.modes]
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print_report(args, rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(options=vars(args), results=rows), f, indent=2)
+        _progress(f"results saved to {os.path.abspath(args.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
