@@ -131,7 +131,8 @@ def forward_tensors_kept(graph, rank4_last_dims=(SEQ, SEQ)):
             and tuple(t.shape[-2:]) == rank4_last_dims and t.dtype.is_floating}
 
 
-def _ancestors(op):
+def ancestors(op):
+    """The names of `op` and of every op it depends on (inputs and control inputs)."""
     seen, stack = set(), [op]
     while stack:
         o = stack.pop()
@@ -158,7 +159,7 @@ def check_mask_kept_as_bits(graph, seq=SEQ):
     unpacks = [op for op in graph.get_operations() if op.type == "BitwiseAnd"]
     assert unpacks
     for op in unpacks:
-        assert any(name.startswith("gradient_tape/") for name in _ancestors(op)), op.name
+        assert any(name.startswith("gradient_tape/") for name in ancestors(op)), op.name
 
 
 # The checks both suites run (tests/recompute_*/test_recompute_policies*.py).

@@ -5,6 +5,7 @@ import tensorflow as tf
 
 import recompute
 from recompute import recompute_grad
+from tests.helpers.attention_blocks import ancestors
 
 
 class MaskBlock(keras.layers.Layer):
@@ -46,17 +47,6 @@ def test_recomputed_random_ops_wait_for_the_gradient():
     first_grad = graph.get_operations().index(loss_grad[0])
     recomputed = [op for op in random_ops if graph.get_operations().index(op) > first_grad]
     assert len(recomputed) == 2
-
-    def ancestors(op):
-        seen, stack = set(), [op]
-        while stack:
-            o = stack.pop()
-            if o.name in seen:
-                continue
-            seen.add(o.name)
-            stack.extend(t.op for t in o.inputs)
-            stack.extend(o.control_inputs)
-        return seen
 
     for op in recomputed:
         assert any(name.startswith("gradient_tape/") for name in ancestors(op)), op.name
