@@ -338,7 +338,7 @@ def measure(model, shape, mode, batch, opts, paths=None):
         c0 = time.time()
         env = dict(ENV, RECOMPUTE="0" if mode == "0" else "1",
                    CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-                   **harness.malloc_env(opts["malloc"]))
+                   **harness.malloc_env(opts.get("malloc", "default")))
         run, = harness.run_workers(_progress, ["--spec", spec_path], [env],
                                    rss_abort_bytes=int(abort * 1.05) + 64 * MiB)
         wall = time.time() - c0

@@ -349,22 +349,29 @@ def test_block_keep_ffn_does_not_recompute_the_second_product(
     real = _feed_forward._matmul_last
     monkeypatch.setattr(_feed_forward, "_matmul_last",
                         lambda x, w, **k: products.append(bool(k)) or real(x, w, **k))
-    token_ids, segment_ids, labels = batch()
     rb.patch(policy=policy)
-    results = []
-    for on in (False, True):
-        model = build(dropout_config_path)
-        products.clear()
-        with recompute.recompute_scope(on):
-            with tf.GradientTape() as tape:
-                logits = model([token_ids, segment_ids], training=True)
-                loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
-                    labels, logits, from_logits=True))
-            grads = tape.gradient(loss, model.trainable_weights)
-        results.append([float(loss)] + to_numpy(grads))
-        if on and policy == "block_keep_ffn":
-            # 2 blocks: 2 forward products, 2 transposed products for the gradient.
-            assert products.count(False) == 2 and products.count(True) == 2, products
-        else:
-            assert products == []  # bert4keras's own FeedForward
+    try:
+        results = [_loss_and_grads_counting(dropout_config_path, on, products, policy)
+                   for on in (False, True)]
+    finally:
+        rb.patch()
     assert_all_close(results[0], results[1])
+
+
+def _loss_and_grads_counting(config_path, on, products, policy):
+    """One step's loss and gradients with recomputation `on`, checking the products counted."""
+    token_ids, segment_ids, labels = batch()
+    model = build(config_path)
+    products.clear()
+    with recompute.recompute_scope(on):
+        with tf.GradientTape() as tape:
+            logits = model([token_ids, segment_ids], training=True)
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                labels, logits, from_logits=True))
+        grads = tape.gradient(loss, model.trainable_weights)
+    if on and policy == "block_keep_ffn":
+        # 2 blocks: 2 forward products, 2 transposed products for the gradient.
+        assert products.count(False) == 2 and products.count(True) == 2, products
+    else:
+        assert products == []  # bert4keras's own FeedForward
+    return [float(loss)] + to_numpy(grads)
