@@ -5,11 +5,10 @@ An attention core computes `probs = softmax(mask(q k^T / sqrt(d)))`, then
 keeps the probabilities, the dropped probabilities and the bool keep-mask, and
 runs its gradient through the dropout's scaled copy. Two lean forms, both with
 the layer's own ops and random numbers in the forward pass (values bit for bit
-those of the layer's own core), the dropout's decision kept as a bool mask
-(`_decision`: 1 byte per entry) and the gradients of the dropout and the
-product taken by hand as autodiff takes them (`_combine_gradients`); the
-mask is held from the forward pass to the backward pass as bits
-(`pack_bits`, 1 bit per entry):
+those of the layer's own core), the dropout's decision (`_decision`, a bool
+mask) held from the forward pass to the backward pass as bits (`pack_bits`,
+1 bit per entry) and the gradients of the dropout and the product taken by
+hand as autodiff takes them (`_combine_gradients`):
 
 - `dropout_then_combine`: the probabilities are kept (for a core recomputed
   as part of a larger unit: bert4keras's "layer" and "block" policies); the
@@ -151,7 +150,7 @@ def _drop(probs, dropout, rate, training):
 
 def dropout_then_combine(probs, value, dropout, rate, equation, training=None):
     """`einsum(equation, dropout(probs), value)`, whose gradient keeps `probs` and a
-    bool mask only (for a core that is recomputed as part of a larger unit).
+    the dropout's bits only (for a core that is recomputed as part of a larger unit).
 
     Args:
         probs: the attention probabilities.
@@ -199,7 +198,7 @@ def dropout_then_combine(probs, value, dropout, rate, equation, training=None):
 
 def recomputed_core(probabilities, query, key, value, dropout, rate, equation,
                     training=None, second_asked=False):
-    """An attention core that keeps its inputs and the dropout's bool mask, and
+    """An attention core that keeps its inputs and the dropout's decision as bits, and
     recomputes the probabilities for the gradient.
 
     Forward: `probs, second = probabilities(query, key)` (the scores, mask and

@@ -20,7 +20,7 @@ and a tape records (`recompute_grad` decides that and passes the layer's
   al., 2022). The [heads, seq, seq] tensors, which grow with seq², are not
   kept; the recomputation costs the attention's share of the forward pass.
   Keras's own cores run lean (`_attention`): their dropout decision is drawn
-  once, in the forward pass, and kept as a bool mask (1 byte per entry), so
+  once, in the forward pass, and kept as bits (1 bit per entry), so
   the recomputation draws no random numbers. A subclass's core runs as written
   (and redraws its dropout, replayed). Exact GELUs of `Dense` sublayers keep
   only their input (`_gelu`): one [seq, ffn] tensor per block instead of four.

@@ -19,15 +19,15 @@ layer's backward pass, on top of everything the model keeps.
 - the dropout and `probabilities x values` are the package's lean product
   (`recompute._attention.dropout_then_combine`): bert4keras's own `Dropout`
   layer drops the probabilities, so the random numbers and values are those
-  of `RECOMPUTE=0`; its decision is kept as a bool mask (1 byte per entry),
+  of `RECOMPUTE=0`; its decision is kept as bits (1 bit per entry),
   and the dropped probabilities are formed again for the gradient. The
   softmax's gradient reads its output, which that product keeps anyway;
 - under `patch(policy="attention")` the core is one unit
-  (`recomputed_pay_attention_to`) that keeps its inputs and that bool mask:
+  (`recomputed_pay_attention_to`) that keeps its inputs and those bits:
   the backward pass recomputes the scores and the softmax, not the dropout's
   random numbers (the costliest part of the core on CPU). Under "layer" and
-  "block" the core is recomputed with its layer or block, and the bool mask
-  is kept through that recomputation (`recompute._core.kept`), not redrawn.
+  "block" the core is recomputed with its layer or block, and the bits
+  are kept through that recomputation (`recompute._core.kept`), not redrawn.
 
 Only the standard case is lean: softmax normalization, no attention bias, no
 position bias. `lean_applies` says whether a call is; every other call runs
@@ -72,7 +72,7 @@ def _probabilities(layer, mask):
 def lean_pay_attention_to(layer, inputs, mask, dropout):
     """bert4keras's `pay_attention_to(inputs, mask)` for the standard case
     (`lean_applies`), computed as the module docstring says, with a gradient that
-    keeps the softmax output and a bool mask (inside a recomputed layer or block).
+    keeps the softmax output and the dropout's bits (inside a recomputed layer or block).
 
     Args:
         layer: the bert4keras attention layer (its `key_size`,
@@ -95,7 +95,7 @@ def lean_pay_attention_to(layer, inputs, mask, dropout):
 
 def recomputed_pay_attention_to(layer, inputs, mask, dropout, scores_asked):
     """The same under `patch(policy="attention")` with a tape recording: a unit that
-    keeps its inputs and the dropout's bool mask and recomputes the softmax for
+    keeps its inputs and the dropout's bits and recomputes the softmax for
     the gradient (`recompute._attention.recomputed_core`). Returns `(o, a or None)`."""
     qw, kw, vw = inputs
     rate = layer.attention_dropout
