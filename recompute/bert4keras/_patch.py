@@ -113,7 +113,9 @@ def _marked_call(call, cls):
     policies (within a recomputed block it runs plainly). Under "attention", the
     element-wise classes (`ELEMENTWISE`) are still units; the others run as
     written, except a `FeedForward`, whose GELU keeps only its input
-    (`_feed_forward`)."""
+    (`_feed_forward`). Under "block_keep_ffn" a `FeedForward` inside its
+    recomputed block keeps its second product for the recomputation
+    (`_feed_forward.lean_call(..., keep_product=True)`)."""
     elementwise = cls.__name__ in ELEMENTWISE
     feed_forward = cls.__name__ == "FeedForward"
 
