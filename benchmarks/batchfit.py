@@ -79,6 +79,7 @@ into `--json`.
 """
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -219,6 +220,23 @@ def _prepare_config(spec, tmp):
     return path
 
 
+def compiled_classifier(spec):
+    """The candidate's model, seeded and compiled: `build_classifier` for `spec`
+    (shape, seq_len, accum_steps, optionally config_path/checkpoint_path)
+    with `make_optimizer` and a sparse cross-entropy on the logits.
+
+    Call `recompute.bert4keras.patch()` first (as `build_classifier`)."""
+    import tf_keras
+
+    tf_keras.utils.set_random_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        config_path = _prepare_config(spec, tmp)
+        model = build_classifier(config_path, spec.get("checkpoint_path"))
+    model.compile(optimizer=make_optimizer(spec["accum_steps"]),
+                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def run_worker(spec, out_path):
     """Trains one candidate and writes its result as JSON to `out_path`.
 
@@ -250,7 +268,7 @@ def run_worker(spec, out_path):
     # (the same layers and weights; only the recomputation is off).
     recompute.bert4keras.patch(policy=policy_of(spec.get("mode", "1")) or "block")
     import tensorflow as tf
-    import tf_keras
+    importlib.import_module("tf_keras")  # loaded before the "imported" mark (the phases report)
 
     import recompute
 
@@ -263,12 +281,7 @@ def run_worker(spec, out_path):
         return tf.config.experimental.get_memory_info(device)["peak"]
 
     mark("imported")
-    tf_keras.utils.set_random_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        config_path = _prepare_config(spec, tmp)
-        model = build_classifier(config_path, spec.get("checkpoint_path"))
-    model.compile(optimizer=make_optimizer(spec["accum_steps"]),
-                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = compiled_classifier(spec)
     mark("built")
     result.update(params=int(model.count_params()), recompute_enabled=recompute.is_enabled())
     batches = _random_batches(spec["steps"] + 1, spec["batch"], spec["seq_len"],

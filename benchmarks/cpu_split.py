@@ -30,7 +30,6 @@ import json
 import os
 import resource
 import sys
-import tempfile
 
 from . import batchfit, harness
 
@@ -45,15 +44,8 @@ def run_worker(args):
 
     mode, batch = args.modes[0], args.batch_sizes[0]
     recompute.bert4keras.patch(policy=batchfit.policy_of(mode) or "block")
-    import tf_keras
-
     shape = dict(batchfit.SHAPES[args.shape], layers=args.layers)
-    tf_keras.utils.set_random_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        config = batchfit._prepare_config(dict(shape=shape, seq_len=args.seq_len), tmp)
-        model = batchfit.build_classifier(config)
-    model.compile(optimizer=batchfit.make_optimizer(1),
-                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = batchfit.compiled_classifier(dict(shape=shape, seq_len=args.seq_len, accum_steps=1))
     batches = batchfit._random_batches(args.steps + 1, batch, args.seq_len, shape["vocab"], seed=batch)
     model.train_on_batch(*batches[0])  # traces the graph; not timed
     steps = []

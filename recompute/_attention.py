@@ -106,14 +106,13 @@ def unpack_bits(bits, like):
     return tf.reshape(flat[:size] if size % 8 else flat, like.shape)
 
 
-def _packed(decision):
+def _packed(keep, scale):
     """What a lean core keeps of its dropout's decision `(keep, scale)`: the mask as bits."""
-    keep, scale = decision
     return (None if keep is None else pack_bits(keep)), scale
 
 
 def _unpacked(packed, probs):
-    """`(keep, scale)` back from `_packed(...)`, for the (recomputed) `probs`: made to
+    """`(keep, scale)` back from `_packed(keep, scale)`, for the (recomputed) `probs`: made to
     wait for them, so that a graph executor unpacks it in the backward pass, not in
     the forward pass (`_core.after`)."""
     bits, scale = packed
@@ -170,19 +169,17 @@ def dropout_then_combine(probs, value, dropout, rate, equation, training=None):
         # Inside a recomputed layer or block, the decision is kept from the
         # forward pass, as bits: the recomputation neither draws it again nor
         # needs the dropout.
-        dropped = keep = None
+        dropped = keep = scale = None
 
         def decide():
-            nonlocal dropped, keep
+            nonlocal dropped, keep, scale
             dropped, keep, scale = _drop(probs, dropout, rate, training)
-            return _packed((keep, scale))
+            return _packed(keep, scale)
 
         packed = _core.kept(decide)
         if dropped is None:  # the recomputation
             keep, scale = _unpacked(packed, probs)
             dropped = _dropped(probs, keep, scale)
-        else:
-            scale = packed[1]
     else:
         dropped, keep, scale = _drop(probs, dropout, rate, training)
 
@@ -227,7 +224,7 @@ def recomputed_core(probabilities, query, key, value, dropout, rate, equation,
         probs, second = probabilities(query, key, False)
         dropped, keep, scale = _drop(probs, dropout, rate, training)
         output = tf.einsum(equation, dropped, value)
-        packed = _packed((keep, scale))  # the mask as bits, until the gradient
+        packed = _packed(keep, scale)  # the mask as bits, until the gradient
 
         def grad(d_out, d_second=None):
             q, k = after([query, key], d_out)  # recomputed when the gradient arrives
