@@ -620,7 +620,7 @@ def print_report(rows, opts, out=None):
     p("what batch fits? bert4keras BERT + CLS->Dense(2), tf_keras Adam"
       + (f" in AccumOptimizer(k={opts['accum_steps']})" if opts["accum_steps"] > 1 else "")
       + f", dropout {DROPOUT}; peak {_measured(rows)} of a fresh process per candidate"
-      + f"; glibc malloc: {opts.get('malloc', 'default')} (--malloc)")
+      + f"; CPU allocation: {opts.get('malloc', 'default')} (--malloc)")
     p("")
     header = (f"{'model':<8} {'seq':>5} {'budget GiB':>10} {'policy':>9} {'max batch':>9} "
               f"{'peak MiB':>9} {'CPU s/sample':>12} {'batch x':>8} "

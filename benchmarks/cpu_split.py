@@ -22,7 +22,9 @@ with the batch (more tensors pass the threshold), so CPU time per sample at
 two different batch sizes -- "what batch fits?" compares RECOMPUTE=0 at its
 largest batch with a policy at its own -- differs by more than the
 recomputation. `--malloc hugepages` (see `harness.malloc_env`) shows the
-same step with transparent huge pages. Figures: docs/batchfit.md.
+same step with transparent huge pages, `--malloc tf-bfc` with TensorFlow's
+own pool, which faults each page in once per process. Figures:
+docs/batchfit.md.
 """
 
 import argparse
@@ -80,7 +82,7 @@ def print_report(args, rows, out=None):
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p(f"CPU time per sample of a bert4keras BERT ({args.shape} shape, {args.layers} blocks, seq "
       f"{args.seq_len}), tf_keras Adam, train_on_batch; mean of {args.steps} steps; "
-      f"glibc malloc: {args.malloc}")
+      f"CPU allocation: {args.malloc} (--malloc)")
     p("")
     header = (f"{'mode':>15} {'batch':>5} {'user s':>7} {'sys s':>7} {'CPU s':>7} {'wall s':>7} "
               f"{'faults':>8} {'peak MiB':>9}")

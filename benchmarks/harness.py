@@ -12,8 +12,8 @@ benchmarks stay light); `allocator_step` imports it when called.
 - Memory: `peak_rss_kib` (VmHWM of this process), `proc_status_kib`,
   `mem_available_bytes`, `allocator_step` (TensorFlow's allocator peak of one
   step, `tf.config.experimental.get_memory_info`; workers need `allocator_env`).
-- Allocation: `add_malloc_argument` (`--malloc default|hugepages`) and
-  `malloc_env`, the workers' glibc setting (see there).
+- Allocation: `add_malloc_argument` (`--malloc default|hugepages|tf-bfc`)
+  and `malloc_env`, how the workers allocate CPU tensors (see there).
 - Command lines: `positive_int`, `positive_float`, `float_above`,
   `fraction`, `int_list`, `name_list` (argparse types whose errors say what
   was expected and what was received).
@@ -110,26 +110,35 @@ def allocator_env():
 
 
 HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
-MALLOC_CHOICES = ("hugepages", "default")
+TF_BFC_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"
+MALLOC_CHOICES = ("default", "hugepages", "tf-bfc")
 
 
 def malloc_env(choice):
-    """Worker environment for `--malloc`: `GLIBC_TUNABLES` with or without
-    `glibc.malloc.hugetlb=1` (any other tunables set are kept).
+    """Worker environment for `--malloc`: how TensorFlow's CPU tensors are allocated.
 
-    TensorFlow's CPU allocator takes every tensor from glibc's malloc, which
-    maps a large block afresh for each tensor and returns it when the tensor
-    dies, so each 4 KiB page of every large tensor is faulted in and zeroed
-    by the kernel again on every step. At BERT-base size on this machine
-    kind that is a fifth to a third of a training step's CPU time (system
-    time), and it grows with the batch: the larger the tensors, the more of
-    them are mapped afresh. "hugepages" asks glibc 2.35+ to back those blocks
-    with transparent huge pages (the kernel's setting "madvise" or "always"),
-    which cuts the faults ten- to forty-fivefold and leaves the peak RSS as it was;
-    "default" measures glibc as configured. Ignored where glibc is older or
-    absent. A GPU's memory is unaffected (TensorFlow pools it). Measured in
-    docs/batchfit.md: it lowers the CPU time of both modes, RECOMPUTE=0's at
-    small batches most, so the ratios move.
+    By default TensorFlow's CPU allocator takes every tensor from glibc's
+    malloc, which maps a large block afresh for each tensor and returns it
+    when the tensor dies, so each 4 KiB page of every large tensor is faulted
+    in and zeroed by the kernel again on every step. At BERT-base size on
+    this machine kind that is a fifth to a third of a training step's CPU
+    time (system time), and it grows with the batch: the larger the tensors,
+    the more of them pass glibc's mapping threshold (32 MiB at most).
+
+    - "default": glibc as configured (`GLIBC_TUNABLES` without
+      `glibc.malloc.hugetlb`, `TF_CPU_ALLOCATOR_USE_BFC` unset);
+    - "hugepages": `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (glibc 2.35+ backs
+      those blocks with transparent huge pages where the kernel's setting is
+      "madvise" or "always"): ten- to forty-fivefold fewer faults, the same
+      peak RSS;
+    - "tf-bfc": `TF_CPU_ALLOCATOR_USE_BFC=1`, TensorFlow's own best-fit pool
+      (the allocator it uses on a GPU) on the CPU: freed tensors go back to
+      the pool, so the pages are faulted in once per process.
+
+    Other `GLIBC_TUNABLES` are kept. A GPU's memory is unaffected (TensorFlow
+    pools it anyway). Measured in docs/batchfit.md: both settings lower the
+    CPU time of every mode, RECOMPUTE=0's at small batches most under
+    "hugepages", so the ratios move.
     """
     if choice not in MALLOC_CHOICES:
         raise ValueError(f"`malloc` must be one of {', '.join(MALLOC_CHOICES)}. "
@@ -138,21 +147,26 @@ def malloc_env(choice):
             if t and not t.startswith("glibc.malloc.hugetlb=")]
     if choice == "hugepages":
         kept.append(HUGEPAGES_TUNABLE)
-    return {"GLIBC_TUNABLES": ":".join(kept) or None}
+    return {"GLIBC_TUNABLES": ":".join(kept) or None,
+            TF_BFC_VARIABLE: "1" if choice == "tf-bfc" else None}
 
 
 def add_malloc_argument(parser):
-    """`--malloc default|hugepages` (default: glibc as configured): see `malloc_env`."""
+    """`--malloc default|hugepages|tf-bfc` (default: glibc as configured): see `malloc_env`."""
     parser.add_argument(
         "--malloc", choices=MALLOC_CHOICES, default="default",
-        help="glibc's malloc in the workers: 'default' (default) leaves it as "
-             "configured; 'hugepages' backs large tensors with transparent huge pages "
-             "(GLIBC_TUNABLES=glibc.malloc.hugetlb=1), so the kernel does not fault in "
-             "every 4 KiB page of every tensor on every step")
+        help="how the workers allocate CPU tensors: 'default' (default) takes each from "
+             "glibc's malloc as configured; 'hugepages' backs large ones with transparent "
+             "huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1), so the kernel does not "
+             "fault in every 4 KiB page of every tensor on every step; 'tf-bfc' uses "
+             "TensorFlow's own pool (TF_CPU_ALLOCATOR_USE_BFC=1), which reuses the pages")
 
 
 def malloc_setting():
-    """What this process's malloc was started with, for a worker's result."""
+    """What this process's allocation was started with (a `MALLOC_CHOICES` item),
+    for a worker's result."""
+    if os.environ.get(TF_BFC_VARIABLE, "").strip().lower() in ("1", "true"):
+        return "tf-bfc"
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     return "hugepages" if HUGEPAGES_TUNABLE in tunables.split(":") else "default"
 

@@ -268,7 +268,7 @@ def print_report(cfg, runs, summary, ratios, out=None):
       f"{cfg['hidden']}, {cfg['heads']} heads, FFN {cfg['ffn']}, seq {cfg['seq']}, vocab "
       f"{cfg['vocab']}, dropout {cfg['dropout']}, {'no optimizer' if jax else 'Adam'}; "
       f"{runs[0]['params'] / 1e6:.1f}M parameters; {'Keras 3 on JAX, ' if jax else ''}{measure}"
-      f"; glibc malloc: {runs[0].get('malloc', 'default')} (--malloc)")
+      f"; CPU allocation: {runs[0].get('malloc', 'default')} (--malloc)")
     p("")
     label = "residuals MiB" if jax else "activation MiB"
     extra = f" {'XLA temp MiB':>13}" if jax else ""

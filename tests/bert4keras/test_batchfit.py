@@ -137,7 +137,7 @@ def test_cpu_split_measures_user_and_system_time(tmp_path):
          "--malloc", "hugepages", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "glibc malloc: hugepages" in proc.stdout
+    assert "CPU allocation: hugepages (--malloc)" in proc.stdout
     rows = json.loads(out.read_text())["results"]
     assert [(r["mode"], r["batch"], r["layers"]) for r in rows] == [("0", 2, 1), ("block_keep_ffn", 2, 1)]
     for r in rows:

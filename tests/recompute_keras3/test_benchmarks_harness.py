@@ -195,3 +195,28 @@ def test_reports_print_to_the_stdout_of_the_call():
     for tool in ("batchfit", "recompute_memory", "recompute_distribute"):
         module = importlib.import_module(f"benchmarks.{tool}")
         assert inspect.signature(module.print_report).parameters["out"].default is None, tool
+
+
+@pytest.mark.parametrize("choice, tunables, bfc", [
+    ("default", "glibc.malloc.arena_max=2", None),
+    ("hugepages", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", None),
+    ("tf-bfc", "glibc.malloc.arena_max=2", "1"),
+])
+def test_malloc_env_sets_one_allocation_and_keeps_other_tunables(monkeypatch, choice, tunables, bfc):
+    # Started from the opposite settings: each choice must undo the others.
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1")
+    monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "1")
+    env = harness.malloc_env(choice)
+    assert env == {"GLIBC_TUNABLES": tunables, "TF_CPU_ALLOCATOR_USE_BFC": bfc}
+    worker = harness.worker_env(**env)
+    for key, value in env.items():
+        monkeypatch.delenv(key, raising=False)
+        if key in worker:
+            monkeypatch.setenv(key, worker[key])
+    assert harness.malloc_setting() == choice
+
+
+def test_malloc_env_refuses_an_unknown_choice():
+    with pytest.raises(ValueError, match=r"`malloc` must be one of default, hugepages, tf-bfc\. "
+                                         r"Received: malloc='jemalloc'"):
+        harness.malloc_env("jemalloc")
