@@ -14,6 +14,15 @@ times `--steps` steps and reports per sample: user and system CPU seconds
 (`os.times`, all threads), minor page faults (`getrusage`) and wall
 seconds, the mean over the steps, and the process's peak RSS.
 
+`--paired 0:6,block:43` times several configurations in one process
+instead, a step of each in turn for `--steps` rounds: on these shared cores
+the load moves between processes started minutes apart (RECOMPUTE=0 at
+batch 6 has measured 5.0 to 8.4 CPU s per sample in separate runs), and the
+configurations of one round run under the same load, so the ratio of one
+round to the next moves less than the times. Each configuration is its own
+model, built under its policy and traced with recomputation on or off
+(`recompute.recompute_scope`); the peak RSS is then the process's.
+
 Why: on CPU, TensorFlow takes each tensor from glibc's malloc, which maps a
 block larger than its threshold (at most 32 MiB) afresh for each tensor and
 unmaps it when the tensor dies, so the kernel faults in and zeroes every
@@ -50,19 +59,103 @@ def run_worker(args):
     model = batchfit.compiled_classifier(dict(shape=shape, seq_len=args.seq_len, accum_steps=1))
     batches = batchfit._random_batches(args.steps + 1, batch, args.seq_len, shape["vocab"], seed=batch)
     model.train_on_batch(*batches[0])  # traces the graph; not timed
-    steps = []
-    for x, y in batches[1:]:
-        t0, r0 = os.times(), resource.getrusage(resource.RUSAGE_SELF)
-        model.train_on_batch(x, y)
-        t1, r1 = os.times(), resource.getrusage(resource.RUSAGE_SELF)
-        steps.append(dict(user=(t1.user - t0.user) / batch, sys=(t1.system - t0.system) / batch,
-                          wall=(t1.elapsed - t0.elapsed) / batch,
-                          minflt=(r1.ru_minflt - r0.ru_minflt) / batch))
-    mean = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+    steps = [_timed_step(model, x, y, batch) for x, y in batches[1:]]
     harness.write_result(args.out, dict(
         mode=mode, batch=batch, layers=args.layers, shape=args.shape, seq_len=args.seq_len,
         malloc=harness.malloc_setting(), steps=steps, peak_rss_mib=harness.peak_rss_kib() / 1024.0,
-        **{f"{k}_per_sample": v for k, v in mean.items()}))
+        **_mean_steps(steps)))
+
+
+def _timed_step(model, x, y, batch):
+    """One `train_on_batch`: user, system, wall seconds and minor faults per sample."""
+    t0, r0 = os.times(), resource.getrusage(resource.RUSAGE_SELF)
+    model.train_on_batch(x, y)
+    t1, r1 = os.times(), resource.getrusage(resource.RUSAGE_SELF)
+    return dict(user=(t1.user - t0.user) / batch, sys=(t1.system - t0.system) / batch,
+                wall=(t1.elapsed - t0.elapsed) / batch,
+                minflt=(r1.ru_minflt - r0.ru_minflt) / batch)
+
+
+def _mean_steps(steps):
+    return {f"{k}_per_sample": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+
+
+def run_paired_worker(args):
+    """`args.paired` in one process, a step of each in turn: writes the rounds to `args.out`."""
+    import recompute
+    import recompute.bert4keras
+
+    shape = dict(batchfit.SHAPES[args.shape], layers=args.layers)
+    models = []
+    for mode, batch in args.paired:
+        _progress(f"{mode} batch {batch}: building and tracing ...")
+        recompute.bert4keras.patch(policy=batchfit.policy_of(mode) or "block")
+        model = batchfit.compiled_classifier(dict(shape=shape, seq_len=args.seq_len, accum_steps=1))
+        batches = batchfit._random_batches(args.steps + 1, batch, args.seq_len, shape["vocab"],
+                                           seed=batch)
+        with recompute.recompute_scope(mode != "0"):  # baked into the traced step
+            model.train_on_batch(*batches[0])
+        models.append((model, batches[1:]))
+    rounds = []
+    for i in range(args.steps):
+        rounds.append([_timed_step(model, *batches[i], batch)
+                       for (model, batches), (_, batch) in zip(models, args.paired)])
+        _progress(f"round {i + 1} of {args.steps}: CPU s per sample "
+                  + ", ".join(f"{m}@{b} {s['user'] + s['sys']:.3f}"
+                              for (m, b), s in zip(args.paired, rounds[-1])))
+    harness.write_result(args.out, dict(
+        paired=[list(c) for c in args.paired], layers=args.layers, shape=args.shape,
+        seq_len=args.seq_len, malloc=harness.malloc_setting(), rounds=rounds,
+        peak_rss_mib=harness.peak_rss_kib() / 1024.0))
+
+
+def measure_paired(args):
+    _progress(f"{args.shape} x{args.layers} seq {args.seq_len}: "
+              + ", ".join(f"{m}@{b}" for m, b in args.paired)
+              + f" in one fresh process, {args.steps} rounds ...")
+    argv = ["--shape", args.shape, "--layers", str(args.layers), "--seq-len", str(args.seq_len),
+            "--steps", str(args.steps), "--paired", ",".join(f"{m}:{b}" for m, b in args.paired)]
+    env = dict(batchfit.ENV, CUDA_VISIBLE_DEVICES="", **harness.malloc_env(args.malloc))
+    result, = harness.require_results(harness.run_workers(_progress, argv, [env]),
+                                      f"{TOOL} paired worker")
+    return result
+
+
+def paired_summary(result):
+    """Per configuration: the mean of its rounds (`*_per_sample`, as unpaired) and, for
+    each after the first, the CPU time ratio to the first in each round and their median."""
+    rounds = result["rounds"]
+    cpu = [[s["user"] + s["sys"] for s in r] for r in rounds]
+    rows = []
+    for j, (mode, batch) in enumerate(result["paired"]):
+        ratios = [r[j] / r[0] for r in cpu]
+        rows.append(dict(mode=mode, batch=batch, layers=result["layers"],
+                         peak_rss_mib=result["peak_rss_mib"],
+                         **_mean_steps([r[j] for r in rounds]),
+                         round_ratios=ratios, median_ratio=harness.lower_median(ratios)))
+    return rows
+
+
+def print_paired_report(args, rows, out=None):
+    out = sys.stdout if out is None else out
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    first = rows[0]
+    p(f"CPU time per sample of a bert4keras BERT ({args.shape} shape, {args.layers} blocks, seq "
+      f"{args.seq_len}), tf_keras Adam, train_on_batch; one process, {args.steps} rounds of a "
+      f"step per configuration; CPU allocation: {args.malloc} (--malloc)")
+    p("")
+    header = (f"{'mode':>15} {'batch':>5} {'user s':>7} {'sys s':>7} {'CPU s':>7} {'wall s':>7} "
+              f"{'faults':>8}  CPU x {first['mode']}@{first['batch']} per round (median)")
+    p(header)
+    p("-" * len(header))
+    for r in rows:
+        ratios = ("-" if r is first else
+                  " ".join(f"{x:.3f}" for x in r["round_ratios"]) + f" ({r['median_ratio']:.3f})")
+        p(f"{r['mode']:>15} {r['batch']:>5} {r['user_per_sample']:>7.3f} {r['sys_per_sample']:>7.3f} "
+          f"{r['user_per_sample'] + r['sys_per_sample']:>7.3f} {r['wall_per_sample']:>7.3f} "
+          f"{r['minflt_per_sample'] / 1000:>7.0f}k  {ratios}")
+    p("")
+    p(f"peak RSS of the process (every configuration): {first['peak_rss_mib']:.0f} MiB")
 
 
 def measure(args, mode, batch):
@@ -94,6 +187,21 @@ def print_report(args, rows, out=None):
           f"{r['minflt_per_sample'] / 1000:>7.0f}k {r['peak_rss_mib']:>9.0f}")
 
 
+def _configs(text):
+    """Type: comma-separated distinct MODE:BATCH pairs -> ((mode, batch), ...)."""
+    expected = (f"comma-separated distinct MODE:BATCH pairs with MODE from {','.join(MODES)} "
+                f"and BATCH a positive integer, such as 0:6,block:43")
+    pairs = []
+    for item in (t.strip() for t in text.split(",")):
+        mode, _, batch = item.partition(":")
+        if mode not in MODES or not batch.isdigit() or int(batch) < 1:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        pairs.append((mode, int(batch)))
+    if len(set(pairs)) != len(pairs):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return tuple(pairs)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog=f"python -m {TOOL}",
@@ -105,19 +213,28 @@ def parse_args(argv=None):
                         help="Transformer blocks (default: the shape's)")
     parser.add_argument("--seq-len", type=harness.positive_int, default=512,
                         help="sequence length (default 512)")
-    parser.add_argument("--modes", type=harness.name_list(MODES), default=("0", "block"),
+    parser.add_argument("--modes", type=harness.name_list(MODES),
                         help=f"comma-separated, from {','.join(MODES)} (default 0,block)")
-    parser.add_argument("--batch-sizes", type=harness.int_list, default=(6, 43),
+    parser.add_argument("--batch-sizes", type=harness.int_list,
                         help="comma-separated batch sizes (default 6,43)")
+    parser.add_argument("--paired", type=_configs, metavar="MODE:BATCH,...",
+                        help="time these configurations in one process, a step of each in "
+                             "turn (e.g. 0:6,block:43; not with --modes or --batch-sizes)")
     parser.add_argument("--steps", type=harness.positive_int, default=3,
-                        help="timed steps after the first (default 3)")
+                        help="timed steps after the first (default 3); rounds with --paired")
     parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
     harness.add_malloc_argument(parser)
     harness.add_worker_arguments(parser)
     args = parser.parse_args(argv)
     if args.layers is None:
         args.layers = batchfit.SHAPES[args.shape]["layers"]
-    if args.worker and (not args.out or len(args.modes) != 1 or len(args.batch_sizes) != 1):
+    if args.paired and (args.modes or args.batch_sizes):
+        parser.error("--paired names each configuration's mode and batch: leave out --modes "
+                     "and --batch-sizes")
+    args.modes = args.modes or ("0", "block")
+    args.batch_sizes = args.batch_sizes or (6, 43)
+    if args.worker and not args.paired and (not args.out or len(args.modes) != 1
+                                            or len(args.batch_sizes) != 1):
         parser.error("--worker needs --out, one mode and one batch size")
     if args.json:
         harness.existing_folder(parser, "--json", args.json)
@@ -127,14 +244,17 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
-        run_worker(args)
+        (run_paired_worker if args.paired else run_worker)(args)
         return 0
     try:
-        rows = [measure(args, mode, batch) for batch in args.batch_sizes for mode in args.modes]
+        if args.paired:
+            rows = paired_summary(measure_paired(args))
+        else:
+            rows = [measure(args, mode, batch) for batch in args.batch_sizes for mode in args.modes]
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print_report(args, rows)
+    (print_paired_report if args.paired else print_report)(args, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(options=vars(args), results=rows), f, indent=2)

@@ -146,3 +146,30 @@ def test_cpu_split_measures_user_and_system_time(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "benchmarks.cpu_split", "--modes", "0,full"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--modes: expected" in bad.stderr
+
+
+def test_cpu_split_paired_times_configurations_in_turn_in_one_process(tmp_path):
+    """`--paired`: one process, a model per configuration (traced with its own
+    recomputation setting), a step of each per round, each round's ratio to the first."""
+    import json
+
+    out = tmp_path / "paired.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cpu_split", "--shape", "tiny", "--layers", "1",
+         "--seq-len", "16", "--paired", "0:2,block:3", "--steps", "2", "--malloc", "tf-bfc",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CPU allocation: tf-bfc (--malloc)" in proc.stdout
+    assert "round 2 of 2" in proc.stderr
+    first, block = json.loads(out.read_text())["results"]
+    assert (first["mode"], first["batch"], block["mode"], block["batch"]) == ("0", 2, "block", 3)
+    assert first["round_ratios"] == [1.0, 1.0]
+    assert len(block["round_ratios"]) == 2 and block["median_ratio"] in block["round_ratios"]
+    assert all(r > 0 for r in block["round_ratios"]) and block["user_per_sample"] > 0
+    for args, message in [(["--paired", "0:6", "--modes", "0"], "leave out --modes"),
+                          (["--paired", "0:6,full:43"], "--paired: expected"),
+                          (["--paired", "0:6,0:6"], "--paired: expected")]:
+        bad = subprocess.run([sys.executable, "-m", "benchmarks.cpu_split", *args],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
