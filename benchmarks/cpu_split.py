@@ -136,28 +136,6 @@ def paired_summary(result):
     return rows
 
 
-def print_paired_report(args, rows, out=None):
-    out = sys.stdout if out is None else out
-    p = lambda *a: print(*a, file=out)  # noqa: E731
-    first = rows[0]
-    p(f"CPU time per sample of a bert4keras BERT ({args.shape} shape, {args.layers} blocks, seq "
-      f"{args.seq_len}), tf_keras Adam, train_on_batch; one process, {args.steps} rounds of a "
-      f"step per configuration; CPU allocation: {args.malloc} (--malloc)")
-    p("")
-    header = (f"{'mode':>15} {'batch':>5} {'user s':>7} {'sys s':>7} {'CPU s':>7} {'wall s':>7} "
-              f"{'faults':>8}  CPU x {first['mode']}@{first['batch']} per round (median)")
-    p(header)
-    p("-" * len(header))
-    for r in rows:
-        ratios = ("-" if r is first else
-                  " ".join(f"{x:.3f}" for x in r["round_ratios"]) + f" ({r['median_ratio']:.3f})")
-        p(f"{r['mode']:>15} {r['batch']:>5} {r['user_per_sample']:>7.3f} {r['sys_per_sample']:>7.3f} "
-          f"{r['user_per_sample'] + r['sys_per_sample']:>7.3f} {r['wall_per_sample']:>7.3f} "
-          f"{r['minflt_per_sample'] / 1000:>7.0f}k  {ratios}")
-    p("")
-    p(f"peak RSS of the process (every configuration): {first['peak_rss_mib']:.0f} MiB")
-
-
 def measure(args, mode, batch):
     _progress(f"{args.shape} x{args.layers} seq {args.seq_len} mode {mode} batch {batch}: "
               "measuring in a fresh process ...")
@@ -171,20 +149,37 @@ def measure(args, mode, batch):
 
 
 def print_report(args, rows, out=None):
+    """The table of `rows`: per configuration and sample, the CPU split and, with
+    `--paired`, each round's CPU ratio to the first configuration (else the peak RSS)."""
     out = sys.stdout if out is None else out
     p = lambda *a: print(*a, file=out)  # noqa: E731
+    first = rows[0]
+    how = (f"one process, {args.steps} rounds of a step per configuration" if args.paired
+           else f"mean of {args.steps} steps")
     p(f"CPU time per sample of a bert4keras BERT ({args.shape} shape, {args.layers} blocks, seq "
-      f"{args.seq_len}), tf_keras Adam, train_on_batch; mean of {args.steps} steps; "
+      f"{args.seq_len}), tf_keras Adam, train_on_batch; {how}; "
       f"CPU allocation: {args.malloc} (--malloc)")
     p("")
+    last = (f" CPU x {first['mode']}@{first['batch']} per round (median)" if args.paired
+            else f"{'peak MiB':>9}")
     header = (f"{'mode':>15} {'batch':>5} {'user s':>7} {'sys s':>7} {'CPU s':>7} {'wall s':>7} "
-              f"{'faults':>8} {'peak MiB':>9}")
+              f"{'faults':>8} {last}")
     p(header)
     p("-" * len(header))
     for r in rows:
+        if not args.paired:
+            last = f"{r['peak_rss_mib']:>9.0f}"
+        elif r is first:
+            last = " -"
+        else:
+            last = (" " + " ".join(f"{x:.3f}" for x in r["round_ratios"])
+                    + f" ({r['median_ratio']:.3f})")
         p(f"{r['mode']:>15} {r['batch']:>5} {r['user_per_sample']:>7.3f} {r['sys_per_sample']:>7.3f} "
           f"{r['user_per_sample'] + r['sys_per_sample']:>7.3f} {r['wall_per_sample']:>7.3f} "
-          f"{r['minflt_per_sample'] / 1000:>7.0f}k {r['peak_rss_mib']:>9.0f}")
+          f"{r['minflt_per_sample'] / 1000:>7.0f}k {last}")
+    if args.paired:
+        p("")
+        p(f"peak RSS of the process (every configuration): {first['peak_rss_mib']:.0f} MiB")
 
 
 def _configs(text):
@@ -254,7 +249,7 @@ def main(argv=None):
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    (print_paired_report if args.paired else print_report)(args, rows)
+    print_report(args, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(options=vars(args), results=rows), f, indent=2)
