@@ -49,17 +49,26 @@ _progress = harness.Progress(TOOL)
 MODES = ("0",) + batchfit.POLICIES
 
 
-def run_worker(args):
-    """One configuration (`args.modes[0]`, `args.batch_sizes[0]`): writes its result to `args.out`."""
+def _traced(args, mode, batch):
+    """A configuration's model, built under its policy and traced with recomputation on
+    or off by its first step (not timed), and the batches of its timed steps."""
+    import recompute
     import recompute.bert4keras
 
-    mode, batch = args.modes[0], args.batch_sizes[0]
     recompute.bert4keras.patch(policy=batchfit.policy_of(mode) or "block")
     shape = dict(batchfit.SHAPES[args.shape], layers=args.layers)
     model = batchfit.compiled_classifier(dict(shape=shape, seq_len=args.seq_len, accum_steps=1))
     batches = batchfit._random_batches(args.steps + 1, batch, args.seq_len, shape["vocab"], seed=batch)
-    model.train_on_batch(*batches[0])  # traces the graph; not timed
-    steps = [_timed_step(model, x, y, batch) for x, y in batches[1:]]
+    with recompute.recompute_scope(mode != "0"):  # baked into the traced step
+        model.train_on_batch(*batches[0])
+    return model, batches[1:]
+
+
+def run_worker(args):
+    """One configuration (`args.modes[0]`, `args.batch_sizes[0]`): writes its result to `args.out`."""
+    mode, batch = args.modes[0], args.batch_sizes[0]
+    model, batches = _traced(args, mode, batch)
+    steps = [_timed_step(model, x, y, batch) for x, y in batches]
     harness.write_result(args.out, dict(
         mode=mode, batch=batch, layers=args.layers, shape=args.shape, seq_len=args.seq_len,
         malloc=harness.malloc_setting(), steps=steps, peak_rss_mib=harness.peak_rss_kib() / 1024.0,
@@ -82,20 +91,10 @@ def _mean_steps(steps):
 
 def run_paired_worker(args):
     """`args.paired` in one process, a step of each in turn: writes the rounds to `args.out`."""
-    import recompute
-    import recompute.bert4keras
-
-    shape = dict(batchfit.SHAPES[args.shape], layers=args.layers)
     models = []
     for mode, batch in args.paired:
         _progress(f"{mode} batch {batch}: building and tracing ...")
-        recompute.bert4keras.patch(policy=batchfit.policy_of(mode) or "block")
-        model = batchfit.compiled_classifier(dict(shape=shape, seq_len=args.seq_len, accum_steps=1))
-        batches = batchfit._random_batches(args.steps + 1, batch, args.seq_len, shape["vocab"],
-                                           seed=batch)
-        with recompute.recompute_scope(mode != "0"):  # baked into the traced step
-            model.train_on_batch(*batches[0])
-        models.append((model, batches[1:]))
+        models.append(_traced(args, mode, batch))
     rounds = []
     for i in range(args.steps):
         rounds.append([_timed_step(model, *batches[i], batch)
@@ -113,12 +112,8 @@ def measure_paired(args):
     _progress(f"{args.shape} x{args.layers} seq {args.seq_len}: "
               + ", ".join(f"{m}@{b}" for m, b in args.paired)
               + f" in one fresh process, {args.steps} rounds ...")
-    argv = ["--shape", args.shape, "--layers", str(args.layers), "--seq-len", str(args.seq_len),
-            "--steps", str(args.steps), "--paired", ",".join(f"{m}:{b}" for m, b in args.paired)]
-    env = dict(batchfit.ENV, CUDA_VISIBLE_DEVICES="", **harness.malloc_env(args.malloc))
-    result, = harness.require_results(harness.run_workers(_progress, argv, [env]),
-                                      f"{TOOL} paired worker")
-    return result
+    return _run_worker(args, ["--paired", ",".join(f"{m}:{b}" for m, b in args.paired)], {},
+                       f"{TOOL} paired worker")
 
 
 def paired_summary(result):
@@ -139,12 +134,18 @@ def paired_summary(result):
 def measure(args, mode, batch):
     _progress(f"{args.shape} x{args.layers} seq {args.seq_len} mode {mode} batch {batch}: "
               "measuring in a fresh process ...")
+    return _run_worker(args, ["--modes", mode, "--batch-sizes", str(batch)],
+                       dict(RECOMPUTE="0" if mode == "0" else "1"),
+                       f"{TOOL} worker mode={mode} batch={batch}")
+
+
+def _run_worker(args, configuration, env, what):
+    """Runs one worker for `configuration` (its command-line options) with this run's
+    shape, steps and `--malloc`, and `env` on top of `batchfit.ENV`; returns its result."""
     argv = ["--shape", args.shape, "--layers", str(args.layers), "--seq-len", str(args.seq_len),
-            "--steps", str(args.steps), "--modes", mode, "--batch-sizes", str(batch)]
-    env = dict(batchfit.ENV, RECOMPUTE="0" if mode == "0" else "1", CUDA_VISIBLE_DEVICES="",
-               **harness.malloc_env(args.malloc))
-    result, = harness.require_results(harness.run_workers(_progress, argv, [env]),
-                                      f"{TOOL} worker mode={mode} batch={batch}")
+            "--steps", str(args.steps), *configuration]
+    env = dict(batchfit.ENV, CUDA_VISIBLE_DEVICES="", **env, **harness.malloc_env(args.malloc))
+    result, = harness.require_results(harness.run_workers(_progress, argv, [env]), what)
     return result
 
 
