@@ -2,6 +2,7 @@
 
     python -m benchmarks.recompute_memory            # lean Keras 3 block, 12 x 768, seq 512 (slow)
     python -m benchmarks.recompute_memory --model standard      # keras.layers.MultiHeadAttention
+    python -m benchmarks.recompute_memory --model standard --paired   # time ratios in one process
     TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.recompute_memory --model bert4keras
     python -m benchmarks.recompute_memory --quick    # tiny shape, for CI
     python -m benchmarks.recompute_memory --layers 4 --seq 256 --json out.json
@@ -31,6 +32,15 @@ model, traces and warms up one compiled training step, and then measures:
   those steps: on shared cores a step now and then takes far longer (other
   work, spinning thread pools), which a mean would carry into the ratio;
   every step's value is in the JSON.
+
+`--paired` (TensorFlow backend) runs every configuration in one worker
+process instead: a model per mode, its step traced at each batch size with
+recomputation on or off (`recompute.recompute_scope`), one warm-up round,
+then `--steps` rounds of one measured step per configuration in turn. A
+round's steps share the load of these shared cores, so the CPU time ratio
+reported is the median of the rounds' ratios (each round's is printed). The
+allocator figures are per step as above (the other models' weights are in
+`current` and cancel); the peak RSS is the process's, so it has no slope.
 
 Per-sample activation memory is the slope between the batch sizes (fixed costs
 such as gradients and optimizer temporaries cancel). The parent prints a table
@@ -62,25 +72,25 @@ _progress = harness.Progress(TOOL)
 # Worker: one configuration, one process.
 
 
-def _keras3_step(cfg, model_name, policy, batch, steps):
-    """(one training step as a function of a batch, batches, parameter count): Keras 3 encoder."""
+def _keras3_model(cfg, model_name, policy):
+    """(one training step as a function of a batch, parameter count, batches): Keras 3
+    encoder; `batches(batch, n)` gives n fresh random batches (random labels: the loss
+    stays near log(2) instead of collapsing on a memorised batch)."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import tensorflow as tf
 
     model, _, train_step = encoder.build_model(cfg, block=model_name, policy=policy)
     n_params = int(sum(int(tf.size(v)) for v in model.trainable_variables))
-    # A fresh random batch (random labels) for every step: the loss stays
-    # near log(2) instead of collapsing on a memorised batch.
-    rng = tf.random.Generator.from_seed(batch)
-    batches = [
-        (rng.uniform([batch, cfg["seq"]], 0, cfg["vocab"], dtype=tf.int32),
-         rng.uniform([batch], 0, 2, dtype=tf.int32))
-        for _ in range(steps + 2)
-    ]
-    return (lambda b: float(train_step(*b).numpy())), batches, n_params
+
+    def batches(batch, n):
+        rng = tf.random.Generator.from_seed(batch)
+        return [(rng.uniform([batch, cfg["seq"]], 0, cfg["vocab"], dtype=tf.int32),
+                 rng.uniform([batch], 0, 2, dtype=tf.int32)) for _ in range(n)]
+
+    return (lambda b: float(train_step(*b).numpy())), n_params, batches
 
 
-def _bert4keras_step(cfg, policy, batch, steps):
+def _bert4keras_model(cfg, policy):
     """The same for bert4keras's BERT (padded random token ids), patched with `policy`."""
     import recompute.bert4keras
 
@@ -104,8 +114,11 @@ def _bert4keras_step(cfg, policy, batch, steps):
         model = batchfit.build_classifier(path)
     model.compile(optimizer=tf_keras.optimizers.Adam(1e-4),
                   loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    batches = batchfit._random_batches(steps + 2, batch, cfg["seq"], cfg["vocab"], seed=batch)
-    return (lambda b: float(model.train_on_batch(*b))), batches, int(model.count_params())
+
+    def batches(batch, n):
+        return batchfit._random_batches(n, batch, cfg["seq"], cfg["vocab"], seed=batch)
+
+    return (lambda b: float(model.train_on_batch(*b))), int(model.count_params()), batches
 
 
 def _jax_worker(cfg, policy, batch, steps):
@@ -171,14 +184,10 @@ def run_worker(cfg, model_name, mode, batch, steps, out_path, backend="tensorflo
             rss_hwm_bytes=harness.peak_rss_kib() * 1024))
         return
 
-    policy = MODELS[model_name][0] if mode == "0" else mode
     tag = f"{model_name} mode={mode} batch={batch}"
     _progress(f"{tag}: building the model")
-    if model_name == "bert4keras":
-        step, batches, n_params = _bert4keras_step(cfg, policy, batch, steps)
-    else:
-        step, batches, n_params = _keras3_step(cfg, model_name, policy, batch, steps)
-
+    step, n_params, make_batches = _model(cfg, model_name, mode)
+    batches = make_batches(batch, steps + 2)
     t0 = time.process_time()
     step(batches[0])  # trace + first step (creates the buffers)
     _progress(f"{tag}: traced and ran the first step in "
@@ -191,28 +200,85 @@ def run_worker(cfg, model_name, mode, batch, steps, out_path, backend="tensorflo
     # before it. It varies from step to step by a few percent (the executor's
     # op order and the allocator's reuse of free chunks vary): the median is
     # reported, every step's value is in the JSON.
-    activations, cpu, wall, losses = [], [], [], []
-    for b in batches[2:]:
-        loss, activation, cpu_s, wall_s = harness.allocator_step(lambda: step(b))
-        losses.append(loss)
-        cpu.append(cpu_s)
-        wall.append(wall_s)
-        activations.append(activation)
-    activation = harness.lower_median(activations)
-    cpu_step = harness.lower_median(cpu)  # robust to a step slowed by other work
-    wall_step = sum(wall) / len(wall)
-    result = dict(
-        device=harness.measured_device(), malloc=harness.malloc_setting(), model=model_name,
-        mode=mode, recompute=os.environ.get(recompute.ENV_VAR, ""),
-        recompute_enabled=recompute.is_enabled(), batch=batch,
-        activation_bytes=int(activation), activation_bytes_per_step=[int(a) for a in activations],
-        rss_hwm_bytes=harness.peak_rss_kib() * 1024, cpu_s_per_step=cpu_step,
-        cpu_s_per_step_each=cpu, wall_s_per_step=wall_step, loss=losses[0], params=n_params,
-    )
-    _progress(f"{tag}: activation memory {activation / MiB:.1f} MiB "
-              f"(median of steps: {', '.join(f'{a / MiB:.1f}' for a in activations)}); "
-              f"{cpu_step:.2f} CPU s/step ({wall_step:.2f} s wall)")
+    measured = [harness.allocator_step(lambda: step(b)) for b in batches[2:]]
+    result = _result(model_name, mode, batch, n_params, measured,
+                     recompute=os.environ.get(recompute.ENV_VAR, ""),
+                     recompute_enabled=recompute.is_enabled())
+    _progress(f"{tag}: {_measured_text(result)}")
     harness.write_result(out_path, result)
+
+
+def _model(cfg, model_name, mode):
+    """`_keras3_model` or `_bert4keras_model` under the policy of `mode` (mode 0: the
+    model's first policy, which RECOMPUTE=0 turns off)."""
+    policy = MODELS[model_name][0] if mode == "0" else mode
+    if model_name == "bert4keras":
+        return _bert4keras_model(cfg, policy)
+    return _keras3_model(cfg, model_name, policy)
+
+
+def _result(model_name, mode, batch, n_params, measured, **fields):
+    """A configuration's result from its measured `(loss, activation bytes, CPU s, wall s)`
+    steps: the lower medians of the activation memory and of the CPU time (robust to a
+    step slowed by other work), every step's values, the first loss."""
+    losses, activations, cpu, wall = (list(column) for column in zip(*measured))
+    return dict(
+        device=harness.measured_device(), malloc=harness.malloc_setting(), model=model_name,
+        mode=mode, batch=batch, activation_bytes=int(harness.lower_median(activations)),
+        activation_bytes_per_step=[int(a) for a in activations],
+        rss_hwm_bytes=harness.peak_rss_kib() * 1024, cpu_s_per_step=harness.lower_median(cpu),
+        cpu_s_per_step_each=cpu, wall_s_per_step=sum(wall) / len(wall), loss=losses[0],
+        params=n_params, **fields)
+
+
+def _measured_text(r):
+    return (f"activation memory {r['activation_bytes'] / MiB:.1f} MiB (median of steps: "
+            f"{', '.join(f'{a / MiB:.1f}' for a in r['activation_bytes_per_step'])}); "
+            f"{r['cpu_s_per_step']:.2f} CPU s/step ({r['wall_s_per_step']:.2f} s wall)")
+
+
+def run_paired_worker(cfg, model_name, modes, batch_sizes, steps, out_path):
+    """Every mode at every batch size in this one process (`--paired`): a model per mode,
+    its step traced at each batch size under `recompute_scope(mode != "0")`, then a
+    warm-up round and `steps` measured rounds of one step per configuration (batch by
+    batch, the modes in turn). Writes the results of `run_worker`, one per configuration, with
+    `paired=True`: the i-th entries of the configurations' `cpu_s_per_step_each`
+    are round i."""
+    import recompute
+
+    configurations = {}  # (mode, batch) -> (step, its batches)
+    params = {}
+    for mode in modes:
+        _progress(f"{model_name} mode={mode}: building the model and tracing its step "
+                  f"at batch {', '.join(map(str, batch_sizes))}")
+        step, params[mode], make_batches = _model(cfg, model_name, mode)
+        for batch in batch_sizes:
+            batches = make_batches(batch, steps + 2)
+            with recompute.recompute_scope(mode != "0"):  # baked into the traced step
+                step(batches[0])
+            configurations[mode, batch] = (step, batches[1:])
+    # A warm-up round in the measured order first: the first step of a configuration
+    # after the others have run has measured several times the next one's CPU time.
+    measured = {key: [] for key in configurations}
+    for i in range(steps + 1):
+        for batch in batch_sizes:
+            for mode in modes:
+                step, batches = configurations[mode, batch]
+                with recompute.recompute_scope(mode != "0"):
+                    measured[mode, batch].append(harness.allocator_step(lambda: step(batches[i])))
+        if i == 0:
+            _progress(f"warm-up round done; measuring {steps} round(s)")
+            measured = {key: [] for key in configurations}
+            continue
+        _progress(f"round {i} of {steps}: CPU s/step " + "; ".join(
+            f"batch {b}: " + ", ".join(f"{m} {measured[m, b][-1][2]:.2f}" for m in modes)
+            for b in batch_sizes))
+    results = [_result(model_name, mode, batch, params[mode], measured[mode, batch],
+                       recompute="scope", recompute_enabled=mode != "0", paired=True)
+               for (mode, batch) in configurations]
+    for r in results:
+        _progress(f"{model_name} mode={r['mode']} batch={r['batch']}: {_measured_text(r)}")
+    harness.write_result(out_path, dict(runs=results))
 
 
 # --------------------------------------------------------------------------
@@ -231,44 +297,78 @@ def _spawn(cfg, model_name, mode, batch, steps, backend="tensorflow", malloc="de
     return harness.require_results(runs, f"benchmark worker {model_name} mode={mode} batch={batch}")[0]
 
 
+def _spawn_paired(cfg, model_name, modes, batch_sizes, steps, malloc="default"):
+    _progress(f"{model_name}: modes {', '.join(modes)} at batch {', '.join(map(str, batch_sizes))} "
+              f"in one fresh worker process, {steps} rounds")
+    env = dict(harness.allocator_env(), RECOMPUTE=None, KERAS_BACKEND="tensorflow",
+               **harness.malloc_env(malloc))
+    if model_name == "bert4keras":
+        env.update(TF_KERAS="1", TF_USE_LEGACY_KERAS="1")
+    runs = harness.run_workers(
+        _progress, ["--model", model_name, "--modes", ",".join(modes), "--paired", "--batch-sizes",
+                    ",".join(map(str, batch_sizes)), "--steps", str(steps), *encoder.shape_argv(cfg)],
+        [env])
+    return harness.require_results(runs, f"paired benchmark worker {model_name}")[0]["runs"]
+
+
 def summarize(runs, modes, batch_sizes):
-    """Per mode: the per-sample slope and fixed part; per mode other than 0, its ratios to 0."""
+    """Per mode: the per-sample slope and fixed part; per mode other than 0, its ratios to 0.
+
+    The CPU time ratio at a batch size is that of the configurations' median steps;
+    for runs of one process (`--paired`) it is the median of the rounds' ratios
+    (`cpu_time_round_ratios`: a round's steps ran under the same load), and the
+    peak RSS, the process's, has no slope.
+    """
+    paired = runs[0].get("paired", False)
     summary = {}
     for mode in modes:
         mine = [r for r in runs if r["mode"] == mode]
         slope, intercept = harness.slope([(r["batch"], r["activation_bytes"]) for r in mine])
-        rss_slope, _ = harness.slope([(r["batch"], r["rss_hwm_bytes"]) for r in mine])
+        rss_slope = None if paired else harness.slope([(r["batch"], r["rss_hwm_bytes"]) for r in mine])[0]
         summary[mode] = dict(
             per_sample_bytes=slope, fixed_bytes=intercept, rss_per_sample_bytes=rss_slope,
             cpu_s_per_step={str(r["batch"]): r["cpu_s_per_step"] for r in mine},
         )
+    by_key = {(r["mode"], r["batch"]): r for r in runs}
     ratios = {}
     off = summary.get("0")
     for mode, on in summary.items():
         if mode == "0" or off is None:
             continue
         ratios[mode] = dict(
-            memory_per_sample_off_over_on=(off["per_sample_bytes"] / on["per_sample_bytes"]
-                                           if on["per_sample_bytes"] > 0 else float("inf")),
-            rss_per_sample_off_over_on=(off["rss_per_sample_bytes"] / on["rss_per_sample_bytes"]
-                                        if on["rss_per_sample_bytes"] > 0 else float("inf")),
+            memory_per_sample_off_over_on=_ratio(off["per_sample_bytes"], on["per_sample_bytes"]),
+            rss_per_sample_off_over_on=(None if paired else
+                                        _ratio(off["rss_per_sample_bytes"], on["rss_per_sample_bytes"])),
             cpu_time_on_over_off={str(b): on["cpu_s_per_step"][str(b)] / off["cpu_s_per_step"][str(b)]
                                   for b in batch_sizes},
         )
+        if paired:
+            rounds = {str(b): [x / y for x, y in zip(by_key[mode, b]["cpu_s_per_step_each"],
+                                                   by_key["0", b]["cpu_s_per_step_each"])]
+                      for b in batch_sizes}
+            ratios[mode].update(cpu_time_round_ratios=rounds, cpu_time_on_over_off={
+                b: harness.lower_median(r) for b, r in rounds.items()})
     return summary, ratios
+
+
+def _ratio(off, on):
+    return off / on if on > 0 else float("inf")
 
 
 def print_report(cfg, runs, summary, ratios, out=None):
     out = sys.stdout if out is None else out  # the current one: report_to_docs redirects it
     p = lambda *a: print(*a, file=out)  # noqa: E731
     jax = runs[0].get("backend") == "jax"
+    paired = runs[0].get("paired", False)
     measure = ("JAX's saved residuals (weights included), XLA's compiled temp buffer, "
                "the jitted value_and_grad step" if jax else f"allocator of {runs[0].get('device', 'CPU:0')}")
+    how = ("; every configuration in one process, a measured step of each in turn per round "
+           f"(--paired, {len(runs[0]['cpu_s_per_step_each'])} rounds)" if paired else "")
     p(f"recompute benchmark: {runs[0]['model']} model, {cfg['layers']} blocks, hidden "
       f"{cfg['hidden']}, {cfg['heads']} heads, FFN {cfg['ffn']}, seq {cfg['seq']}, vocab "
       f"{cfg['vocab']}, dropout {cfg['dropout']}, {'no optimizer' if jax else 'Adam'}; "
       f"{runs[0]['params'] / 1e6:.1f}M parameters; {'Keras 3 on JAX, ' if jax else ''}{measure}"
-      f"; CPU allocation: {runs[0].get('malloc', 'default')} (--malloc)")
+      f"; CPU allocation: {runs[0].get('malloc', 'default')} (--malloc){how}")
     p("")
     label = "residuals MiB" if jax else "activation MiB"
     extra = f" {'XLA temp MiB':>13}" if jax else ""
@@ -276,18 +376,30 @@ def print_report(cfg, runs, summary, ratios, out=None):
       f"{'CPU s/step':>11} {'loss':>8}")
     for r in runs:
         extra = f" {r['xla_temp_bytes'] / MiB:>13.1f}" if jax else ""
+        rss = "(process)" if paired else f"{r['rss_hwm_bytes'] / MiB:.1f}"
         p(f"{r['mode']:>9} {r['batch']:>5} {r['activation_bytes'] / MiB:>15.1f}{extra} "
-          f"{r['rss_hwm_bytes'] / MiB:>13.1f} {r['cpu_s_per_step']:>11.2f} {r['loss']:>8.4f}")
+          f"{rss:>13} {r['cpu_s_per_step']:>11.2f} {r['loss']:>8.4f}")
+    if paired:
+        p(f"peak RSS of the process (every configuration): {runs[0]['rss_hwm_bytes'] / MiB:.1f} MiB")
     p("")
+    times = "CPU time mode/0: median of the rounds (each round)" if paired else "CPU time mode/0"
     p(f"{'mode':>9} {'MiB/sample':>11} {'fixed MiB':>10} {'RSS MiB/sample':>15} "
-      f"{'memory 0/mode':>14} {'RSS 0/mode':>11}  CPU time mode/0")
+      f"{'memory 0/mode':>14} {'RSS 0/mode':>11}  {times}")
     for mode, s in summary.items():
         r = ratios.get(mode)
         mem = f"x{r['memory_per_sample_off_over_on']:.2f}" if r else "-"
-        rss = f"x{r['rss_per_sample_off_over_on']:.2f}" if r else "-"
-        times = ", ".join(f"batch {b}: x{v:.3f}" for b, v in r["cpu_time_on_over_off"].items()) if r else "-"
+        rss = f"x{r['rss_per_sample_off_over_on']:.2f}" if r and not paired else "-"
+        rss_slope = "-" if paired else f"{s['rss_per_sample_bytes'] / MiB:.1f}"
+        if not r:
+            times = "-"
+        elif paired:
+            times = ", ".join(
+                f"batch {b}: x{v:.3f} ({' '.join(f'{x:.3f}' for x in r['cpu_time_round_ratios'][b])})"
+                for b, v in r["cpu_time_on_over_off"].items())
+        else:
+            times = ", ".join(f"batch {b}: x{v:.3f}" for b, v in r["cpu_time_on_over_off"].items())
         p(f"{mode:>9} {s['per_sample_bytes'] / MiB:>11.1f} {s['fixed_bytes'] / MiB:>10.1f} "
-          f"{s['rss_per_sample_bytes'] / MiB:>15.1f} {mem:>14} {rss:>11}  {times}")
+          f"{rss_slope:>15} {mem:>14} {rss:>11}  {times}")
 
 
 # --------------------------------------------------------------------------
@@ -318,6 +430,10 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="tiny shape (3 blocks, hidden 256, seq 128): about 30 s; "
                              "explicit options still override it")
+    parser.add_argument("--paired", action="store_true",
+                        help="measure every configuration in one process, a step of each in "
+                             "turn for --steps rounds: the CPU time ratios are the medians "
+                             "of the rounds' ratios (TensorFlow backend)")
     parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
     harness.add_malloc_argument(parser)
     harness.add_docs_argument(parser, TOOL)
@@ -330,6 +446,9 @@ def parse_args(argv=None):
     if args.backend == "jax" and args.model != "standard":
         parser.error(f"--backend jax measures the standard Keras 3 encoder (--model standard); "
                      f"got --model {args.model}")
+    if args.backend == "jax" and args.paired:
+        parser.error("--paired measures TensorFlow's allocator and steps: it takes --backend "
+                     "tensorflow; got --backend jax")
     encoder.finish_shape_arguments(parser, args, QUICK if args.quick else FULL,
                                    need_slope=not args.worker)
     policies = MODELS[args.model]
@@ -342,8 +461,8 @@ def parse_args(argv=None):
             parser.error(f"--modes: expected distinct items of {', '.join(known)} (or 1) for "
                          f"--model {args.model}, got {args.modes!r}")
         args.modes = tuple(modes)
-    if args.worker and (not args.out or len(args.batch_sizes) != 1):
-        parser.error("--worker needs --out and exactly one batch size")
+    if args.worker and (not args.out or (len(args.batch_sizes) != 1 and not args.paired)):
+        parser.error("--worker needs --out and exactly one batch size (or --paired)")
     if args.json:
         harness.existing_folder(parser, "--json", args.json)
     return args
@@ -360,19 +479,23 @@ def main(argv=None):
 def _main(argv=None):
     args = parse_args(argv)
     cfg = encoder.shape_config(args)
+    batch_sizes = sorted(args.batch_sizes)
+    if args.worker and args.paired:
+        run_paired_worker(cfg, args.model, args.modes, batch_sizes, args.steps, args.out)
+        return 0
     if args.worker:
         run_worker(cfg, args.model, args.modes[0], args.batch_sizes[0], args.steps, args.out,
                    args.backend)
         return 0
 
-    batch_sizes = sorted(args.batch_sizes)
-    runs = []
     start = time.perf_counter()
-    # Interleaved (off, on at each batch size) so that a change in the load of
-    # the machine during the run does not bias the time ratio.
-    for batch in batch_sizes:
-        for mode in args.modes:
-            runs.append(_spawn(cfg, args.model, mode, batch, args.steps, args.backend, args.malloc))
+    if args.paired:
+        runs = _spawn_paired(cfg, args.model, args.modes, batch_sizes, args.steps, args.malloc)
+    else:
+        # Interleaved (off, on at each batch size) so that a change in the load of
+        # the machine during the run does not bias the time ratio.
+        runs = [_spawn(cfg, args.model, mode, batch, args.steps, args.backend, args.malloc)
+                for batch in batch_sizes for mode in args.modes]
     runs.sort(key=lambda r: (args.modes.index(r["mode"]), r["batch"]))
     summary, ratios = summarize(runs, args.modes, batch_sizes)
     _progress(f"done in {time.perf_counter() - start:.0f} s wall")
@@ -381,7 +504,7 @@ def _main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=dict(cfg, model=args.model, backend=args.backend, batch_sizes=batch_sizes,
-                                       steps=args.steps, malloc=args.malloc),
+                                       steps=args.steps, malloc=args.malloc, paired=args.paired),
                            runs=runs, summary=summary, ratios=ratios), f, indent=2)
         _progress(f"results saved to {args.json}")
     return 0

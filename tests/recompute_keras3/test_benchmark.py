@@ -44,3 +44,54 @@ def test_benchmark_rejects_bad_arguments():
     )
     assert out.returncode == 2
     assert "--layers: expected a positive integer, got '0'" in out.stderr
+
+
+def test_quick_paired_benchmark(tmp_path):
+    """`--paired`: every configuration in one worker, the time ratio the median of the rounds'."""
+    out_json = tmp_path / "paired.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.recompute_memory", "--quick", "--model", "standard",
+         "--layers", "2", "--batch-sizes", "2,4", "--steps", "3", "--paired", "--json", str(out_json)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--paired, 3 rounds" in out.stdout
+    assert "median of the rounds" in out.stdout
+    assert "in one fresh worker process" in out.stderr
+    assert "warm-up round done" in out.stderr
+    assert "round 3 of 3" in out.stderr
+    result = json.loads(out_json.read_text())
+    assert result["config"]["paired"] is True
+    runs = {(r["mode"], r["batch"]): r for r in result["runs"]}
+    assert set(runs) == {(m, b) for m in ("0", "full", "attention") for b in (2, 4)}
+    # One process: the same peak RSS everywhere, hence no RSS slope.
+    assert len({r["rss_hwm_bytes"] for r in result["runs"]}) == 1
+    assert all(s["rss_per_sample_bytes"] is None for s in result["summary"].values())
+    for batch in (2, 4):
+        off = runs[("0", batch)]
+        assert off["paired"] and off["recompute_enabled"] is False
+        for policy in ("full", "attention"):
+            on = runs[(policy, batch)]
+            assert on["recompute_enabled"] is True and len(on["cpu_s_per_step_each"]) == 3
+            # Each model ran the same steps on the same batches: the losses agree.
+            if policy == "full":
+                assert on["loss"] == off["loss"]
+            else:
+                assert abs(on["loss"] - off["loss"]) <= 1e-5 * abs(off["loss"])
+            assert on["activation_bytes"] < off["activation_bytes"]
+            # The ratio is the median of the rounds' ratios, each from that round's steps.
+            ratios = result["ratios"][policy]
+            rounds = ratios["cpu_time_round_ratios"][str(batch)]
+            assert rounds == [x / y for x, y in zip(on["cpu_s_per_step_each"],
+                                                    off["cpu_s_per_step_each"])]
+            assert ratios["cpu_time_on_over_off"][str(batch)] == sorted(rounds)[1]
+
+
+def test_paired_refuses_jax():
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.recompute_memory", "--backend", "jax", "--paired"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert out.returncode == 2
+    assert "--paired measures TensorFlow's allocator and steps: it takes --backend tensorflow" \
+        in out.stderr
