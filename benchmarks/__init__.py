@@ -8,8 +8,10 @@ saves the figures):
   allocator peak per step), peak RSS and CPU time per step of a
   BERT-base-shaped Keras 3 encoder with `RECOMPUTE=0` vs `1`; per-sample
   memory as the slope between batch sizes; each configuration in a fresh
-  process. `--backend jax`: the standard encoder on Keras 3's JAX backend,
-  measured by JAX's saved residuals and XLA's compiled temp buffer.
+  process (`--paired`: every configuration in one process, a step of each in
+  turn, for time ratios under one load). `--backend jax`: the standard
+  encoder on Keras 3's JAX backend, measured by JAX's saved residuals and
+  XLA's compiled temp buffer.
 - `python -m benchmarks.xla_remat_temp`: whether XLA's compiled temp buffer
   shrinks when blocks are recomputed (`jax.checkpoint`, and a recomputation
   that waits for the cotangent); JAX only.
@@ -22,7 +24,9 @@ saves the figures):
 - `TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.cpu_split`: where
   a training step's CPU time goes -- user and system seconds, page faults,
   peak RSS per sample -- per mode and batch of `batchfit`'s model (optionally
-  with fewer blocks), with glibc's default malloc or huge pages (`--malloc`).
+  with fewer blocks), with glibc's default malloc, huge pages or TensorFlow's
+  own pool (`--malloc`); `--paired` times several configurations in one
+  process, a step of each in turn.
 - `python -m benchmarks.recompute_distribute`: per-replica activation memory
   and CPU time with `RECOMPUTE=0` vs `1` under `MultiWorkerMirroredStrategy`
   (2 processes on loopback) or `MirroredStrategy` (2 logical CPUs).

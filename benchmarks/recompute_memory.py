@@ -40,7 +40,11 @@ then `--steps` rounds of one measured step per configuration in turn. A
 round's steps share the load of these shared cores, so the CPU time ratio
 reported is the median of the rounds' ratios (each round's is printed). The
 allocator figures are per step as above (the other models' weights are in
-`current` and cancel); the peak RSS is the process's, so it has no slope.
+`current` and cancel), but in one process they measured higher and more
+variable than in fresh ones (the standard block at BERT-base shape: "full"
+137 MiB per sample against 93 to 105 in fresh processes, its steps at batch
+4 from 426 to 510 MiB): take the memory from a run without `--paired`. The
+peak RSS is the process's, so it has no slope.
 
 Per-sample activation memory is the slope between the batch sizes (fixed costs
 such as gradients and optimizer temporaries cancel). The parent prints a table
@@ -380,7 +384,9 @@ def print_report(cfg, runs, summary, ratios, out=None):
         p(f"{r['mode']:>9} {r['batch']:>5} {r['activation_bytes'] / MiB:>15.1f}{extra} "
           f"{rss:>13} {r['cpu_s_per_step']:>11.2f} {r['loss']:>8.4f}")
     if paired:
-        p(f"peak RSS of the process (every configuration): {runs[0]['rss_hwm_bytes'] / MiB:.1f} MiB")
+        p(f"peak RSS of the process (every configuration): {runs[0]['rss_hwm_bytes'] / MiB:.1f} MiB; "
+          "activation memory in one process reads higher than in fresh processes: "
+          "take it from a run without --paired")
     p("")
     times = "CPU time mode/0: median of the rounds (each round)" if paired else "CPU time mode/0"
     p(f"{'mode':>9} {'MiB/sample':>11} {'fixed MiB':>10} {'RSS MiB/sample':>15} "
