@@ -261,19 +261,26 @@ def run_paired_worker(cfg, model_name, modes, batch_sizes, steps, out_path):
             with recompute.recompute_scope(mode != "0"):  # baked into the traced step
                 step(batches[0])
             configurations[mode, batch] = (step, batches[1:])
-    # A warm-up round in the measured order first: the first step of a configuration
-    # after the others have run has measured several times the next one's CPU time.
-    measured = {key: [] for key in configurations}
-    for i in range(steps + 1):
+
+    def run_round(i):
+        """One step of each configuration on its i-th batch, batch by batch, the modes in
+        turn: {(mode, batch): what `harness.allocator_step` returns}."""
+        out = {}
         for batch in batch_sizes:
             for mode in modes:
                 step, batches = configurations[mode, batch]
                 with recompute.recompute_scope(mode != "0"):
-                    measured[mode, batch].append(harness.allocator_step(lambda: step(batches[i])))
-        if i == 0:
-            _progress(f"warm-up round done; measuring {steps} round(s)")
-            measured = {key: [] for key in configurations}
-            continue
+                    out[mode, batch] = harness.allocator_step(lambda: step(batches[i]))
+        return out
+
+    # A warm-up round in the measured order first: the first step of a configuration
+    # after the others have run has measured several times the next one's CPU time.
+    run_round(0)
+    _progress(f"warm-up round done; measuring {steps} round(s)")
+    measured = {key: [] for key in configurations}
+    for i in range(1, steps + 1):
+        for key, step_figures in run_round(i).items():
+            measured[key].append(step_figures)
         _progress(f"round {i} of {steps}: CPU s/step " + "; ".join(
             f"batch {b}: " + ", ".join(f"{m} {measured[m, b][-1][2]:.2f}" for m in modes)
             for b in batch_sizes))
@@ -291,28 +298,31 @@ def run_paired_worker(cfg, model_name, modes, batch_sizes, steps, out_path):
 
 def _spawn(cfg, model_name, mode, batch, steps, backend="tensorflow", malloc="default"):
     _progress(f"{model_name} mode={mode} batch={batch}: starting a fresh worker process")
-    env = dict(harness.allocator_env(), RECOMPUTE="0" if mode == "0" else "1", KERAS_BACKEND=backend,
-               **harness.malloc_env(malloc))
-    if model_name == "bert4keras":
-        env.update(TF_KERAS="1", TF_USE_LEGACY_KERAS="1")
-    runs = harness.run_workers(
-        _progress, ["--model", model_name, "--modes", mode, "--batch-sizes", str(batch),
-                    "--steps", str(steps), "--backend", backend, *encoder.shape_argv(cfg)], [env])
-    return harness.require_results(runs, f"benchmark worker {model_name} mode={mode} batch={batch}")[0]
+    return _run_worker(cfg, model_name, ["--modes", mode, "--batch-sizes", str(batch)], steps,
+                       "0" if mode == "0" else "1", backend, malloc,
+                       f"benchmark worker {model_name} mode={mode} batch={batch}")
 
 
 def _spawn_paired(cfg, model_name, modes, batch_sizes, steps, malloc="default"):
     _progress(f"{model_name}: modes {', '.join(modes)} at batch {', '.join(map(str, batch_sizes))} "
               f"in one fresh worker process, {steps} rounds")
-    env = dict(harness.allocator_env(), RECOMPUTE=None, KERAS_BACKEND="tensorflow",
+    return _run_worker(cfg, model_name, ["--modes", ",".join(modes), "--paired", "--batch-sizes",
+                                         ",".join(map(str, batch_sizes))], steps, None,
+                       "tensorflow", malloc, f"paired benchmark worker {model_name}")["runs"]
+
+
+def _run_worker(cfg, model_name, configuration, steps, recompute, backend, malloc, what):
+    """Runs one worker for `configuration` (its command-line options) with this run's
+    model, shape and steps, `RECOMPUTE=recompute` (None: unset), the allocator
+    statistics, `--malloc` and, for bert4keras, tf_keras; returns its result."""
+    env = dict(harness.allocator_env(), RECOMPUTE=recompute, KERAS_BACKEND=backend,
                **harness.malloc_env(malloc))
     if model_name == "bert4keras":
         env.update(TF_KERAS="1", TF_USE_LEGACY_KERAS="1")
     runs = harness.run_workers(
-        _progress, ["--model", model_name, "--modes", ",".join(modes), "--paired", "--batch-sizes",
-                    ",".join(map(str, batch_sizes)), "--steps", str(steps), *encoder.shape_argv(cfg)],
-        [env])
-    return harness.require_results(runs, f"paired benchmark worker {model_name}")[0]["runs"]
+        _progress, ["--model", model_name, *configuration, "--steps", str(steps),
+                    "--backend", backend, *encoder.shape_argv(cfg)], [env])
+    return harness.require_results(runs, what)[0]
 
 
 def summarize(runs, modes, batch_sizes):
@@ -343,15 +353,16 @@ def summarize(runs, modes, batch_sizes):
             memory_per_sample_off_over_on=_ratio(off["per_sample_bytes"], on["per_sample_bytes"]),
             rss_per_sample_off_over_on=(None if paired else
                                         _ratio(off["rss_per_sample_bytes"], on["rss_per_sample_bytes"])),
-            cpu_time_on_over_off={str(b): on["cpu_s_per_step"][str(b)] / off["cpu_s_per_step"][str(b)]
-                                  for b in batch_sizes},
         )
         if paired:
             rounds = {str(b): [x / y for x, y in zip(by_key[mode, b]["cpu_s_per_step_each"],
                                                    by_key["0", b]["cpu_s_per_step_each"])]
                       for b in batch_sizes}
-            ratios[mode].update(cpu_time_round_ratios=rounds, cpu_time_on_over_off={
-                b: harness.lower_median(r) for b, r in rounds.items()})
+            ratios[mode].update(cpu_time_on_over_off={b: harness.lower_median(r) for b, r in rounds.items()},
+                                cpu_time_round_ratios=rounds)
+        else:
+            ratios[mode]["cpu_time_on_over_off"] = {
+                str(b): on["cpu_s_per_step"][str(b)] / off["cpu_s_per_step"][str(b)] for b in batch_sizes}
     return summary, ratios
 
 
