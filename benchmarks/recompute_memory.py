@@ -221,16 +221,19 @@ def _model(cfg, model_name, mode):
     return _keras3_model(cfg, model_name, policy)
 
 
-def _result(model_name, mode, batch, n_params, measured, **fields):
+def _result(model_name, mode, batch, n_params, measured, rss_hwm_bytes=None, **fields):
     """A configuration's result from its measured `(loss, activation bytes, CPU s, wall s)`
     steps: the lower medians of the activation memory and of the CPU time (robust to a
-    step slowed by other work), every step's values, the first loss."""
+    step slowed by other work), every step's values, the first loss. `rss_hwm_bytes`:
+    the peak RSS to report, read now when not given."""
     losses, activations, cpu, wall = (list(column) for column in zip(*measured))
+    if rss_hwm_bytes is None:
+        rss_hwm_bytes = harness.peak_rss_kib() * 1024
     return dict(
         device=harness.measured_device(), malloc=harness.malloc_setting(), model=model_name,
         mode=mode, batch=batch, activation_bytes=int(harness.lower_median(activations)),
         activation_bytes_per_step=[int(a) for a in activations],
-        rss_hwm_bytes=harness.peak_rss_kib() * 1024, cpu_s_per_step=harness.lower_median(cpu),
+        rss_hwm_bytes=rss_hwm_bytes, cpu_s_per_step=harness.lower_median(cpu),
         cpu_s_per_step_each=cpu, wall_s_per_step=sum(wall) / len(wall), loss=losses[0],
         params=n_params, **fields)
 
@@ -284,8 +287,12 @@ def run_paired_worker(cfg, model_name, modes, batch_sizes, steps, out_path):
         _progress(f"round {i} of {steps}: CPU s/step " + "; ".join(
             f"batch {b}: " + ", ".join(f"{m} {measured[m, b][-1][2]:.2f}" for m in modes)
             for b in batch_sizes))
+    # The process's peak RSS, read once: building the results allocates, and a peak read
+    # per result could differ by a page.
+    process_hwm = harness.peak_rss_kib() * 1024
     results = [_result(model_name, mode, batch, params[mode], measured[mode, batch],
-                       recompute="scope", recompute_enabled=mode != "0", paired=True)
+                       rss_hwm_bytes=process_hwm, recompute="scope",
+                       recompute_enabled=mode != "0", paired=True)
                for (mode, batch) in configurations]
     for r in results:
         _progress(f"{model_name} mode={r['mode']} batch={r['batch']}: {_measured_text(r)}")
