@@ -2,6 +2,7 @@
 
 import functools
 import inspect
+import weakref
 
 import tensorflow as tf
 
@@ -93,8 +94,9 @@ def recompute_grad(call=None, *, policy="full"):
 
     Raises:
         TypeError: `call` is not a layer's `call`.
-        ValueError: an unknown `policy`; at the call, policy="attention" on a
-            layer without `MultiHeadAttention` layers.
+        ValueError: an unknown `policy`; at the layer's first call, RECOMPUTE
+            on or off, policy="attention" on a layer without
+            `MultiHeadAttention` layers.
         NotImplementedError: a Keras 3 backend other than TensorFlow and JAX.
     """
     if isinstance(call, str):
@@ -134,6 +136,11 @@ def recompute_grad(call=None, *, policy="full"):
     else:
         _backends.adapter_for(bound_to).check_supported(bound_to)
 
+    # Layers that passed the policy's check (policy="attention": it has MultiHeadAttention
+    # layers), made at each layer's first call whether RECOMPUTE is on or off: at the
+    # decoration the layer does not exist yet, or has not built its sublayers.
+    checked = weakref.WeakSet()
+
     @tf.autograph.experimental.do_not_convert
     def run(layer, args, kwargs, autograph_status):
         adapter = _backends.adapter_for(layer)
@@ -143,6 +150,9 @@ def recompute_grad(call=None, *, policy="full"):
                 "(`keras.layers.Layer` or `tf_keras.layers.Layer`). "
                 f"Received: a call on {_describe(layer)}"
             )
+        if policy == "attention" and layer not in checked:
+            _policies.attention_layers(adapter, layer)
+            checked.add(layer)
         if not _config.is_enabled():
             return _autographed(unbound, autograph_status)(layer, *args, **kwargs)
         adapter.check_supported(layer)

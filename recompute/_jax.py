@@ -198,14 +198,9 @@ def attention(fn, layer, args, kwargs):
     Its dropout is replayed from the seed state, not kept as a mask: JAX's
     random draws are functions of that state.
     """
-    layers = _keras3.attention_layers(_keras3.sublayers(layer))
-    if not layers:
-        raise ValueError(
-            "`recompute_grad(policy='attention')` recomputes the attention core of the "
-            "`MultiHeadAttention` layers (Keras 3) that the decorated layer contains. "
-            f"Received: layer '{layer.name}', which contains none. Create them in "
-            "`__init__` or `build` (as attributes of the layer), or use policy='full'."
-        )
+    from ._policies import attention_layers  # the check and its message, shared
+
+    layers = attention_layers(_keras3, layer)
     with _cores_checkpointed(layers, _keras3.attention_core):
         return fn(layer, *args, **kwargs)
 

@@ -39,8 +39,13 @@ def full(adapter, fn, layer, args, kwargs):
     return _core.recomputed_call(adapter, fn, layer, args, kwargs)
 
 
-def attention(adapter, fn, layer, args, kwargs):
-    """Only the attention cores of the call's multi-head attention layers are recomputed."""
+def attention_layers(adapter, layer):
+    """The `MultiHeadAttention` layers of `layer` (itself included) whose cores
+    policy="attention" recomputes; a ValueError if there are none.
+
+    `recompute_grad` checks this at a layer's first call, RECOMPUTE on or off
+    (the layers may be created in `build`, after the decoration); `_jax` too.
+    """
     layers = adapter.attention_layers(adapter.sublayers(layer))
     if not layers:
         raise ValueError(
@@ -49,6 +54,12 @@ def attention(adapter, fn, layer, args, kwargs):
             f"contains. Received: layer '{layer.name}', which contains none. Create them in "
             "`__init__` or `build` (as attributes of the layer), or use policy='full'."
         )
+    return layers
+
+
+def attention(adapter, fn, layer, args, kwargs):
+    """Only the attention cores of the call's multi-head attention layers are recomputed."""
+    layers = attention_layers(adapter, layer)
     with _cores_recomputed(adapter, layers), _gelu.kept_input(adapter.sublayers(layer)):
         return fn(layer, *args, **kwargs)
 

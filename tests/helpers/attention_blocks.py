@@ -252,3 +252,38 @@ def check_attention_policy_keeps_no_attention_matrix(K):
     assert "Softmax" in kept_off, kept_off
     assert not kept_on, kept_on
     check_mask_kept_as_bits(run(K, "attention", True, "function")[3])
+
+
+def check_attention_policy_needs_attention_layers(K, on):
+    """policy="attention" on a block without `MultiHeadAttention` is refused at its first
+    call, RECOMPUTE on or off, tape or not, with the same error in every family (`K`:
+    keras on either backend, or tf_keras); a block that has one is accepted either way."""
+    import pytest
+
+    class NoAttention(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = K.layers.Dense(2)
+
+        @recompute_grad(policy="attention")
+        def call(self, x):
+            return self.dense(x)
+
+    family = "tf_keras" if K.__name__ == "tf_keras" else "Keras 3"
+    message = (
+        r"`recompute_grad\(policy='attention'\)` recomputes the attention core of the "
+        rf"`MultiHeadAttention` layers \({family}\) that the decorated layer contains\. "
+        r"Received: layer 'no_attention', which contains none\. Create them in `__init__` "
+        r"or `build` \(as attributes of the layer\), or use policy='full'\."
+    )
+    layer = NoAttention(name="no_attention")
+    x = np.ones([1, 2], "float32")
+    with recompute.recompute_scope(on):
+        with pytest.raises(ValueError, match=message):
+            layer(x)
+        with tf.GradientTape(), pytest.raises(ValueError, match=message):
+            layer(x)
+        block = block_class(K, "attention")()
+        x, mask = (np.asarray(t) for t in inputs())
+        with tf.GradientTape():
+            block(x, mask)

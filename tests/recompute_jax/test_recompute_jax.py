@@ -347,6 +347,13 @@ def stateless_step_seq(model, on):
     return float(loss), [np.asarray(g) for g in grads], [np.asarray(s) for s in state]
 
 
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+def test_attention_policy_without_attention_layer_is_refused(on):
+    from tests.helpers import attention_blocks
+
+    attention_blocks.check_attention_policy_needs_attention_layers(keras, on)
+
+
 def test_residuals_of_an_8_block_encoder_fall_3x():
     x = np.random.default_rng(0).normal(size=(4, 64, 32)).astype("float32")
     off = residual_bytes(encoder_model("full"), False, x)

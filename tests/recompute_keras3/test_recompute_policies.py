@@ -51,20 +51,9 @@ def test_policy_off_runs_as_written():
     assert_all_close(grads0, grads1, rtol=0)
 
 
-def test_attention_policy_without_attention_layer_is_refused():
-    class NoAttention(keras.layers.Layer):
-        def __init__(self):
-            super().__init__()
-            self.dense = keras.layers.Dense(2)
-
-        @recompute_grad(policy="attention")
-        def call(self, x):
-            return self.dense(x)
-
-    layer = NoAttention()
-    with recompute.recompute_scope(True), tf.GradientTape():
-        with pytest.raises(ValueError, match=r"contains none.*policy='full'"):
-            layer(tf.ones([1, 2]))
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+def test_attention_policy_without_attention_layer_is_refused(on):
+    blocks.check_attention_policy_needs_attention_layers(keras, on)
 
 
 def test_bad_policies_are_refused():

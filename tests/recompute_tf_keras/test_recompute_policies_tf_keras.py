@@ -41,3 +41,8 @@ def test_attention_policy_keeps_no_attention_matrix():
 
 def test_attention_policy_recomputation_draws_no_random_numbers():
     blocks.check_recomputation_draws_nothing(K)
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+def test_attention_policy_without_attention_layer_is_refused(on):
+    blocks.check_attention_policy_needs_attention_layers(K, on)
