@@ -30,14 +30,18 @@ class AccumOptimizer:
     (`iterations`, LR schedules, bias correction, weight decay, clipping, EMA)
     counts windows. `micro_steps` counts micro-steps. A variable missing from a
     micro-step counts a zero gradient there; one missing from the whole window
-    is not updated. Non-finite micro-batches are skipped. The window's state is
-    saved with the model: resuming mid-window is bit-exact.
+    is not updated. Non-finite micro-batches are skipped (`mode="rescale"`:
+    counted as zero gradients). The window's state is
+    saved with the model: resuming mid-window is bit-exact. Compiling the model
+    with another optimizer while micro-steps are pending warns (they are dropped).
 
     Limits: `mode="momentum"` is exact for SGD with momentum only (Adam's
-    second moment is approximate) and refuses other optimizers,
+    second moment is approximate) and refuses other optimizers, `flush()`,
     `tf.distribute` and the JAX backend; `mode="rescale"` is approximate (exact
     for `k=1`), refuses optimizers with no moving average (Adagrad, Ftrl, SGD
-    without momentum, ...), `tf.distribute` and `flush()`, and warns where
+    without momentum, ...), a `k` too large for a coefficient `β̃` to keep its
+    precision in the variables' dtype (float32: `k <= 0.01 * (1 - β) * 2**25`,
+    e.g. 335 for `beta_2=0.999`), `tf.distribute` and `flush()`, and warns where
     only the window's last micro-gradient moves the weights (RMSprop without
     momentum, Adadelta, Adafactor); Keras's BatchNormalization keeps per-micro-batch moving
     statistics (a warning points to `accum.BatchNormalization`, whose moving
@@ -50,8 +54,9 @@ class AccumOptimizer:
         optimizer: the optimizer to wrap. Not an `AccumOptimizer`, not one with
             Keras's `gradient_accumulation_steps`, not one another live
             `AccumOptimizer` wraps.
-        steps_per_update: `k`, an integer from 1 to `2**63 - 1` (read-only);
-            `k=1` behaves exactly like `optimizer`.
+        steps_per_update: `k`, an integer from 1 to `2**63 - 1` (read-only;
+            on JAX without `jax_enable_x64`, where the counters are int32, up to
+            `2**31 - 1`); `k=1` behaves exactly like `optimizer`.
         mode: `"buffer"` (default; exact for every optimizer), `"momentum"`
             (no buffers; SGD/Adam/AdamW) or `"rescale"` (no buffers; every
             optimizer with moving averages: `β̃ = 1 − (1 − β)/k`, weights
@@ -196,7 +201,15 @@ class AccumOptimizer:
                 )
         for layer in layers:
             layer._link(self)
-        self._batch_norm_layers = layers
+        # A legacy optimizer is built again for variables that became trainable: keep the first.
+        previous = list(getattr(self, "_batch_norm_layers", None) or ())
+        self._batch_norm_layers = previous + [l for l in layers if all(l is not p for p in previous)]
+
+    def _links_batch_norm(self, layer):
+        """Whether this optimizer links the `accum.BatchNormalization` `layer` (finishes its
+        windows); None while not built."""
+        layers = getattr(self, "_batch_norm_layers", None)
+        return None if layers is None else any(l is layer for l in layers)
 
     def _finish_batch_norm(self, when=True, reduce=None):
         """The window's end for the linked `accum.BatchNormalization` layers (`reduce`: see
@@ -210,9 +223,11 @@ class AccumOptimizer:
 
         Does nothing if the window is empty or the optimizer is not built. The
         variables updated are those that got a gradient in some micro-step of
-        the window. Works eagerly and inside `tf.function`. Not with
-        `mode="rescale"` (a `ValueError`): there the pending micro-steps are
-        already in the moving averages and move the weights at the next update.
+        the window. Works eagerly and inside `tf.function`. `mode="buffer"`
+        only (a `ValueError` otherwise): with `mode="momentum"` the pending
+        micro-gradients are already folded into the moments, scaled by `1/k`,
+        and cannot be normalized by their count; with `mode="rescale"` they are
+        in the moving averages and move the weights at the next update.
         """
         self._check_flushable()
         if not self._has_window_state():
@@ -226,18 +241,46 @@ class AccumOptimizer:
     def _check_flushable(self):
         if self.mode == "rescale":
             raise ValueError(
-                '`flush()` needs `mode="buffer"` or `mode="momentum"`: with '
+                '`flush()` needs `mode="buffer"`: with '
                 '`mode="rescale"` the micro-steps of a window are already in the inner '
                 "optimizer's moving averages, and the weights move only at the window's "
                 f"last micro-step (every {self.steps_per_update}-th). Received: mode=\"rescale\""
             )
+        if self.mode == "momentum":
+            # The slot holds `decay * m_old + scale * sum(g_i) / k` once a micro-step is
+            # folded in: re-normalizing the sum by a count c < k needs `m_old` or the sum
+            # apart, i.e. a buffer, which is what this mode does without.
+            raise ValueError(
+                '`flush()` needs `mode="buffer"`: with `mode="momentum"` each micro-gradient '
+                "is folded into the inner optimizer's moments as it arrives, scaled by "
+                f"1/steps_per_update (1/{self.steps_per_update}), so a partial window cannot be "
+                "normalized by its count afterwards (the moment from before the window and "
+                "the window's sum are one tensor by then; applying it would count the missing "
+                "micro-batches as zero gradients). Leave the partial window pending: it is "
+                "carried into the next window, exactly (as `fit` does across epochs); or use "
+                '`mode="buffer"` to flush partial windows. Received: mode="momentum"'
+            )
+
+    def _pending_micro_steps(self):
+        """Micro-steps in the current window (0 if not built yet, or not eager)."""
+        if not self._has_window_state() or not tf.executing_eagerly():
+            return 0
+        return int(np.asarray(self._tf(self.window_steps)))
+
+    def _guard_recompile(self):
+        """Makes `compile` of the model being trained warn about dropped micro-steps
+        (`accum._recompile`; from `build` and the end of `fit`)."""
+        from ._recompile import guard_training_model
+
+        guard_training_model(self)
 
     def _warn_pending(self):
         """Warns once (per optimizer) about micro-steps pending at the end of `fit`
         (called by `finalize_variable_values`)."""
-        if not self._has_window_state() or self._warned_pending or not tf.executing_eagerly():
+        self._guard_recompile()
+        if self._warned_pending:
             return
-        pending = int(self.window_steps.numpy())
+        pending = self._pending_micro_steps()
         if not pending:
             return
         self._warned_pending = True
@@ -245,6 +288,11 @@ class AccumOptimizer:
             window = f"steps_per_update={self.steps_per_update}, mode=\"rescale\""
             fate = ("They are in the inner optimizer's moving averages and move the weights "
                     "at the next update (the window's last micro-step).")
+        elif self.mode == "momentum":
+            window = f"steps_per_update={self.steps_per_update}, mode=\"momentum\""
+            fate = ("They are folded into the inner optimizer's moments and join the next "
+                    "window; if training stops here they never reach the weights "
+                    "(`flush()` needs mode=\"buffer\").")
         else:
             window = f"steps_per_update={self.steps_per_update}"
             fate = ("They stay in the buffer and join the next window; call "

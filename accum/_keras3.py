@@ -68,6 +68,10 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         self._accum_strategy = _distributed.current_strategy()
         if self._accum_strategy is not None and self.mode != "buffer":
             raise _distributed.mode_not_supported(self.mode)
+        if self.mode == "rescale":  # the coefficients in the variables' own dtypes
+            from ._rescale_keras3 import check_variables
+
+            check_variables(self._rule, var_list)
         self.window_steps = self.add_variable(
             shape=(), dtype="int64", initializer="zeros", name="window_steps"
         )
@@ -95,6 +99,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         super().build(var_list)
         self._link_batch_norm(var_list)
         _batchnorm.warn_for_training_model(self)
+        self._guard_recompile()
 
     @property
     def variables(self):

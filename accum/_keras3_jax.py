@@ -22,13 +22,18 @@ replica-local scopes are no-ops); `mode="rescale"` is the TensorFlow
 backend's too (`accum._rescale_keras3` is written in `keras.ops`). Not on
 JAX: `mode="momentum"` and
 `tf.distribute` (TensorFlow only).
+
+The counters are int64 variables, which JAX holds as int32 unless
+`jax_enable_x64` is on: without it, `steps_per_update` is refused above
+`2**31 - 1` (at construction, and again at `build` if x64 was turned off in
+between), since `window_steps` reaches `k`.
 """
 
 import contextlib
 
 import keras
 
-from . import _window
+from . import _validation, _window
 from ._keras3 import Keras3AccumOptimizer
 
 
@@ -51,6 +56,16 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
                 "'jax' backend"
             )
         super().__init__(optimizer, steps_per_update, mode=mode, name=name, **kwargs)
+
+    def _check_arguments(self, steps_per_update, mode):
+        steps_per_update, mode = super()._check_arguments(steps_per_update, mode)
+        _check_counter_range(steps_per_update)
+        return steps_per_update, mode
+
+    def build(self, var_list):
+        """Checks that the counters can hold `steps_per_update`, then builds (see `Keras3AccumOptimizer`)."""
+        _check_counter_range(self.steps_per_update)
+        super().build(var_list)
 
     # --------------------------------------------------------------- updates
 
@@ -172,6 +187,25 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
         if not self._has_window_state():
             return
         self._end_window_when(self.window_steps.value > 0)
+
+
+def _check_counter_range(steps_per_update):
+    """A Keras-style `ValueError` if int64 counters hold int32 (`jax_enable_x64` off)
+    and `steps_per_update` does not fit."""
+    import jax
+    import numpy as np
+
+    if steps_per_update <= _validation.MAX_STEPS_PER_UPDATE_INT32:
+        return
+    if jax.dtypes.canonicalize_dtype(np.int64) == np.int64:
+        return
+    raise ValueError(
+        "`steps_per_update` must be an integer >= 1 and <= 2**31 - 1 on the JAX backend "
+        "without 64-bit integers: the window counters are int64 variables, which JAX holds "
+        "as int32 while `jax_enable_x64` is off. Turn it on before Keras creates variables "
+        '(`jax.config.update("jax_enable_x64", True)` or JAX_ENABLE_X64=1) for up to '
+        f"2**63 - 1. Received: steps_per_update={steps_per_update!r}"
+    )
 
 
 def _protected(variables, touched, old_values):

@@ -39,9 +39,23 @@ What the wrapper does at each micro-step (`_rescale_keras3`, `_rescale_tf_keras`
 - Assignments to the model's variables are kept at the `k`-th micro-step
   only; weight decay runs there only, with the update's learning rate.
 - A variable without a gradient in a micro-step gets a zero gradient (its
-  averages decay), as at batch `k · b`. A non-finite micro-step is skipped.
+  averages decay), as at batch `k · b`. A non-finite micro-step counts as a
+  zero gradient too, wherever it falls in the window: the window still ends
+  with its update at its `k`-th micro-step (a `LossScaleOptimizer` outside
+  the wrapper skips such a step before it reaches the wrapper).
 
 No per-parameter state is added: the window is the micro-step counter.
+
+Precision. The inner optimizer computes with `β̃` in its variables' dtype. In
+float32, `β̃` is rounded to a multiple of 2⁻²⁴ (the spacing just below 1), so
+`1 − β̃ = (1 − β)/k` loses its precision as `k` grows, and becomes 0 (`β̃ =
+1.0`: the average never moves, Adam's bias correction is 0 and the weights
+stay) once `(1 − β)/k` is under 2⁻²⁵. `mode="rescale"` refuses a `k` for which
+the rounding may put `1 − β̃` more than `PRECISION` (1%) off `(1 − β)/k`, for
+every coefficient it rewrites: `k ≤ PRECISION · (1 − β) · 2²⁵` in float32 (33
+for `β = 0.9999`, 335 for 0.999, 33554 for 0.9), at construction for
+`floatx()` and again when built, for the variables' dtypes (float64 variables
+allow `k` up to about 10¹¹ for `β = 0.999`).
 
 Optimizers whose weights move by the current gradient rather than by a moving
 average of it (RMSprop without momentum, Adadelta, Adafactor) are rescaled
@@ -51,6 +65,7 @@ window's last micro-gradient moves the weights: a warning says so. Adafactor's
 """
 
 import dataclasses
+import math
 import numbers
 import warnings
 
@@ -80,10 +95,34 @@ _NO_FIRST_MOMENT = ("RMSprop", "Adadelta", "Adafactor")
 SUPPORTED = ("Adam", "AdamW", "Adamax", "Nadam", "Lamb", "Lion", "RMSprop", "Adadelta",
              "Adafactor", "SGD with momentum > 0")
 
+# How far off `(1 − β)/k` the represented `1 − β̃` may be (relative), whatever the rounding.
+PRECISION = 0.01
+# The spacing of each float dtype just below 1: `β̃` rounds to within half of it.
+_SPACING_BELOW_ONE = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
+
 
 def rescaled(beta, k):
     """`β̃ = 1 − (1 − β) / k`."""
     return 1.0 - (1.0 - float(beta)) / k
+
+
+def largest_steps_per_update(beta, dtype):
+    """The largest `k` for which `β̃ = 1 − (1 − β)/k`, rounded to `dtype`, keeps `1 − β̃`
+    within `PRECISION` of `(1 − β)/k` whatever the rounding (None: no limit, `β = 1`)."""
+    if float(beta) == 1.0:
+        return None  # β̃ = 1 for every k, exactly
+    return max(1, math.floor(PRECISION * (1.0 - float(beta)) / (_SPACING_BELOW_ONE[dtype] / 2)))
+
+
+def _rounded(value, dtype):
+    """`value` rounded to `dtype` (as NumPy and the backends' casts round), as a Python float."""
+    import numpy as np
+
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return float(np.asarray(value, ml_dtypes.bfloat16))
+    return float(np.asarray(value, dtype))
 
 
 def unsupported(optimizer, reason):
@@ -120,15 +159,71 @@ class Rescale:
         """The learning rate the inner optimizer uses at a micro-step."""
         return learning_rate / self.k if self.heavy_ball else learning_rate
 
+    def check_dtype(self, dtype, where):
+        """Raises a Keras-style `ValueError` if a rewritten coefficient, computed in `dtype`
+        (a float dtype name), may be more than `PRECISION` off (see the module docstring).
+        `where`: how `dtype` was found, for the message."""
+        if self.k == 1 or dtype not in _SPACING_BELOW_ONE:
+            return  # k = 1 rewrites nothing; not a float dtype: nothing computed in it
+        spacing = _SPACING_BELOW_ONE[dtype]
+        # The most constrained coefficient first (the smallest 1 − β).
+        for name, beta in sorted(self.coefficients.items(), key=lambda item: -item[1]):
+            largest = largest_steps_per_update(beta, dtype)
+            if largest is None or self.k <= largest:
+                continue
+            wanted = (1.0 - beta) / self.k
+            rounded = _rounded(1.0 - wanted, dtype)
+            got = 1.0 - rounded
+            digits = 17 if dtype == "float64" else 9
+            raise ValueError(
+                f'`mode="rescale"` rewrites `{name}` as β̃ = 1 − (1 − {name})/steps_per_update '
+                f"= {1.0 - wanted!r}, and the inner optimizer computes with β̃ in {dtype} "
+                f"({where}), which rounds it to a multiple of 2**{round(math.log2(spacing))} "
+                f"near 1: here to {rounded:.{digits}g}, so 1 − β̃ = {got:.3g} instead of {wanted:.3g} "
+                f"({abs(got - wanted) / wanted * 100:.3g}% off"
+                f"{': the average would never move' if got == 0 else ''}), and at this "
+                f"steps_per_update the rounding may put it up to {spacing / 2 / wanted * 100:.3g}% off. "
+                f"1 − β̃ stays within {PRECISION:.0%} of (1 − {name})/steps_per_update for every "
+                f"steps_per_update <= {largest} with {name}={beta!r} in {dtype}. Use "
+                f"steps_per_update <= {largest}, `mode=\"buffer\"` (exact for every "
+                f"steps_per_update){'' if dtype == 'float64' else ', or float64 variables'}. "
+                f"Received: steps_per_update={self.k}, {name}={beta!r}, dtype={dtype}"
+            )
 
-def spec_for(optimizer, k, classes, family_description):
+    def check_variables(self, variables, dtype_of):
+        """`check_dtype` for every dtype among `variables` (when the wrapper is built);
+        `dtype_of(variable)`: the dtype name the inner optimizer computes in for it."""
+        first = {}
+        for variable in variables:
+            first.setdefault(dtype_of(variable), variable)
+        for dtype, variable in first.items():
+            name = getattr(variable, "path", None) or variable.name
+            self.check_dtype(dtype, f"the dtype of the variable {name!r}")
+
+
+def spec_for(optimizer, k, classes, family_description, dtype):
     """The `Rescale` of `optimizer`, or a Keras-style `ValueError` naming it.
 
     `classes`: the family's optimizer namespace (`keras.optimizers`,
     `tf_keras.optimizers`); the optimizer must be one of its classes exactly
-    (a subclass may change the update rule).
+    (a subclass may change the update rule). `dtype`: the float dtype its
+    variables will have (the family's `floatx()`), where the rewritten
+    coefficients must keep their precision (`Rescale.check_dtype`).
     """
     name = type(optimizer).__name__
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None or getattr(optimizer, "loss_scale_factor", None):
+        raise ValueError(
+            '`mode="rescale"` cannot wrap a loss-scaling optimizer: it rewrites the '
+            "coefficients of the optimizer it wraps and runs that optimizer's update at every "
+            "micro-step, with nothing in between. Put the loss scaling outside instead: wrap "
+            "the AccumOptimizer in the LossScaleOptimizer, `LossScaleOptimizer(AccumOptimizer("
+            f'{type(inner).__name__ if inner is not None else name}(...), {k}, mode="rescale"))` '
+            '(or use `mode="buffer"`, which takes a LossScaleOptimizer inside). '
+            f"Received: optimizer={name}"
+            + (f" wrapping {type(inner).__name__}" if inner is not None
+               else f" with loss_scale_factor={optimizer.loss_scale_factor!r}")
+        )
     known = getattr(classes, name, None)
     if known is None or type(optimizer) is not known or name not in _AVERAGES:
         reason = (
@@ -137,10 +232,6 @@ def spec_for(optimizer, k, classes, family_description):
             else f"{name} is not one of the {family_description} optimizers it knows"
         )
         raise unsupported(optimizer, reason)
-    if hasattr(optimizer, "inner_optimizer") or getattr(optimizer, "loss_scale_factor", None):
-        raise unsupported(
-            optimizer, "a loss-scaling optimizer cannot be rescaled (put a LossScaleOptimizer outside)"
-        )
     if getattr(optimizer, "use_ema", False):
         raise unsupported(
             optimizer, "`use_ema=True`: the weights' moving average counts the optimizer's steps"
@@ -156,15 +247,6 @@ def spec_for(optimizer, k, classes, family_description):
             names = names + ("momentum",)
         elif not names:
             raise unsupported(optimizer, f"{name} with momentum={momentum!r} keeps no moving average (set `momentum` > 0)")
-    if name in _NO_FIRST_MOMENT and not heavy_ball:
-        warnings.warn(
-            f'AccumOptimizer(..., mode="rescale"): {name}{" with momentum=0" if name in _HEAVY_BALL else ""} '
-            "moves the weights by the current gradient, not by a moving average of it, so at "
-            f"each update only the window's last micro-gradient (1 of {k}) moves the weights; "
-            "the others reach only its moving averages. Use mode=\"buffer\" to accumulate "
-            f"every micro-gradient{' (or set momentum > 0)' if name in _HEAVY_BALL else ''}.",
-            stacklevel=4,
-        )
     coefficients = {}
     for attribute in names:
         beta = getattr(optimizer, attribute)
@@ -175,7 +257,18 @@ def spec_for(optimizer, k, classes, family_description):
                 f"Received: {attribute}={beta!r}",
             )
         coefficients[attribute] = float(beta)
-    return Rescale(k=k, coefficients=coefficients, heavy_ball=heavy_ball)
+    spec = Rescale(k=k, coefficients=coefficients, heavy_ball=heavy_ball)
+    spec.check_dtype(dtype, "`floatx()`, the dtype of the variables it will be built for")
+    if name in _NO_FIRST_MOMENT and not heavy_ball and k > 1:  # k = 1: every micro-step moves
+        warnings.warn(
+            f'AccumOptimizer(..., mode="rescale"): {name}{" with momentum=0" if name in _HEAVY_BALL else ""} '
+            "moves the weights by the current gradient, not by a moving average of it, so at "
+            f"each update only the window's last micro-gradient (1 of {k}) moves the weights; "
+            "the others reach only its moving averages. Use mode=\"buffer\" to accumulate "
+            f"every micro-gradient{' (or set momentum > 0)' if name in _HEAVY_BALL else ''}.",
+            stacklevel=4,
+        )
+    return spec
 
 
 def _is_number(value):

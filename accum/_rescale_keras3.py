@@ -5,7 +5,8 @@ every micro-step with its moving-average coefficients, iteration counter,
 learning rate, weight decay and `assign` methods replaced on the instance
 while it is traced. Its `assign`, `assign_add` and `assign_sub` select
 (`ops.where`) instead of branching: a model variable takes the new value at
-the window's last micro-step only, a slot at every finite micro-step. The same
+the window's last micro-step only, a slot at every micro-step (a non-finite
+micro-gradient is replaced by zeros first). The same
 code therefore runs eagerly, in `tf.function`, under XLA and in JAX's
 functional `stateless_apply`.
 """
@@ -18,7 +19,23 @@ from . import _rescale, _window
 
 def spec_for(optimizer, k):
     """The `Rescale` of a Keras 3 optimizer (or a Keras-style `ValueError`)."""
-    return _rescale.spec_for(optimizer, k, keras.optimizers, "Keras 3")
+    return _rescale.spec_for(optimizer, k, keras.optimizers, "Keras 3", compute_dtype(keras.config.floatx()))
+
+
+def compute_dtype(dtype):
+    """The dtype a variable of `dtype` holds: on JAX without 64-bit types
+    (`jax_enable_x64` off), float64 variables hold float32."""
+    dtype = keras.backend.standardize_dtype(dtype)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return keras.backend.standardize_dtype(jax.dtypes.canonicalize_dtype(dtype))
+    return dtype
+
+
+def check_variables(spec, variables):
+    """`spec.check_variables` for the Keras 3 `variables` the wrapper is built for."""
+    spec.check_variables(variables, lambda variable: compute_dtype(variable.dtype))
 
 
 def _current(variable):
@@ -51,8 +68,10 @@ def micro_step(wrapper, grads, indices):
 
     micro = wrapper._iterations
     last = ops.equal(ops.mod(micro.value + 1, spec.k), 0)
+    # A non-finite micro-step counts as a zero gradient, as a missing one does (the
+    # window's update still comes at its last micro-step; `accum._rescale`).
     finite = ops.all(ops.stack([ops.all(ops.isfinite(_values(g))) for g in grads]))
-    move = ops.logical_and(last, finite)
+    grads = [_zeroed_unless(finite, g) for g in grads]
     # The schedule at the update count (the inner optimizer's iterations count updates).
     learning_rate = inner._get_current_learning_rate()
 
@@ -61,14 +80,16 @@ def micro_step(wrapper, grads, indices):
             if inner._use_weight_decay(v):
                 lr = ops.cast(learning_rate, v.dtype)
                 wd = ops.cast(inner.weight_decay, v.dtype)
-                v.assign(ops.where(move, v.value - v.value * wd * lr, v.value))
+                v.assign(ops.where(last, v.value - v.value * wd * lr, v.value))
 
     model = {inner._var_key(v) for v in variables}
     assign = inner.assign
 
     def selected(variable, new):
-        keep = move if inner._var_key(variable) in model else finite
-        return ops.where(keep, new, _current(variable))
+        """A model variable takes its new value at the window's last micro-step only."""
+        if inner._var_key(variable) not in model:
+            return new
+        return ops.where(last, new, _current(variable))
 
     hooks = dict(spec.hooks())
     hooks.update(
@@ -87,7 +108,7 @@ def micro_step(wrapper, grads, indices):
     )
     with _window.instance_hooks(inner, hooks):
         inner.apply(grads, variables)
-    inner._iterations.assign(inner._iterations + ops.cast(move, inner._iterations.dtype))
+    inner._iterations.assign(inner._iterations + ops.cast(last, inner._iterations.dtype))
     steps = wrapper.window_steps
     steps.assign(ops.where(last, ops.zeros_like(steps.value), steps.value + 1))
     wrapper._finish_batch_norm(last)
@@ -95,3 +116,14 @@ def micro_step(wrapper, grads, indices):
 
 def _values(g):
     return getattr(g, "values", g) if type(g).__name__ == "IndexedSlices" else g
+
+
+def _zeroed_unless(finite, g):
+    """`g` where `finite`, else zeros (an `IndexedSlices` keeps its indices)."""
+    values = _values(g)
+    zeroed = ops.where(finite, values, ops.zeros_like(values))
+    if values is g:
+        return zeroed
+    import tensorflow as tf
+
+    return tf.IndexedSlices(zeroed, g.indices, g.dense_shape)

@@ -20,7 +20,14 @@ from . import _rescale, _window
 
 def spec_for(optimizer, k):
     """The `Rescale` of a tf_keras new-style optimizer (or a Keras-style `ValueError`)."""
-    return _rescale.spec_for(optimizer, k, tf_keras.optimizers, "tf_keras (new-style)")
+    return _rescale.spec_for(
+        optimizer, k, tf_keras.optimizers, "tf_keras (new-style)", tf_keras.backend.floatx()
+    )
+
+
+def check_variables(spec, variables):
+    """`spec.check_variables` for the `tf.Variable`s the wrapper is built for."""
+    spec.check_variables(variables, lambda variable: tf.as_dtype(variable.dtype).name)
 
 
 def refuse_legacy(optimizer, k):
@@ -43,13 +50,15 @@ def micro_step(wrapper, grads, indices):
 
     micro = wrapper._iterations
     last = tf.equal((micro + 1) % spec.k, 0)
+    # A non-finite micro-step counts as a zero gradient, as a missing one does (the
+    # window's update still comes at its last micro-step; `accum._rescale`).
     finite = _window.all_finite(grads)
-    move = tf.logical_and(last, finite)
+    grads = [_zeroed_unless(finite, g) for g in grads]
     # The schedule at the update count (the inner optimizer's iterations count updates).
     inner._compute_current_learning_rate()
     learning_rate = tf.identity(inner.learning_rate)
     # Weight decay at the window's last micro-step, with the update's rate.
-    _window.masked_weight_decay(inner, variables, lambda variable: move)
+    _window.masked_weight_decay(inner, variables, lambda variable: last)
 
     model = {inner._var_key(v) for v in variables}
     update_step = inner._update_step
@@ -60,13 +69,10 @@ def micro_step(wrapper, grads, indices):
             update_step(gradient, variable)
             variable.assign(old)
 
-        def update():
-            if inner._var_key(variable) not in model:
-                return update_step(gradient, variable)
-            _window.guarded(last, lambda: update_step(gradient, variable))
-            _window.guarded(tf.logical_not(last), slots_only)
-
-        _window.guarded(finite, update)
+        if inner._var_key(variable) not in model:
+            return update_step(gradient, variable)
+        _window.guarded(last, lambda: update_step(gradient, variable))
+        _window.guarded(tf.logical_not(last), slots_only)
 
     hooks = dict(spec.hooks())
     hooks.update(
@@ -79,7 +85,14 @@ def micro_step(wrapper, grads, indices):
     )
     with _window.instance_hooks(inner, hooks):
         result = inner.apply_gradients(list(zip(grads, variables)), skip_gradients_aggregation=True)
-    inner.iterations.assign_add(tf.cast(move, inner.iterations.dtype))
+    inner.iterations.assign_add(tf.cast(last, inner.iterations.dtype))
     wrapper.window_steps.assign(tf.where(last, tf.zeros_like(wrapper.window_steps), wrapper.window_steps + 1))
     wrapper._finish_batch_norm(last)
     return result
+
+
+def _zeroed_unless(finite, g):
+    """`g` where `finite`, else zeros (an `IndexedSlices` keeps its indices)."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.where(finite, g.values, tf.zeros_like(g.values)), g.indices, g.dense_shape)
+    return tf.where(finite, g, tf.zeros_like(g))

@@ -83,6 +83,10 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         self._accum_strategy = _distributed.current_strategy()
         if self._accum_strategy is not None and self.mode != "buffer":
             raise _distributed.mode_not_supported(self.mode)
+        if self.mode == "rescale":  # the coefficients in the variables' own dtypes
+            from ._rescale_tf_keras import check_variables
+
+            check_variables(self._rule, var_list)
         self.inner_optimizer.build(var_list)
         super().build(var_list)
         self._model_variables.extend(var_list)
@@ -104,6 +108,7 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         self._built_accum = True
         self._link_batch_norm(var_list)
         _batchnorm.warn_for_training_model(self)
+        self._guard_recompile()
 
     @staticmethod
     def _rescale_spec_for(optimizer, steps_per_update):

@@ -106,6 +106,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
         self._built_accum = True
         if first:
             _batchnorm.warn_for_training_model(self)
+            self._guard_recompile()
         self._link_batch_norm(new)
 
     def _create_all_weights(self, var_list):

@@ -6,6 +6,8 @@ MODES = ("buffer", "momentum", "rescale")
 
 # The window counters are int64 variables: `window_steps` reaches `k`.
 MAX_STEPS_PER_UPDATE = 2**63 - 1
+# On JAX without `jax_enable_x64`, int64 variables hold int32 (`accum._keras3_jax`).
+MAX_STEPS_PER_UPDATE_INT32 = 2**31 - 1
 
 
 def check_steps_per_update(steps_per_update):

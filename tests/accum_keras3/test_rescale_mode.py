@@ -124,7 +124,8 @@ def test_missing_gradient_counts_zero():
     assert_all_close(twin_model.get_weights(), model.get_weights(), rtol=1e-6)
 
 
-def test_fit_and_non_finite_micro_step_is_skipped():
+def test_fit_matches_custom_loop():
+    """`fit` trains as a custom loop does (a non-finite micro-step: tests/helpers/accum_family_checks.py)."""
     data = make_data(K * B * 2)
     x, ids, y = data
     model = make_model()
@@ -137,12 +138,6 @@ def test_fit_and_non_finite_micro_step_is_skipped():
     for batch in batches(data, B):
         step(*(tf.constant(a) for a in batch))
     assert_all_close(ref.get_weights(), model.get_weights(), rtol=1e-5)
-    before = [v.numpy() for v in opt.inner_optimizer.variables]
-    grads = [tf.fill(v.shape, np.nan) for v in model.trainable_variables]
-    opt.apply_gradients(zip(grads, model.trainable_variables))
-    after = [v.numpy() for v in opt.inner_optimizer.variables]
-    assert all(np.array_equal(a, b) for a, b in zip(before, after))
-    assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
 @pytest.mark.parametrize(
@@ -154,9 +149,8 @@ def test_fit_and_non_finite_micro_step_is_skipped():
         (lambda: keras.optimizers.SGD(0.1), "SGD with momentum=0.0 keeps no moving average"),
         (lambda: keras.optimizers.Adam(use_ema=True), "use_ema"),
         (lambda: keras.optimizers.Adam(beta_1=lambda: 0.9), "must be a number"),
-        (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), "LossScaleOptimizer"),
     ],
-    ids=["adagrad", "ftrl", "muon", "sgd", "ema", "callable", "lso"],
+    ids=["adagrad", "ftrl", "muon", "sgd", "ema", "callable"],
 )
 def test_refuses_what_it_cannot_rescale(make, match):
     with pytest.raises(ValueError, match=match) as info:
