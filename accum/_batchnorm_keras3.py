@@ -30,8 +30,18 @@ class Keras3BatchNormalization(BatchNormalization, keras.layers.BatchNormalizati
             shape=shape, name=name, initializer="zeros", trainable=False, dtype="float32", autocast=False
         )
 
+    @staticmethod
+    def _train_step_code():
+        return keras.Model.train_step.__code__
+
+    def _link_for_training_call(self):
+        if keras.backend.backend() != "tensorflow":
+            # No `AccumOptimizer` links the layer on this backend (refused when built).
+            return False
+        return super()._link_for_training_call()
+
     def call(self, inputs, training=None, mask=None):
-        if not (training and self.trainable):
+        if not (training and self.trainable) or self._link_for_training_call() is False:
             return super().call(inputs, training=training, mask=mask)
         linked = self.accum_linked.value > 0
         x = kops.cast(inputs, "float32")

@@ -42,6 +42,10 @@ class TFKerasBatchNormalization(BatchNormalization, tf_keras.layers.BatchNormali
             experimental_autocast=False,
         )
 
+    @staticmethod
+    def _train_step_code():
+        return tf_keras.Model.train_step.__code__
+
     def _window_variance(self, variance, count):
         # The fused kernel (4-D inputs) moves the statistics with the unbiased variance.
         if self.fused:
@@ -53,7 +57,7 @@ class TFKerasBatchNormalization(BatchNormalization, tf_keras.layers.BatchNormali
             training = tf_keras.backend.learning_phase()
         if isinstance(training, (bool, int)) and not (training and self.trainable):
             return super().call(inputs, training=training, mask=mask)
-        if not self.trainable:
+        if not self.trainable or self._link_for_training_call() is False:
             return super().call(inputs, training=training, mask=mask)
         on = tf.logical_and(tf.cast(training, tf.bool), self.accum_linked > 0)
         x = tf.cast(inputs, tf.float32)

@@ -19,14 +19,30 @@ summed): the window's end reads them in the cross-replica context, one
 reduction per window, so the statistics are those of the global batch
 (`k · b` times the replicas), as `SyncBatchNormalization` at that batch.
 
-Who is linked: an `AccumOptimizer` links, when it is built, each
-`accum.BatchNormalization` whose `gamma` or `beta` it trains (sets the
-layer's `accum_linked` variable). A layer no `AccumOptimizer` trains behaves
-as Keras's. The decision is a variable, read when the step runs, so a step
-traced before the optimizer is built (tf_keras's `fit`, a `tf.function`
-custom loop) is linked from its first run. An eager custom loop must build
-the optimizer before the first step (`optimizer.build(model.trainable_variables)`):
-a layer that already moved its statistics per batch warns when it is linked.
+Who is linked: the optimizer that trains the layer. An `AccumOptimizer`
+links, when it is built, each `accum.BatchNormalization` whose `gamma` or
+`beta` it trains: it sets the layer's `accum_linked` variable and becomes the
+layer's owner. The variable is read when the step runs, so a step traced
+before the optimizer is built (tf_keras's `fit`, a `tf.function` custom loop)
+is linked from its first run. In `fit` and `train_on_batch` the layer also
+asks, at each training call (once per trace of a compiled step, so after
+every `compile`), which optimizer Keras's train step applies: the model's,
+the `self` of the family's `Model.train_step` on the call stack. If that is
+(or wraps) an `AccumOptimizer` that trains the layer, the layer is linked to
+it; if it is a plain optimizer, or an `AccumOptimizer` that does not train
+the layer, the layer is unlinked: Keras's layer from then on. A partial
+window the layer holds is dropped when it is unlinked or another
+`AccumOptimizer` links it, as that optimizer's pending micro-steps are, so it
+leaks into no later window; a window loaded with the model's weights is kept
+(the optimizer that resumes it is the first to link the layer). Outside
+Keras's train step (a custom loop, a `train_step` override that does not
+call Keras's) the layer cannot see the optimizer: the `AccumOptimizer` last
+built on its variables links it, whatever optimizer the loop applies (a loop
+that goes on with a plain optimizer leaves the layer linked). An eager custom
+loop must build the optimizer before the first step
+(`optimizer.build(model.trainable_variables)`): a layer that already moved
+its statistics per batch warns when it is linked. On Keras 3's JAX backend
+no `AccumOptimizer` links it (refused when built): it is Keras's layer.
 
 The family is chosen when the layer is constructed: `family="keras3"` or
 `"tf_keras"`, else tf_keras when `keras` is tf_keras (bert4keras) or
@@ -58,14 +74,19 @@ class BatchNormalization:
     `"tf_keras"`; by default chosen as the module docstring of
     `accum._batchnorm_window` says). Normalization in training still uses each
     micro-batch's own statistics; the moving statistics equal those of a plain
-    `BatchNormalization` trained at batch `k · b` (float rounding). Without an
-    `AccumOptimizer` it is Keras's layer. Adds four non-trainable weights (the
-    window's count and two per-channel sums, and the link flag), so its
-    weights do not load into a plain `BatchNormalization`.
+    `BatchNormalization` trained at batch `k · b` (float rounding). Trained by
+    a plain optimizer (also after `compile` with one, following an
+    `AccumOptimizer`: a partial window is dropped) it is Keras's layer.
+    Adds four non-trainable weights (the window's count and two per-channel
+    sums, and the link flag), so its weights do not load into a plain
+    `BatchNormalization`.
 
-    Limits: TensorFlow backend and tf_keras (on JAX an `AccumOptimizer` refuses
-    it when built); not `renorm=True`; an eager custom loop builds the
-    optimizer first. Derivation: `accum._batchnorm_window`.
+    Limits: the window on the TensorFlow backend and tf_keras (on JAX an
+    `AccumOptimizer` refuses it when built; a plain optimizer trains it as
+    Keras's layer); not `renorm=True`; an eager custom loop builds the
+    optimizer first; in a custom loop the `AccumOptimizer` last built on the
+    layer's variables links it, whatever optimizer the loop applies.
+    Derivation and the link: `accum._batchnorm_window`.
     """
 
     _FAMILY = None
@@ -82,7 +103,8 @@ class BatchNormalization:
     # `_ops`: a namespace with `sum`, `square`, `where`, `cast`, `maximum`,
     # `reshape`, `zeros_like`, `ones_like`, `logical_and`, `convert` (to a
     # tensor) and `float32`; `_value(v)`: a variable's current tensor;
-    # `_add_window_weight(name, shape)`: a float32 non-trainable zeros weight.
+    # `_add_window_weight(name, shape)`: a float32 non-trainable zeros weight;
+    # `_train_step_code()`: the code of the family's `Model.train_step`.
 
     def __init__(self, *args, family=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -105,6 +127,9 @@ class BatchNormalization:
             self.accum_sum_squares = self._add_window_weight("accum_sum_squares", shape)
         self.accum_linked = self._add_window_weight("accum_linked", ())
         self._accum_plain_steps = False
+        # Weak reference to the `AccumOptimizer` that linked the layer last (None:
+        # none in this process, or unlinked since).
+        self._accum_owner = None
         _LAYERS.add(self)
 
     def _accumulate(self, x, reduction_axes, broadcast_shape, on, weights=None):
@@ -153,25 +178,93 @@ class BatchNormalization:
         tf_keras non-fused), from the biased one over `count` elements."""
         return variance
 
+    # ------------------------------------------------------------ the link
+
+    def _link_for_training_call(self):
+        """Brings the link up to date with the optimizer that trains this training call
+        (see "Who is linked" in the module docstring) and says how the call treats its
+        batch: False, as Keras's layer (a plain optimizer trains it); None, as the
+        `accum_linked` variable says when the step runs."""
+        model = _model_in_train_step(self._train_step_code())
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None:
+            return None  # a custom loop: the AccumOptimizer built on the layer's variables links it
+        accum = _accum_optimizer_in(optimizer)
+        trains = accum._links_batch_norm(self) if accum is not None else False
+        if trains:
+            self._link(accum)
+        elif trains is False or (self._accum_owner is not None and self._accum_owner() is not accum):
+            # A plain optimizer, or an AccumOptimizer that does not train the layer
+            # (or, not built yet, one that links it when built: not the owner).
+            self._unlink()
+        return None if accum is not None else False
+
     def _link(self, optimizer):
-        if self._accum_plain_steps:
-            warnings.warn(
-                f"accum.BatchNormalization '{self.name}' moved its moving statistics "
-                "per batch before the AccumOptimizer that trains it was built (an "
-                "eager custom loop). Build the optimizer before the first step "
-                "(`optimizer.build(model.trainable_variables)`) for big-batch "
-                "statistics from the start.",
-                stacklevel=4,
-            )
+        """Links the layer to `optimizer`, an `AccumOptimizer` that trains it (at its `build`,
+        and at each trace of a train step that applies it). A partial window that another
+        `AccumOptimizer` left in the layer is dropped; one loaded with the model's weights
+        is kept (the optimizer that resumes it links the layer first)."""
+        previous = self._accum_owner
+        if previous is None or previous() is not optimizer:
+            if self._accum_plain_steps:
+                warnings.warn(
+                    f"accum.BatchNormalization '{self.name}' moved its moving statistics "
+                    "per batch before the AccumOptimizer that trains it was built (an "
+                    "eager custom loop). Build the optimizer before the first step "
+                    "(`optimizer.build(model.trainable_variables)`) for big-batch "
+                    "statistics from the start.",
+                    stacklevel=4,
+                )
+            if previous is not None:
+                self._assign_everywhere(self.window_sums(), 0.0)
+        self._accum_plain_steps = False
+        self._accum_owner = weakref.ref(optimizer)
+        self._assign_everywhere([self.accum_linked], 1.0)
+
+    def _unlink(self):
+        """No `AccumOptimizer` trains the layer: Keras's layer from now on; the window's
+        sums (a partial window of the optimizer that trained it) are dropped."""
+        self._accum_owner = None
+        self._accum_plain_steps = False
+        self._assign_everywhere([self.accum_linked, *self.window_sums()], 0.0)
+
+    @staticmethod
+    def _assign_everywhere(variables, value):
+        """Sets `variables` to `value` now, on each replica's copy (a variable assigned
+        outside the strategy's scope would set the first copy only), also while a step
+        is traced (or a scratch graph)."""
         import tensorflow as tf
 
-        with tf.init_scope():  # `build` may run while a step is traced (or a scratch graph)
-            target = self.accum_linked
-            target = target if hasattr(target, "read_value") else target.value  # Keras 3
-            # Each replica's copy (a mirrored variable assigned outside the strategy's
-            # scope would set the first copy only).
-            for copy in getattr(target, "values", (target,)):
-                copy.assign(tf.ones_like(copy))
+        with tf.init_scope():
+            for variable in variables:
+                target = variable if hasattr(variable, "read_value") else variable.value  # Keras 3
+                for copy in getattr(target, "values", (target,)):
+                    copy.assign(tf.fill(tf.shape(copy), tf.constant(value, copy.dtype)))
+
+
+def _model_in_train_step(code):
+    """The model whose `train_step` (`code`: the family's `Model.train_step`) runs the
+    current call -- `fit`, `train_on_batch`, or an override calling Keras's -- or None."""
+    frame = sys._getframe(1)
+    try:
+        while frame is not None:
+            if frame.f_code is code:
+                return frame.f_locals.get("self")
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def _accum_optimizer_in(optimizer):
+    """The `AccumOptimizer` that `optimizer` is or wraps (a `LossScaleOptimizer` around it), or None."""
+    from ._base import AccumOptimizer
+
+    while optimizer is not None:
+        if isinstance(optimizer, AccumOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
 
 
 def _choose_family(family):

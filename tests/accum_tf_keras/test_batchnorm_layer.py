@@ -9,7 +9,8 @@ import tf_keras as K
 import accum
 from accum import AccumOptimizer
 from tests.helpers.bn_reference import (
-    B, WINDOWS, assert_statistics_equal, bn_of, check_resume_in_fresh_process, fit_both, loop_both, make_data, make_model,
+    B, SWITCHES, WINDOWS, assert_statistics_equal, bn_of, check_new_accum_optimizer_drops_window,
+    check_optimizer_switches, check_resume_in_fresh_process, fit_both, loop_both, make_data, make_model,
 )
 from tests.helpers.bn_reference import K as STEPS
 
@@ -83,3 +84,15 @@ def test_without_accum_optimizer_it_is_keras_layer():
         m.compile(K.optimizers.Adam(1e-2), "mse")
         m.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     assert_statistics_equal(bn_of(ref), bn_of(model), tol=0.0)
+
+
+@pytest.mark.parametrize("phases", SWITCHES, ids="-".join)
+def test_optimizer_switches(phases):
+    """Compiled again with a plain optimizer, the layer is tf_keras's again (a partial window
+    of the AccumOptimizer dropped); with an AccumOptimizer (the same or a new one), the
+    big batch's statistics again."""
+    check_optimizer_switches(K, phases, lambda: K.optimizers.SGD(0.01))
+
+
+def test_new_accum_optimizer_drops_the_window_of_the_previous():
+    check_new_accum_optimizer_drops_window(K)

@@ -129,3 +129,80 @@ def loop_both(model, optimizer, ref, ref_optimizer, x, y, compiled=True):
     ref.compile(ref_optimizer, "mse")
     ref.fit(x, y, batch_size=K * B, shuffle=False, verbose=0)
     assert_statistics_equal(bn_of(ref), bn_of(model))
+
+
+# Each tuple: the optimizers that train the model, one `compile` and `fit` each (see
+# `check_optimizer_switches`).
+SWITCHES = [("accum", "plain", "accum"), ("accum+2", "accum+2", "plain", "accum+2")]
+
+
+def check_optimizer_switches(keras, phases, make_inner):
+    """`accum.BatchNormalization` trained in `phases`, each a `compile` and a `fit` on data
+    shifted from the previous phase's; Keras's layer starts each phase from the model's
+    weights (under an `AccumOptimizer` the weights differ from batch `K * B`'s: each
+    micro-batch is normalized with its own statistics).
+
+    - "accum": `AccumOptimizer(make_inner(), K)` at batch `B` (the same optimizer each
+      time it comes back), against Keras's layer with `make_inner()` at batch `K * B`:
+      equal moving statistics, the window empty.
+    - "accum+2": the same with a new `AccumOptimizer`, and two more micro-batches left
+      pending in the layer's window, which the next phase must drop.
+    - "plain": `make_inner()` at batch `B` for both: equal moving statistics and weights.
+    """
+    import accum
+
+    family = "tf_keras" if keras.__name__ == "tf_keras" else "keras3"
+    model = make_model(keras, accum.BatchNormalization(momentum=0.8, dtype="float32", family=family))
+    ref = make_model(keras, keras.layers.BatchNormalization(momentum=0.8, dtype="float32"))
+    same = None
+    for i, phase in enumerate(phases):
+        for mine, theirs in zip(model.layers, ref.layers):
+            theirs.set_weights(mine.get_weights()[:len(theirs.weights)])  # not the window's
+        pending = 2 if phase == "accum+2" else 0
+        x, y = make_data(K * B * WINDOWS + pending * B, seed=i)
+        x += 3.0 * i  # the statistics move in every phase
+        if phase == "plain":
+            model.compile(make_inner(), "mse")
+        elif phase == "accum":
+            same = same or accum.AccumOptimizer(make_inner(), K)
+            model.compile(same, "mse")
+        else:
+            model.compile(accum.AccumOptimizer(make_inner(), K), "mse")
+        ref.compile(make_inner(), "mse")
+        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+        whole = len(x) - pending * B
+        ref.fit(x[:whole], y[:whole], batch_size=B if phase == "plain" else K * B, shuffle=False, verbose=0)
+        assert_statistics_equal(bn_of(ref), bn_of(model))
+        if phase == "plain":
+            for want, got in zip(ref.trainable_weights, model.trainable_weights):
+                np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=TOL, atol=TOL,
+                                           err_msg=(i, phase, want.name))
+        np.testing.assert_array_equal(np.asarray(bn_of(model).accum_count), pending * B, err_msg=(i, phase))
+
+
+def check_new_accum_optimizer_drops_window(keras):
+    """An `AccumOptimizer` built on the layer's variables (a custom loop builds it first)
+    while another left a partial window in the layer: the window is dropped, the layer
+    linked to the new one (whose window ends move the statistics)."""
+    import tensorflow as tf
+
+    import accum
+
+    family = "tf_keras" if keras.__name__ == "tf_keras" else "keras3"
+    model = make_model(keras, accum.BatchNormalization(dtype="float32", family=family))
+    layer, (x, y) = bn_of(model), make_data(B)
+    first = accum.AccumOptimizer(keras.optimizers.SGD(0.01), K)
+    first.build(model.trainable_variables)
+    model(x, training=True)
+    np.testing.assert_array_equal(np.asarray(layer.accum_count), B)
+    second = accum.AccumOptimizer(keras.optimizers.SGD(0.01), K)
+    second.build(model.trainable_variables)
+    np.testing.assert_array_equal(np.asarray(layer.accum_count), 0)
+    assert float(np.asarray(layer.accum_linked)) == 1.0
+    before = np.asarray(layer.moving_mean).copy()
+    for _ in range(K):  # one window of the new optimizer, in an eager loop
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+        second.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    assert not np.allclose(np.asarray(layer.moving_mean), before)
+    np.testing.assert_array_equal(np.asarray(layer.accum_count), 0)
