@@ -150,6 +150,8 @@ class AccumOptimizer:
     def flush_callback(self, at="epoch_end"):
         """Returns a callback for `fit` that calls `flush()` at every epoch end or at train end.
 
+        `mode="buffer"` only, as `flush()` (a `ValueError` otherwise, here).
+
         Args:
             at: `"epoch_end"` (each epoch ends with an update, windows never
                 span epochs) or `"train_end"` (only the last partial window of

@@ -36,9 +36,12 @@ Exactness:
 Limits (all documented, each raises a clear error where it applies): no
 clipping (the mean gradient is never formed), no EMA, no amsgrad, no loss
 scaling inside (put `LossScaleOptimizer` outside). A skipped non-finite
-micro-batch or a flushed partial window counts as zero gradients: the window
-is always divided by `k` (the old moment cannot be told apart from the
-contributions once they are summed).
+micro-batch counts as zero gradients: the window is always divided by `k`
+(the old moment cannot be told apart from the contributions once they are
+summed). For the same reason `flush()` is refused (`AccumOptimizer.flush`):
+normalizing a partial window of `c < k` micro-steps by `c` needs the window's
+sum apart from the old moment, i.e. a buffer; a partial window is carried
+into the next one instead (exact).
 """
 
 import tensorflow as tf

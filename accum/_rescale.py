@@ -175,6 +175,8 @@ class Rescale:
             rounded = _rounded(1.0 - wanted, dtype)
             got = 1.0 - rounded
             digits = 17 if dtype == "float64" else 9
+            advice = (" (construct the AccumOptimizer with `floatx()` \"float64\" too)"
+                      if where.startswith("`floatx()`") else "")
             raise ValueError(
                 f'`mode="rescale"` rewrites `{name}` as β̃ = 1 − (1 − {name})/steps_per_update '
                 f"= {1.0 - wanted!r}, and the inner optimizer computes with β̃ in {dtype} "
@@ -186,7 +188,7 @@ class Rescale:
                 f"1 − β̃ stays within {PRECISION:.0%} of (1 − {name})/steps_per_update for every "
                 f"steps_per_update <= {largest} with {name}={beta!r} in {dtype}. Use "
                 f"steps_per_update <= {largest}, `mode=\"buffer\"` (exact for every "
-                f"steps_per_update){'' if dtype == 'float64' else ', or float64 variables'}. "
+                f"steps_per_update){'' if dtype == 'float64' else ', or float64 variables' + advice}. "
                 f"Received: steps_per_update={self.k}, {name}={beta!r}, dtype={dtype}"
             )
 
@@ -258,7 +260,7 @@ def spec_for(optimizer, k, classes, family_description, dtype):
             )
         coefficients[attribute] = float(beta)
     spec = Rescale(k=k, coefficients=coefficients, heavy_ball=heavy_ball)
-    spec.check_dtype(dtype, "`floatx()`, the dtype of the variables it will be built for")
+    spec.check_dtype(dtype, "`floatx()`, the default dtype of variables")
     if name in _NO_FIRST_MOMENT and not heavy_ball and k > 1:  # k = 1: every micro-step moves
         warnings.warn(
             f'AccumOptimizer(..., mode="rescale"): {name}{" with momentum=0" if name in _HEAVY_BALL else ""} '

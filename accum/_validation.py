@@ -14,8 +14,10 @@ def check_steps_per_update(steps_per_update):
     """Returns `steps_per_update` as an `int`, or raises a Keras-style `ValueError`.
 
     Accepts Python and NumPy integers from 1 to `2**63 - 1` (the window
-    counters are int64). Rejects booleans, floats (even integral ones such as
-    `4.0`), strings and everything else.
+    counters are int64; on JAX without `jax_enable_x64` they hold int32, and
+    `accum._keras3_jax` refuses more than `MAX_STEPS_PER_UPDATE_INT32`).
+    Rejects booleans, floats (even integral ones such as `4.0`), strings and
+    everything else.
     """
     if (
         isinstance(steps_per_update, bool)

@@ -254,21 +254,27 @@ def test_momentum_flush_is_refused_and_the_window_is_carried_exactly(family):
             assert int(opt.iterations.numpy()) == 2, (legacy, mode)
             runs[mode] = _values(variable)
         np.testing.assert_allclose(runs["momentum"], runs["buffer"], rtol=1e-6, err_msg=f"legacy={legacy}")
+    # The end-of-`fit` warning does not offer `flush()` (tf_keras's `fit` warns for new-style only).
+    _, messages = _fit_leaving_pending(
+        family, AccumOptimizer(family.optimizers().SGD(0.1, momentum=0.9), 4, mode="momentum"))
+    pending = [m for m in messages if "pending at the end of training" in m]
+    assert len(pending) == 1 and "`flush()` needs mode=\"buffer\"" in pending[0], messages
 
 
 # --------------------------------------------------------------------- recompiling
 
 def _fit_leaving_pending(family, optimizer):
-    """A model trained by `fit` on 6 micro-batches with `optimizer` (k=4): 2 pending."""
+    """A model trained by `fit` on 6 micro-batches with `optimizer` (k=4): 2 pending.
+    Returns it and the messages of the warnings `fit` issued."""
     K = family.K
     model = K.Sequential([K.Input((3,)), K.layers.Dense(1)])
     model.compile(optimizer, "mse")
     rng = np.random.default_rng(2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the end-of-fit pending-window warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         model.fit(rng.normal(size=(6, 3)).astype("float32"), rng.normal(size=(6, 1)).astype("float32"),
                   batch_size=1, shuffle=False, verbose=0)
-    return model
+    return model, [str(w.message) for w in caught]
 
 
 def test_compiling_again_with_pending_micro_steps_warns(family):
@@ -279,19 +285,19 @@ def test_compiling_again_with_pending_micro_steps_warns(family):
 
     for legacy in family.kinds():
         sgd = family.optimizers(legacy).SGD
-        model = _fit_leaving_pending(family, AccumOptimizer(sgd(0.1), 4))
+        model, _ = _fit_leaving_pending(family, AccumOptimizer(sgd(0.1), 4))
         with pytest.warns(UserWarning, match=r"compiling the model with another optimizer drops the 2 "
                           r"micro-step\(s\) pending .*steps_per_update=4.*call the AccumOptimizer's "
                           r"`flush\(\)` before `compile`"):
             model.compile(sgd(0.1), "mse")
 
         opt = AccumOptimizer(sgd(0.1), 4)
-        model = _fit_leaving_pending(family, opt)
+        model, _ = _fit_leaving_pending(family, opt)
         with no_accum_warning():
             model.compile(opt, "mse")  # the same optimizer: its window is kept
             opt.flush()
             model.compile(sgd(0.1), "mse")  # nothing pending any more
-    model = _fit_leaving_pending(
+    model, _ = _fit_leaving_pending(
         family, AccumOptimizer(family.optimizers().Adam(0.01), 4, mode="rescale"))
     with pytest.warns(UserWarning, match=r"drops the 2 micro-step\(s\).*mode=\"rescale\".*window's end, "
                       r"after a multiple of 4 micro-steps"):
