@@ -19,7 +19,9 @@ attention core as a unit that keeps its dropout mask), `_gelu` (a GELU that
 keeps only its input), `_adapter` (the
 interface to a Keras family) with `_keras3` and `_tf_keras` (its two
 implementations, the only users of private Keras API) chosen by `_backends`,
-`_tf` (TensorFlow internals), `_config` (the switch), `_errors`; `_jax`
+`_tf` (TensorFlow internals), `_config` (the switch), `_errors`,
+`_precision` (`exact_float32`: float32 products on GPUs, where TF32 is the
+default); `_jax`
 (Keras 3's JAX backend: the call as a `jax.checkpoint`, state threaded through,
 and its policies); `recompute.bert4keras` (bert4keras integration and checkpoint
 converter); `recompute.keras_hub` (keras-hub's `TransformerEncoder`, offline presets).
@@ -29,11 +31,13 @@ from ._config import ENV_VAR, is_enabled, recompute_scope
 from ._errors import VariableCreatedInRecomputationError
 from ._decorator import recompute_grad
 from ._policies import NAMES as POLICIES  # the names `recompute_grad(policy=...)` takes
+from ._precision import exact_float32
 
 __all__ = [
     "ENV_VAR",
     "POLICIES",
     "VariableCreatedInRecomputationError",
+    "exact_float32",
     "is_enabled",
     "recompute_grad",
     "recompute_scope",

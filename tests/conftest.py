@@ -1,10 +1,28 @@
+"""Settings every suite shares, made before any test module imports TensorFlow's devices.
+
+- GPUs stay visible: the suites run on whatever device is there. Hide it with
+  `CUDA_VISIBLE_DEVICES=""` to test on the CPU.
+- Float32 is pinned for the whole run (`recompute.exact_float32()`: no TF32 in
+  TensorFlow, JAX's matmul precision "highest"), and XLA's GPU ops are
+  deterministic (`--xla_gpu_deterministic_ops=true`), so the tolerances the
+  tests compare at hold on a GPU as on a CPU. Workers the tests start in
+  fresh processes inherit the devices and `XLA_FLAGS`, and pin float32
+  themselves (`tests/helpers/save_resume_worker.py`).
+- Two logical CPU devices, for the `MirroredStrategy` tests of every suite.
+- `KTM_FAST_TESTS=1` runs the fast subset: the tests marked `slow` are
+  deselected (`.ci/run` does so on every Python but the newest).
+"""
+
 import os
 
 import pytest
 
-# Quieter TensorFlow logs; tests never need a GPU.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+_DETERMINISTIC_XLA = "--xla_gpu_deterministic_ops=true"
+if _DETERMINISTIC_XLA not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DETERMINISTIC_XLA).strip()
+
+FAST_TESTS = "KTM_FAST_TESTS"
 
 
 def _two_logical_cpus():
@@ -24,7 +42,37 @@ def _two_logical_cpus():
         pass
 
 
+def _pin_float32():
+    if os.environ.get("KERAS_BACKEND") == "jax":
+        import jax  # noqa: F401  -- so that exact_float32 pins JAX's precision too
+    import recompute
+
+    recompute.exact_float32()
+
+
 _two_logical_cpus()
+_pin_float32()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"slow: a long test (benchmark-like or many processes); deselected with {FAST_TESTS}=1"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(FAST_TESTS, "") not in ("1", "true", "yes"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+        config.hook.pytest_deselected(items=slow)
+
+
+def pytest_report_header(config):
+    fast = os.environ.get(FAST_TESTS, "") in ("1", "true", "yes")
+    return (f"{FAST_TESTS}={'1: the tests marked slow are deselected' if fast else 'unset: every test'}; "
+            "float32 pinned (recompute.exact_float32)")
 
 
 @pytest.fixture(scope="session")

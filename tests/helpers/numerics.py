@@ -5,6 +5,25 @@ import numpy as np
 RTOL = 1e-5
 
 
+def accelerator():
+    """The accelerator Keras computes on in this process ("gpu", "tpu"), or None on a CPU.
+
+    JAX backend: JAX's default backend. TensorFlow: a visible GPU. Tests that
+    compare bit for bit across processes do so on a CPU only (autotuned GPU
+    kernels may differ from process to process); on an accelerator they check
+    a tolerance and say so.
+    """
+    import os
+
+    if os.environ.get("KERAS_BACKEND") == "jax":
+        import jax
+
+        return None if jax.default_backend() == "cpu" else jax.default_backend()
+    import tensorflow as tf
+
+    return "gpu" if tf.config.list_logical_devices("GPU") else None
+
+
 def max_rel_err(a, b, floor=0.0):
     """max |a - b| relative to max(max |a|, floor)."""
     a = np.asarray(a, dtype=np.float64)
