@@ -267,7 +267,7 @@ class AccumOptimizer:
         """Micro-steps in the current window (0 if not built yet, or not eager)."""
         if not self._has_window_state() or not tf.executing_eagerly():
             return 0
-        return int(np.asarray(self._tf(self.window_steps)))
+        return int(self.window_steps.numpy())
 
     def _guard_recompile(self):
         """Makes `compile` of the model being trained warn about dropped micro-steps
