@@ -10,5 +10,7 @@
 - `save_resume_worker`: saves in one process, loads and resumes in a fresh one.
 - `numpy_bert`: an independent NumPy BERT, the converter's reference.
 - `k3_optimizers`: the Keras 3 inner optimizers of the exactness suites (TensorFlow, JAX).
+- `accum_family_checks`: AccumOptimizer checks written once for every family; each
+  suite's `test_family_checks*.py` imports them with its fixture `family`.
 - `jax_backend`: selects Keras's JAX backend for the JAX suites (their conftest.py).
 """
