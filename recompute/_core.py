@@ -173,6 +173,42 @@ def after(tensors, *gates):
     return [None if x is None else gated(x) for x in tensors]
 
 
+def graph_mark():
+    """The number of ops of the graph being built (None in eager mode): the start of a
+    region whose resource reads `reads_since` lists."""
+    if tf.executing_eagerly():
+        return None
+    return len(tf.compat.v1.get_default_graph().get_operations())
+
+
+def reads_since(mark):
+    """A value read by each op built since `mark` that reads a resource (a variable, an RNG state).
+
+    The recomputation's reads of the weights must run before the optimizer
+    writes them. Automatic control dependencies order them with control edges,
+    but Grappler's dependency optimizer can remove such an edge: its transitive
+    reduction drops read -> write as implied by a longer path, read -> input
+    gradient -> other layers' gradients -> one `IdentityN` that joins every
+    gradient (the all-reduce of `tf.distribute`'s default replica context)
+    -> that weight's gradient -> write, and afterwards the same optimizer
+    bypasses the `IdentityN`, which cuts that path. A weight gradient needs
+    the recomputed activations, not the weight itself (d(xW)/dW = x), so then
+    nothing orders the read before the write, and a late read sees the
+    updated weight (measured; docs/limitations.md). Gradients made to depend
+    on these values through data (`after`) are ordered after the reads in
+    every graph optimization.
+    """
+    if mark is None:
+        return []
+    found = []
+    for op in tf.compat.v1.get_default_graph().get_operations()[mark:]:
+        if op.outputs and any(t.dtype == tf.resource for t in op.inputs):
+            out = next((t for t in op.outputs if t.dtype != tf.resource), None)
+            if out is not None:
+                found.append(out)
+    return found
+
+
 def _forbid_creation(layer, adapter):
     def creator(next_creator, **kwargs):
         what = f"a variable ('{kwargs.get('name')}')"
@@ -382,6 +418,7 @@ def recomputed_call(adapter, call, layer, args, kwargs):
             variables = list(variables or [])
             first_dy = next((d for d in dys if d is not None), None)
             with _tf.ordered_stateful_ops() as order:
+                mark = graph_mark()
                 ready = after(inputs, first_dy)
                 with tf.GradientTape(watch_accessed_variables=False) as tape:
                     tape.watch(ready)
@@ -393,6 +430,7 @@ def recomputed_call(adapter, call, layer, args, kwargs):
                         # The legacy seed is a forward-pass tensor too: gated like the state.
                         seed = after([legacy_seed], first_dy)[0] if legacy is not None else None
                         recomputed = run_call(ready, seed, replay=True)
+                reads = reads_since(mark)
                 running.check_replayed()
                 if len(recomputed_losses) != len(losses):
                     raise RuntimeError(
@@ -413,6 +451,9 @@ def recomputed_call(adapter, call, layer, args, kwargs):
                 grads = tape.gradient(targets, list(ready) + variables, output_gradients=seeds)
                 grads = [order.mark(g) for g in grads]
             n = len(ready)
+            # The gradients wait for every read of the recomputation, so that an
+            # optimizer cannot update a weight before it is read (`reads_since`).
+            grads = after(grads, *reads)
             # The block below recomputes once this block's gradients are all done (see `after`).
             return after(grads[:n], *grads[n:]), grads[n:]
 
