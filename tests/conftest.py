@@ -3,8 +3,9 @@
 - GPUs stay visible: the suites run on whatever device is there. Hide it with
   `CUDA_VISIBLE_DEVICES=""` to test on the CPU.
 - Float32 is pinned for the whole run (`recompute.exact_float32()`: no TF32 in
-  TensorFlow, JAX's matmul precision "highest"), and XLA's GPU ops are
-  deterministic (`--xla_gpu_deterministic_ops=true`), so the tolerances the
+  TensorFlow, JAX's matmul precision "highest"), and GPU kernels are
+  deterministic (XLA's `--xla_gpu_deterministic_ops=true`; TensorFlow's op
+  determinism where TensorFlow sees a GPU), so the tolerances the
   tests compare at hold on a GPU as on a CPU. Workers the tests start in
   fresh processes inherit the devices and `XLA_FLAGS`, and pin float32
   themselves (`tests/helpers/save_resume_worker.py`).
@@ -43,11 +44,19 @@ def _two_logical_cpus():
 
 
 def _pin_float32():
+    """Float32 products everywhere; on a TensorFlow GPU also TensorFlow's deterministic kernels
+    (where a test claims bit-exactness within a process; with a global seed, which
+    determinism requires of unseeded random ops)."""
     if os.environ.get("KERAS_BACKEND") == "jax":
         import jax  # noqa: F401  -- so that exact_float32 pins JAX's precision too
+    import tensorflow as tf
+
     import recompute
 
     recompute.exact_float32()
+    if tf.config.list_physical_devices("GPU"):
+        tf.config.experimental.enable_op_determinism()
+        tf.random.set_seed(0)
 
 
 _two_logical_cpus()
