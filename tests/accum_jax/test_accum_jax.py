@@ -18,8 +18,10 @@ from tests.helpers.numerics import assert_grouped_close
 
 K, B, UPDATES = 4, 3, 5
 # float32: XLA fuses the loss's mean over b (k times) and over k*b differently, a rounding
-# difference of up to ~3e-6 after 5 updates; float64 (JAX_ENABLE_X64, below): 1e-12.
-TOL = 5e-6
+# difference of up to ~3e-6 after 5 updates on one CPU, 9.3e-6 (AdamW with a schedule,
+# jax 0.10.2 on an AVX-512 CPU, 2026-11-26) on another: the suites' float32 tolerance,
+# 1e-5. Float64 (JAX_ENABLE_X64, below): 1e-12.
+TOL = 1e-5
 VOCAB, TOKENS, FEATURES = 40, 3, 6
 
 
