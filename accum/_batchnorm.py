@@ -7,10 +7,9 @@ the gradient accumulation is. Group/LayerNormalization have no batch
 statistics and accumulate exactly.
 """
 
-import inspect
 import warnings
 
-_MAX_FRAMES = 16
+from ._recompile import training_model
 
 
 def _layers(layer, seen):
@@ -58,35 +57,15 @@ def warn_if_batch_normalization(model, steps_per_update=None):
     return True
 
 
-def _wraps(optimizer, target):
-    while optimizer is not None:
-        if optimizer is target:
-            return True
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return False
-
-
 def warn_for_training_model(optimizer):
     """Called from `build`: finds the model being trained with `optimizer` and checks it.
 
     `model.fit`, `train_on_batch` and `compile` build the optimizer from a
     method of the model, so the model is `self` in a calling frame whose
-    `optimizer` is (or wraps) this optimizer. In a custom loop no model is
-    found: call `warn_if_batch_normalization(model)` there.
+    `optimizer` is (or wraps) this optimizer (`_recompile.training_model`). In
+    a custom loop no model is found: call `warn_if_batch_normalization(model)` there.
     """
-    frame = inspect.currentframe()
-    try:
-        for _ in range(_MAX_FRAMES):
-            frame = frame.f_back if frame is not None else None
-            if frame is None:
-                return False
-            candidate = frame.f_locals.get("self")
-            if candidate is optimizer or candidate is None:
-                continue
-            if _wraps(getattr(candidate, "optimizer", None), optimizer) and hasattr(
-                candidate, "layers"
-            ):
-                return warn_if_batch_normalization(candidate, optimizer.steps_per_update)
+    model = training_model(optimizer)
+    if model is None:
         return False
-    finally:
-        del frame
+    return warn_if_batch_normalization(model, optimizer.steps_per_update)
