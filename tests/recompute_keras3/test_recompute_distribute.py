@@ -210,7 +210,9 @@ def test_input_gradients_wait_for_weight_gradients():
             graph = tf.function(grads).get_concrete_function(x).graph
         dx, dkernel = graph.outputs[:2]
         producer = dkernel.op
-        while producer.type == "Identity":  # the function's and the tape's wrappers
+        # The function's and the tape's wrappers, and (recomputed) the `+ 0` that makes
+        # the gradient wait for the recomputation's weight reads (`_core.reads_since`).
+        while producer.type in ("Identity", "AddV2"):
             producer = producer.inputs[0].op
         assert producer.type == "MatMul"
         assert (producer in ancestors(dx)) == on
