@@ -128,3 +128,34 @@ def assert_grouped_close(reference, actual, tol, names, group_of, floor_fraction
         if not err <= tol:
             bad.append(f"{name}: rel err {err:.3g}")
     assert not bad, f"> {tol:g}: " + "; ".join(bad)
+
+
+def check_exact_float32():
+    """`recompute.exact_float32()` turns TF32 off in TensorFlow and sets JAX's default matmul
+    precision to "highest" when JAX is imported; as a context manager it restores both."""
+    import sys
+
+    import tensorflow as tf
+
+    import recompute
+
+    jax = sys.modules.get("jax")
+
+    def settings():
+        return (tf.config.experimental.tensor_float_32_execution_enabled(),
+                jax.config.jax_default_matmul_precision if jax is not None else None)
+
+    pinned = (False, "highest" if jax is not None else None)
+    tf.config.experimental.enable_tensor_float_32_execution(True)  # TensorFlow's default
+    if jax is not None:
+        jax.config.update("jax_default_matmul_precision", None)  # JAX's default
+    try:
+        default = settings()
+        with recompute.exact_float32() as scope:
+            assert settings() == pinned
+            assert repr(scope) == "exact_float32()"
+        assert settings() == default
+        recompute.exact_float32()  # a statement: for the rest of the process
+        assert settings() == pinned
+    finally:
+        recompute.exact_float32()  # as tests/conftest.py leaves it

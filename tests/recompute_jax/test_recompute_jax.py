@@ -368,3 +368,9 @@ def test_torch_and_other_backends_are_refused(monkeypatch):
     layer = keras.layers.Dense(2)
     with pytest.raises(NotImplementedError, match="TensorFlow or JAX backend. Received: layer '.*' running on the 'torch' backend"):
         layer.call = recompute_grad(layer.call)
+
+
+def test_exact_float32_pins_jax_and_restores():
+    from tests.helpers.numerics import check_exact_float32
+
+    check_exact_float32()

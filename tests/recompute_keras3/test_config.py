@@ -47,3 +47,9 @@ def test_surrounding_whitespace_is_ignored_as_documented(monkeypatch, value, ena
     monkeypatch.setenv("RECOMPUTE", value)
     assert recompute.is_enabled() is enabled
     assert "surrounding whitespace ignored" in recompute.is_enabled.__doc__
+
+
+def test_exact_float32_pins_and_restores():
+    from tests.helpers.numerics import check_exact_float32
+
+    check_exact_float32()
