@@ -258,13 +258,9 @@ def _model_in_train_step(code):
 
 def _accum_optimizer_in(optimizer):
     """The `AccumOptimizer` that `optimizer` is or wraps (a `LossScaleOptimizer` around it), or None."""
-    from ._base import AccumOptimizer
+    from ._recompile import chain, is_accum_optimizer
 
-    while optimizer is not None:
-        if isinstance(optimizer, AccumOptimizer):
-            return optimizer
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return None
+    return next((o for o in chain(optimizer) if is_accum_optimizer(o)), None)
 
 
 def _choose_family(family):

@@ -32,6 +32,12 @@ def chain(optimizer):
     return found
 
 
+def is_accum_optimizer(optimizer):
+    """True for an `AccumOptimizer` of any family: it counts its pending micro-steps.
+    (A test of the protocol, not of the class: `_base` imports this module.)"""
+    return callable(getattr(optimizer, "_pending_micro_steps", None))
+
+
 def training_model(optimizer):
     """The model whose method (`fit`, `train_on_batch`, ...) called us with `optimizer`
     (its `optimizer`, or one it wraps), or None."""
@@ -71,11 +77,9 @@ def guarded_compile(self, *args, **kwargs):
 def warn_if_dropped(old, new, stacklevel=2):
     """Warns for each `AccumOptimizer` in `old`'s chain, absent from `new`'s, with
     micro-steps pending in its window (`stacklevel`: as `warnings.warn`'s, for the caller)."""
-    from ._base import AccumOptimizer
-
     kept = chain(new) if not isinstance(new, str) else []
     for optimizer in chain(old):
-        if not isinstance(optimizer, AccumOptimizer) or any(o is optimizer for o in kept):
+        if not is_accum_optimizer(optimizer) or any(o is optimizer for o in kept):
             continue
         pending = optimizer._pending_micro_steps()
         if not pending:
