@@ -235,6 +235,7 @@ def test_momentum_mode_under_strategy_raises(strategy):
             optimizer.build(model.trainable_variables)
 
 
+@pytest.mark.slow
 def test_two_worker_processes_match_one_process(tmp_path):
     """2 `MultiWorkerMirroredStrategy` workers (processes, TF_CONFIG on loopback),
     custom loops (Keras 3's `fit` does not run under this strategy for any

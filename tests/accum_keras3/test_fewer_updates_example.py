@@ -23,6 +23,7 @@ def example():
     return module
 
 
+@pytest.mark.slow
 def test_tiny_run_reports_four_arms(example, tmp_path, capsys):
     png, out = tmp_path / "f.png", tmp_path / "f.json"
     results = example.main(["--limit", "200", "--epochs", "1", "--seeds", "2", "--k", "4",

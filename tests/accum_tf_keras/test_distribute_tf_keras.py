@@ -175,6 +175,7 @@ def test_momentum_mode_under_strategy_raises(legacy, strategy):
             optimizer.build(model.trainable_variables)
 
 
+@pytest.mark.slow
 def test_two_worker_processes_match_one_process(tmp_path):
     """2 `MultiWorkerMirroredStrategy` workers (processes, TF_CONFIG on loopback):
     `fit` with a new-style Adam (LR schedule, clipnorm) and a custom loop with a

@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_recompute_fit_example_trains_identically():
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "recompute_fit.py"),

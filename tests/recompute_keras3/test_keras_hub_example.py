@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # examples/benchmarks end to end: the newest Python in CI
+
 pytest.importorskip("keras_hub")
 
 ROOT = Path(__file__).resolve().parents[2]

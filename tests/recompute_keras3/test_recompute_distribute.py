@@ -162,6 +162,7 @@ def test_scope_reaches_replica_threads(strategy):
         thread.join()
 
 
+@pytest.mark.slow
 def test_two_worker_processes(tmp_path):
     """MultiWorkerMirroredStrategy, 2 processes: recomputation on equals off on each
     worker (gradients before the all-reduce, weights, statistics, seeds), and the

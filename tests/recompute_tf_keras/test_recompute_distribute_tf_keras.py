@@ -141,6 +141,7 @@ def test_aggregated_state_variable(aggregation, strategy):
     assert runs[1][2] == 2 * runs[0][2] > 0
 
 
+@pytest.mark.slow
 def test_two_worker_processes(tmp_path):
     """MultiWorkerMirroredStrategy, 2 processes: recomputation on equals off on each
     worker (gradients before the all-reduce, weights, statistics, RNG states), and the
