@@ -745,8 +745,9 @@ def minilm(out_dir=None):
     ``~/.cache/keras-train-memory/all-MiniLM-L6-v2-google``), or reuses a
     complete earlier conversion of the same file (same path, size and
     modification time, checked through ``hf_convert.json``). An out-of-date
-    conversion is replaced; a non-empty `out_dir` that is not a conversion is
-    a `FileExistsError`.
+    conversion is replaced; a non-empty `out_dir` that is not a conversion
+    (no ``hf_convert.json``), the default directory included, is a
+    `FileExistsError`: nothing the converter did not write is removed.
 
     The model is uncased: use ``Tokenizer(vocab_path, do_lower_case=True)``.
     It has the pooler (``with_pool=True`` works), no MLM or NSP head.
@@ -755,11 +756,10 @@ def minilm(out_dir=None):
         A `ConvertedBert`.
     """
     src = minilm_zip()
-    default = out_dir is None
-    out_dir = os.path.abspath(os.path.expanduser(DEFAULT_MINILM_DIR if default else os.fspath(out_dir)))
+    out_dir = os.path.abspath(os.path.expanduser(DEFAULT_MINILM_DIR if out_dir is None else os.fspath(out_dir)))
     if _is_conversion_of(out_dir, src):
         return _result(out_dir)
-    overwrite = default or _read_marker(out_dir) is not None
+    overwrite = _read_marker(out_dir) is not None  # only a conversion this module wrote
     try:
         return convert(src, out_dir, overwrite=overwrite)
     except OSError:

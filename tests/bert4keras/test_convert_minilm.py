@@ -151,3 +151,15 @@ def test_minilm_cli_reuses_conversion(converted):
 
 # --------------------------------------------------------------------------
 # Tokenizer
+
+
+def test_minilm_refuses_a_default_folder_it_did_not_write(tmp_path, monkeypatch):
+    """The default cache folder is the user's once it holds something the converter did
+    not write (no hf_convert.json): refused, nothing removed (issue 24, R6's rule)."""
+    default = tmp_path / "all-MiniLM-L6-v2-google"
+    default.mkdir()
+    (default / "notes.txt").write_text("mine")
+    monkeypatch.setattr(hf_convert, "DEFAULT_MINILM_DIR", str(default))
+    with pytest.raises(FileExistsError, match="holds files"):
+        minilm()
+    assert sorted(os.listdir(default)) == ["notes.txt"]
