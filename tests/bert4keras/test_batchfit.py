@@ -74,6 +74,7 @@ def test_quick_demo_data_is_the_shared_data_or_the_embedded_sentences(tmp_path):
     assert batchfit.demo_data(str(tmp_path), shared=str(shared)) == str(shared)
 
 
+@pytest.mark.slow
 def test_quick_ends_with_the_finetuning_example(tmp_path, capfd):
     # --quick's fine-tuning demo is examples/bert_finetune.py itself, with both tricks.
     result = batchfit.finetune_demo(shared=str(tmp_path / "absent"))
@@ -125,6 +126,7 @@ def test_policies_argument():
     assert batchfit.policy_of("0") is None and batchfit.policy_of("1") == "block"
 
 
+@pytest.mark.slow
 def test_cpu_split_measures_user_and_system_time(tmp_path):
     """benchmarks.cpu_split (the CPU-time split behind docs/batchfit.md): a tiny BERT,
     RECOMPUTE=0 and a policy, fresh processes, with and without huge pages."""
@@ -148,6 +150,7 @@ def test_cpu_split_measures_user_and_system_time(tmp_path):
     assert bad.returncode == 2 and "--modes: expected" in bad.stderr
 
 
+@pytest.mark.slow
 def test_cpu_split_paired_times_configurations_in_turn_in_one_process(tmp_path):
     """`--paired`: one process, a model per configuration (traced with its own
     recomputation setting), a step of each per round, each round's ratio to the first."""

@@ -11,6 +11,8 @@ if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") !=
 
 from benchmarks import batchfit  # noqa: E402  (does not import bert4keras)
 
+pytestmark = pytest.mark.slow  # measured peak memory, end to end: the newest Python in CI
+
 SHAPE = batchfit.SHAPES["tiny"]  # 2 layers, hidden 64, 8 heads, FFN 256, vocab 1000
 # seq 256: each sample's [8, 256, 256] attention tensors make tens of MiB per
 # sample, well above the allocator's noise (a few MiB) on this tiny model.
