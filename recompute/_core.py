@@ -200,10 +200,13 @@ def reads_since(mark):
     """
     if mark is None:
         return []
+    def numeric(t):  # what `after` can gate on (not a string, variant or resource)
+        return t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex or t.dtype == tf.bool
+
     found = []
     for op in tf.compat.v1.get_default_graph().get_operations()[mark:]:
-        if op.outputs and any(t.dtype == tf.resource for t in op.inputs):
-            out = next((t for t in op.outputs if t.dtype != tf.resource), None)
+        if any(t.dtype == tf.resource for t in op.inputs):
+            out = next((t for t in op.outputs if numeric(t)), None)
             if out is not None:
                 found.append(out)
     return found
