@@ -194,12 +194,14 @@ def reads_since(mark):
     bypasses the `IdentityN`, which cuts that path. A weight gradient needs
     the recomputed activations, not the weight itself (d(xW)/dW = x), so then
     nothing orders the read before the write, and a late read sees the
-    updated weight (measured; docs/limitations.md). Gradients made to depend
+    updated weight (docs/recompute.md, "Ordering against the optimizer";
+    tests/helpers/step_ordering.py). Gradients made to depend
     on these values through data (`after`) are ordered after the reads in
     every graph optimization.
     """
     if mark is None:
         return []
+
     def numeric(t):  # what `after` can gate on (not a string, variant or resource)
         return t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex or t.dtype == tf.bool
 
