@@ -746,8 +746,9 @@ def minilm(out_dir=None):
     complete earlier conversion of the same file (same path, size and
     modification time, checked through ``hf_convert.json``). An out-of-date
     conversion is replaced; a non-empty `out_dir` that is not a conversion
-    (no ``hf_convert.json``), the default directory included, is a
-    `FileExistsError`: nothing the converter did not write is removed.
+    and nothing else (no ``hf_convert.json``, or files it does not list), the
+    default directory included, is a `FileExistsError`: nothing the converter
+    did not write is removed.
 
     The model is uncased: use ``Tokenizer(vocab_path, do_lower_case=True)``.
     It has the pooler (``with_pool=True`` works), no MLM or NSP head.
@@ -759,7 +760,10 @@ def minilm(out_dir=None):
     out_dir = os.path.abspath(os.path.expanduser(DEFAULT_MINILM_DIR if out_dir is None else os.fspath(out_dir)))
     if _is_conversion_of(out_dir, src):
         return _result(out_dir)
-    overwrite = _read_marker(out_dir) is not None  # only a conversion this module wrote
+    # Replaced only if it is a conversion this module wrote and nothing else: its marker
+    # lists every file in the folder (a file the user added makes the folder theirs).
+    listed = (_read_marker(out_dir) or {}).get("files")
+    overwrite = isinstance(listed, list) and set(os.listdir(out_dir)) <= set(listed)
     try:
         return convert(src, out_dir, overwrite=overwrite)
     except OSError:

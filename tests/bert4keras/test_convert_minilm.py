@@ -163,3 +163,15 @@ def test_minilm_refuses_a_default_folder_it_did_not_write(tmp_path, monkeypatch)
     with pytest.raises(FileExistsError, match="holds files"):
         minilm()
     assert sorted(os.listdir(default)) == ["notes.txt"]
+
+
+def test_minilm_refuses_a_conversion_with_a_file_added(tmp_path):
+    """A folder holding a conversion's marker and a file it does not list is the user's:
+    refused, nothing removed."""
+    out = tmp_path / "converted"
+    out.mkdir()
+    (out / hf_convert.MARKER_FILE).write_text(json.dumps({"files": [hf_convert.MARKER_FILE]}))
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="holds files"):
+        minilm(out)
+    assert sorted(os.listdir(out)) == sorted([hf_convert.MARKER_FILE, "notes.txt"])
