@@ -29,6 +29,7 @@ converter); `recompute.keras_hub` (keras-hub's `TransformerEncoder`, offline pre
 
 from ._config import ENV_VAR, is_enabled, recompute_scope
 from ._errors import VariableCreatedInRecomputationError
+from ._flash import attention_block_size
 from ._decorator import recompute_grad
 from ._policies import NAMES as POLICIES  # the names `recompute_grad(policy=...)` takes
 from ._precision import exact_float32
@@ -37,6 +38,7 @@ __all__ = [
     "ENV_VAR",
     "POLICIES",
     "VariableCreatedInRecomputationError",
+    "attention_block_size",
     "exact_float32",
     "is_enabled",
     "recompute_grad",

@@ -33,7 +33,7 @@ import math
 
 import tensorflow as tf
 
-from . import _core
+from . import _core, _flash
 from ._core import after
 
 
@@ -254,6 +254,73 @@ def is_keras_core(core):
     module = getattr(core, "__module__", "") or ""
     return getattr(core, "__name__", None) == "_compute_attention" and module.startswith(
         ("keras.", "tf_keras."))
+
+
+def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
+    """`core(layer, *args, **kwargs)` -- Keras's `MultiHeadAttention._compute_attention`
+    -- as the blocked core of `engine` (`_flash_tf` or `_flash_jax`), or None if
+    the call is not the standard case (then the caller runs or recomputes `core`
+    itself): rank-4 inputs ([batch, seq, heads, dim]), one attention axis, dropout
+    > 0 with a Python `training` flag, no flash attention of Keras's own.
+
+    The dropout's decision is drawn once, in the forward pass, by the layer's own
+    dropout layer (on ones of the probabilities' shape and dtype: the same
+    random numbers as RECOMPUTE=0's), and held as bits packed along the keys;
+    inside a recomputed call it is kept from the forward pass to the
+    recomputation (`_core.kept`), not drawn again. Keras 3's causal mask
+    (`use_causal_mask`) is built as Keras builds it. When the caller uses the
+    scores (`scores_asked`; tf_keras always says so), they are the layer's own
+    probabilities, computed whole beside the blocked core: in `tf.function`,
+    `fit` and `jax.jit` they are pruned when unused.
+
+    Returns `(attention_output, attention_scores or None)`.
+    """
+    if not is_keras_core(core):
+        return None
+    try:
+        bound = inspect.signature(core).bind(layer, *args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    a = bound.arguments
+    query, key, value = a["query"], a["key"], a["value"]
+    rate, training = getattr(layer, "_dropout", 0), a["training"]
+    if (
+        getattr(layer, "_flash_attention", False)
+        or not isinstance(rate, float) or rate <= 0.0 or not isinstance(training, bool)
+        or len(query.shape) != 4 or len(key.shape) != 4 or len(value.shape) != 4
+        or None in (query.shape[1], key.shape[1], query.shape[2])
+        or tuple(getattr(layer, "_attention_axes", (1,)) or (1,)) != (1,)
+    ):
+        return None
+    mask = a["attention_mask"]
+    if a.get("use_causal_mask"):  # Keras 3: as its own core builds it
+        from keras import ops
+
+        causal = layer._compute_causal_mask(query, value)
+        mask = causal if mask is None else ops.logical_and(ops.cast(mask, "bool"), causal)
+    while mask is not None and len(mask.shape) < 4:  # as `_masked_softmax` expands it
+        mask = mask[..., None, :, :]
+    queries, heads, keys = query.shape[1], query.shape[2], key.shape[1]
+    factor = 1.0 / math.sqrt(float(layer._key_dim))
+    dtype = getattr(layer._softmax, "compute_dtype", None) or query.dtype
+
+    def probabilities(q, k, mask):
+        q = q * engine.ENGINE.cast_scalar(factor, q)
+        return layer._masked_softmax(engine.ENGINE.einsum(_flash.SCORES, q, k), mask)
+
+    def decide():
+        if not training:
+            return None
+        ones = engine.ones(query, [heads, queries, keys], dtype)
+        dropped = layer._dropout_layer(ones, training=training)
+        return engine.pack(dropped != 0)
+
+    bits = _core.kept(decide)
+    output = engine.attention(probabilities, query, key, value, mask, bits, rate,
+                              _flash.block_rows(queries, keys))
+    scores = probabilities(query, key, mask) if scores_asked else None
+    return output, scores
 
 
 def keras_core(core, layer, args, kwargs, scores_asked):

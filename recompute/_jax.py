@@ -187,28 +187,36 @@ def recomputed_call(call, layer, args, kwargs):
 
 
 def full(fn, layer, args, kwargs):
-    """The whole call is one `jax.checkpoint`: it keeps its inputs, runs again in the backward pass."""
+    """The whole call is one `jax.checkpoint`: it keeps its inputs, runs again in the backward
+    pass; its attention cores run blocked (`_flash`), in both passes."""
+    from ._policies import with_blocked_cores
+
+    layers = _keras3.attention_layers(_keras3.sublayers(layer))
+    if layers:
+        fn = with_blocked_cores(fn, lambda: _cores_blocked(layers, _keras3.attention_core))
     return recomputed_call(fn, layer, args, kwargs)
 
 
 def attention(fn, layer, args, kwargs):
     """Only the attention core (`MultiHeadAttention._compute_attention`) of each multi-head
-    attention layer in the call is a `jax.checkpoint`; everything else is kept.
-
-    Its dropout is replayed from the seed state, not kept as a mask: JAX's
-    random draws are functions of that state.
-    """
+    attention layer in the call keeps less: blocked (`_flash_jax`: it keeps its inputs and
+    the dropout's bits), or, where the core is not the standard case, a `jax.checkpoint`
+    (its dropout replayed from the seed state); everything else is kept."""
     from ._policies import attention_layers  # the check and its message, shared
 
     layers = attention_layers(_keras3, layer)
-    with _cores_checkpointed(layers, _keras3.attention_core):
+    with _cores_blocked(layers, _keras3.attention_core, checkpoint_others=True):
         return fn(layer, *args, **kwargs)
 
 
 @contextlib.contextmanager
-def _cores_checkpointed(layers, name):
-    """While active, `name` (the attention core) of each layer runs under `recomputed_call`:
-    an instance attribute shadows the method, removed on exit."""
+def _cores_blocked(layers, name, checkpoint_others=False):
+    """While active, `name` (the attention core) of each layer runs as the blocked core
+    where it is the standard case (`_attention.keras_blocked`), else -- with
+    `checkpoint_others` -- under `recomputed_call`, else as written. An instance
+    attribute shadows the method, removed on exit."""
+    from . import _attention, _flash_jax
+
     installed = []
     try:
         for lyr in layers:
@@ -217,7 +225,13 @@ def _cores_checkpointed(layers, name):
             method = getattr(type(lyr), name)
 
             def core(*args, _layer=lyr, _method=method, **kwargs):
-                if inside_recomputed_call() or in_shape_inference():
+                if in_shape_inference():
+                    return _method(_layer, *args, **kwargs)
+                blocked = _attention.keras_blocked(
+                    _flash_jax, _method, _layer, args, kwargs, _keras3.scores_asked(args, kwargs))
+                if blocked is not None:
+                    return blocked
+                if not checkpoint_others or inside_recomputed_call():
                     return _method(_layer, *args, **kwargs)
                 return recomputed_call(_method, _layer, args, kwargs)
 

@@ -31,12 +31,26 @@ bert4keras's `pay_attention_to`.
 
 import contextlib
 
-from . import _attention, _core, _gelu, _tf
+from . import _attention, _core, _flash_tf, _gelu, _tf
 
 
 def full(adapter, fn, layer, args, kwargs):
-    """The whole call is recomputed, as written: bit for bit RECOMPUTE=0's gradients."""
+    """The whole call is recomputed; its attention cores run blocked (`_flash`)."""
+    layers = adapter.attention_layers(adapter.sublayers(layer))
+    if layers:
+        fn = with_blocked_cores(fn, lambda: _cores_recomputed(adapter, layers))
     return _core.recomputed_call(adapter, fn, layer, args, kwargs)
+
+
+def with_blocked_cores(fn, cores):
+    """`fn` (a call `fn(layer, *args, **kwargs)`) run inside the context `cores()`, in
+    the forward pass and in the recomputation alike (the JAX engine uses it too)."""
+
+    def call(layer, *args, **kwargs):
+        with cores():
+            return fn(layer, *args, **kwargs)
+
+    return call
 
 
 def attention_layers(adapter, layer):
@@ -107,9 +121,9 @@ def _class_core(adapter, core):
         keep_scores = adapter.scores_asked(args, kwargs)
         if _tf.tape_is_active() and not _core.inside_recomputed_call():
             _core.check_recomputable(adapter, layer, _core.float_tensors((args, kwargs)))
-            lean = _attention.keras_core(core, layer, args, kwargs, keep_scores)
-            if lean is not None:
-                return lean
+        blocked = _attention.keras_blocked(_flash_tf, core, layer, args, kwargs, keep_scores)
+        if blocked is not None:
+            return blocked
         return recompute_core(adapter, core, layer, args, kwargs, keep_scores)
 
     return recomputed

@@ -16,13 +16,19 @@ from tests.helpers.numerics import assert_all_close
 
 @pytest.mark.parametrize("mode", ["eager", "function", "jit"])
 @pytest.mark.parametrize("policy", ["full", "attention"])
-def test_policy_matches_no_recompute(policy, mode):
-    blocks.check_policy_matches(keras, policy, mode)
+@pytest.mark.parametrize("block", [None, 4, 1])
+def test_policy_matches_no_recompute(policy, mode, block):
+    blocks.check_policy_matches(keras, policy, mode, block)
 
 
 @pytest.mark.parametrize("policy", ["full", "attention"])
-def test_lean_cores_used(policy, monkeypatch):
-    blocks.check_lean_cores_used(keras, policy, monkeypatch)
+def test_blocked_cores_used(policy, monkeypatch):
+    blocks.check_blocked_cores_used(keras, policy, monkeypatch)
+
+
+@pytest.mark.parametrize("policy", ["full", "attention"])
+def test_backward_holds_no_attention_matrix(policy):
+    blocks.check_backward_holds_no_attention_matrix(keras, policy)
 
 
 @pytest.mark.parametrize("policy", ["full", "attention"])

@@ -16,13 +16,19 @@ def tf_random_generator():
 
 @pytest.mark.parametrize("mode", ["eager", "function", "jit"])
 @pytest.mark.parametrize("policy", ["full", "attention"])
-def test_policy_matches_no_recompute(policy, mode):
-    blocks.check_policy_matches(K, policy, mode)
+@pytest.mark.parametrize("block", [None, 4, 1])
+def test_policy_matches_no_recompute(policy, mode, block):
+    blocks.check_policy_matches(K, policy, mode, block)
 
 
 @pytest.mark.parametrize("policy", ["full", "attention"])
-def test_lean_cores_used(policy, monkeypatch):
-    blocks.check_lean_cores_used(K, policy, monkeypatch)
+def test_blocked_cores_used(policy, monkeypatch):
+    blocks.check_blocked_cores_used(K, policy, monkeypatch)
+
+
+@pytest.mark.parametrize("policy", ["full", "attention"])
+def test_backward_holds_no_attention_matrix(policy):
+    blocks.check_backward_holds_no_attention_matrix(K, policy)
 
 
 @pytest.mark.parametrize("policy", ["full", "attention"])

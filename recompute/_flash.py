@@ -1,0 +1,215 @@
+"""Blocked attention: an attention core that never holds [seq, seq] floats beyond one block.
+
+FlashAttention's idea (Dao et al., 2022) written in framework ops, once, for
+both engines (`_flash_tf` for TensorFlow, `_flash_jax` for JAX: each an
+`Engine` below). The core computes, per head,
+
+    P = masked_softmax(scale * Q K^T),    O = drop(P) V
+
+where `drop` is the layer's dropout, its decision drawn once, by the layer's
+own dropout op (so the masks are those of RECOMPUTE=0), and held as bits (1 bit
+per entry, packed along the key axis). The query axis is cut into blocks of
+`block` rows:
+
+- forward: block by block, `P_j = probabilities(Q_j, K)` (the layer's own
+  scores, mask and softmax over all keys: no running maximum is needed when a
+  block spans every key), `O_j = drop(P_j) V`; only O is kept, and the inputs.
+- backward (the gradient `dO` arrives): block by block, `P_j` again, then
+  `dV += drop(P_j)^T dO_j`, `dP_j = drop'(dO_j V^T)` (the dropout is linear:
+  its gradient is the same selection and scaling), and the vector-Jacobian
+  product of `probabilities` at `(Q_j, K)` with `dP_j` gives `dQ_j` and adds
+  to `dK` -- the softmax's gradient `P ∘ (dP - rowsum(dP ∘ P))` and the
+  mask's, as autodiff takes them for the layer's own ops.
+
+One block's [batch, heads, block, seq] tensors are alive at a time (a loop of
+the engine's: `tf.while_loop`, `jax.lax.scan`), in the forward pass and in the
+backward pass. The blocks' results equal the unblocked core's to float
+rounding (the sums over keys are the same; dK and dV add the blocks' parts).
+
+Block size: `block_rows(queries, keys)`, by default the rows that make a block
+of at most `DEFAULT_BLOCK_ELEMENTS` (query, key) pairs; `attention_block_size`
+overrides it.
+"""
+
+import math
+
+DEFAULT_BLOCK_ELEMENTS = 64 * 1024  # rows x keys of one block: 128 rows at seq 512
+
+SCORES = "btnh,bsnh->bnts"  # queries x keys -> [batch, heads, queries, keys]
+COMBINE = "bnts,bsnh->btnh"  # probabilities x values -> [batch, queries, heads, dim]
+D_VALUE = "bnts,btnh->bsnh"
+D_PROBS = "btnh,bsnh->bnts"
+
+_block_size = [None]  # the override of `attention_block_size`, or None
+
+
+class attention_block_size:
+    """Sets how many query rows one block of the blocked attention core holds.
+
+    The blocked core (docs/recompute.md, "Blocked attention") serves the
+    `MultiHeadAttention` layers of every call that `recompute_grad` recomputes,
+    under every policy. By default a block holds at most 65,536 (query, key)
+    pairs per batch entry and head: 128 rows at seq 512, 32 at seq 2048.
+    Smaller blocks keep less, larger ones loop less. As a statement it holds
+    for the rest of the process; as a context manager, until the block ends.
+    The size is read when a core is traced (in `tf.function`, `jax.jit`, `fit`:
+    at the first step).
+
+    ```python
+    import recompute
+    recompute.attention_block_size(64)          # 64 query rows per block
+    with recompute.attention_block_size(None):  # back to the default inside
+        ...
+    ```
+
+    Args:
+        rows: an integer >= 1, or None for the default.
+    """
+
+    def __init__(self, rows):
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise ValueError(
+                f"`rows` must be an integer >= 1 or None. Received: rows={rows!r}")
+        self._previous = _block_size[0]
+        _block_size[0] = rows
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        _block_size[0] = self._previous
+        return False
+
+    def __repr__(self):
+        return f"attention_block_size({_block_size[0]!r})"
+
+
+def block_rows(queries, keys):
+    """The query rows of one block for `queries` x `keys` attention."""
+    rows = _block_size[0]
+    if rows is None:
+        rows = max(1, DEFAULT_BLOCK_ELEMENTS // max(1, keys))
+        if rows >= 8:
+            rows -= rows % 8
+    return max(1, min(rows, queries))
+
+
+class Engine:
+    """What the algorithm asks of a framework (`_flash_tf.ENGINE`, `_flash_jax.ENGINE`)."""
+
+    def rows(self, x, start, size, axis):
+        """`x[..., start:start + size, ...]` along `axis` (`start` may be traced)."""
+
+    def pad(self, x, axis, amount, value):
+        """`x` with `amount` entries of `value` appended along `axis`."""
+
+    def scan(self, body, carry, n, y_dtype):
+        """`body(carry, i) -> (carry, y)` for i in 0..n-1, one at a time:
+        `(carry, ys)`, the ys stacked on a new axis 0."""
+
+    def vjp(self, fn, *primals):
+        """`(fn(*primals), pullback)`: `pullback(cotangent)` is the tuple of gradients."""
+
+    def einsum(self, equation, a, b):
+        """The framework's einsum."""
+
+    def cast_scalar(self, value, like):
+        """The Python number `value` as a scalar of `like`'s dtype."""
+
+    def unpack(self, bits, keys):
+        """The bool mask of `keys` entries per row that `pack` packed into `bits`."""
+
+    def drop(self, x, keep, rate):
+        """The layer's dropout of `x` with the decision `keep` (its own arithmetic)."""
+
+    def join(self, ys, rows):
+        """[blocks, batch, block, ...] stacked by `scan` -> [batch, rows, ...] (the first `rows`)."""
+
+    def zeros_like(self, x):
+        """Zeros of `x`'s shape and dtype."""
+
+
+def _rows_of(mask, queries):
+    """Whether `mask` (rank 4, [batch, heads, queries, keys], axes maybe 1) varies along the queries."""
+    return mask is not None and mask.shape[2] is not None and mask.shape[2] != 1
+
+
+def _padded(E, q, mask, bits, block, extra=()):
+    """The inputs with their query axis padded to a whole number of blocks
+    (padding rows attend to every key: nothing masked, no dropout; their results
+    are cut off). Returns `(q, mask, bits, extra, n_blocks)`."""
+    queries = q.shape[1]
+    n = -(-queries // block)
+    amount = n * block - queries
+    if amount:
+        q = E.pad(q, 1, amount, 0)
+        extra = tuple(E.pad(x, 1, amount, 0) for x in extra)
+        if _rows_of(mask, queries):
+            mask = E.pad(mask, 2, amount, True)  # (1 for a numeric mask)
+        if bits is not None:
+            bits = E.pad(bits, 2, amount, 0)
+    return q, mask, bits, extra, n
+
+
+def _block_inputs(E, i, block, q, mask, bits, keys):
+    start = i * block
+    q_j = E.rows(q, start, block, 1)
+    mask_j = E.rows(mask, start, block, 2) if _rows_of(mask, None) else mask
+    keep_j = None if bits is None else E.unpack(E.rows(bits, start, block, 2), keys)
+    return start, q_j, mask_j, keep_j
+
+
+def forward(E, probabilities, q, k, v, mask, bits, rate, block):
+    """The attended values `drop(probabilities(q, k, mask)) v`, block by block.
+
+    Args:
+        E: the `Engine`.
+        probabilities: `(q_j, k, mask_j) -> P_j`, the layer's scaled scores,
+            mask and softmax for a block of queries: [batch, heads, rows, keys].
+        q, k, v: [batch, queries, heads, dim], [batch, keys, heads, dim],
+            [batch, keys, heads, value_dim].
+        mask: None or a mask of rank 4 broadcastable to [batch, heads, queries,
+            keys] (the layer's own, as its softmax takes it).
+        bits: None (no dropout) or the dropout's decision packed along the keys
+            ([batch, heads, queries, ceil(keys / 8)] uint8).
+        rate: the dropout's rate.
+        block: query rows per block.
+    """
+    queries, keys = q.shape[1], k.shape[1]
+    qp, maskp, bitsp, _, n = _padded(E, q, mask, bits, block)
+
+    def body(carry, i):
+        _, q_j, mask_j, keep_j = _block_inputs(E, i, block, qp, maskp, bitsp, keys)
+        p = probabilities(q_j, k, mask_j)
+        if keep_j is not None:
+            p = E.drop(p, keep_j, rate)
+        return carry, E.einsum(COMBINE, p, v)
+
+    _, ys = E.scan(body, (), n, v.dtype)
+    return E.join(ys, queries)
+
+
+def backward(E, probabilities, q, k, v, mask, bits, rate, block, d_out):
+    """`(dq, dk, dv)` of `forward` for the gradient `d_out` of its result, block by block."""
+    queries, keys = q.shape[1], k.shape[1]
+    qp, maskp, bitsp, (d_outp,), n = _padded(E, q, mask, bits, block, (d_out,))
+
+    def body(carry, i):
+        d_k, d_v = carry
+        start, q_j, mask_j, keep_j = _block_inputs(E, i, block, qp, maskp, bitsp, keys)
+        d_out_j = E.rows(d_outp, start, block, 1)
+        p, pullback = E.vjp(lambda q_j, k: probabilities(q_j, k, mask_j), q_j, k)
+        dropped = p if keep_j is None else E.drop(p, keep_j, rate)
+        d_v = d_v + E.einsum(D_VALUE, dropped, d_out_j)
+        d_dropped = E.einsum(D_PROBS, d_out_j, v)
+        d_p = d_dropped if keep_j is None else E.drop(d_dropped, keep_j, rate)
+        d_q_j, d_k_j = pullback(d_p)
+        return (d_k + d_k_j, d_v), d_q_j
+
+    (d_k, d_v), d_qs = E.scan(body, (E.zeros_like(k), E.zeros_like(v)), n, q.dtype)
+    return E.join(d_qs, queries), d_k, d_v
+
+
+def scale(key_dim):
+    """The scale of the scores, as Keras's `MultiHeadAttention` computes it."""
+    return 1.0 / math.sqrt(float(key_dim))

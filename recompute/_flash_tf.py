@@ -1,0 +1,128 @@
+"""The blocked attention core (`_flash`) on TensorFlow: Keras 3's TensorFlow backend and tf_keras.
+
+`attention(...)` is one `tf.custom_gradient` whose forward and backward passes
+are `_flash.forward` and `_flash.backward`, their blocks a `tf.while_loop` of
+one iteration at a time (a Python loop in eager mode). The gradient keeps the
+inputs, the mask and the dropout's bits; its loop waits for the incoming
+gradient (`_core.after`), so that a graph executor does not run it early.
+"""
+
+import tensorflow as tf
+
+from . import _flash
+from ._core import after
+
+# Eight 0/1 bytes read as one 64-bit word: a product with _GATHER moves byte i's
+# bit to bit i of the top byte (the partial products are distinct powers of 2,
+# so nothing carries), as `_attention.pack_bits` packs a whole tensor; here each
+# row of keys is packed on its own, for blocks of rows. Bit i is unpacked by a shift.
+_GATHER = 0x0102040810204080
+
+
+def pack(mask):
+    """A bool [..., keys] mask as [..., ceil(keys / 8)] uint8, 1 bit per entry."""
+    mask = tf.convert_to_tensor(mask)
+    keys = mask.shape[-1]
+    flat = tf.cast(mask, tf.uint8)
+    if keys % 8:
+        flat = tf.pad(flat, [[0, 0]] * (mask.shape.rank - 1) + [[0, -keys % 8]])
+    # (bitcast between rank-2 and rank-1 tensors only: XLA refuses some other shapes)
+    words = tf.bitcast(tf.reshape(flat, [-1, 8]), tf.uint64) * tf.constant(_GATHER, tf.uint64)
+    packed = tf.cast(tf.bitwise.right_shift(words, tf.constant(56, tf.uint64)), tf.uint8)
+    return tf.reshape(packed, tf.concat([tf.shape(mask)[:-1], [-(-keys // 8)]], 0))
+
+
+class _Engine(_flash.Engine):
+    def rows(self, x, start, size, axis):
+        index = [slice(None)] * x.shape.rank
+        index[axis] = slice(start, start + size)
+        return x[tuple(index)]
+
+    def pad(self, x, axis, amount, value):
+        paddings = [[0, 0]] * x.shape.rank
+        paddings[axis] = [0, amount]
+        return tf.pad(x, paddings, constant_values=tf.cast(value, x.dtype))
+
+    def scan(self, body, carry, n, y_dtype):
+        if n == 1 or tf.executing_eagerly():
+            ys = []
+            for i in range(n):
+                carry, y = body(carry, tf.constant(i))
+                ys.append(y)
+            return carry, tf.stack(ys)
+        array = tf.TensorArray(y_dtype, size=n, infer_shape=True)
+
+        def step(i, carry, array):
+            carry, y = body(carry, i)
+            return i + 1, carry, array.write(i, y)
+
+        _, carry, array = tf.while_loop(
+            lambda i, *_: i < n, step, (tf.constant(0), carry, array),
+            parallel_iterations=1, maximum_iterations=n)
+        return carry, array.stack()
+
+    def vjp(self, fn, *primals):
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(primals)
+            out = fn(*primals)
+
+        def pullback(cotangent):
+            return tape.gradient(out, list(primals), output_gradients=cotangent)
+
+        return out, pullback
+
+    def einsum(self, equation, a, b):
+        return tf.einsum(equation, a, b)
+
+    def cast_scalar(self, value, like):
+        return tf.cast(value, like.dtype)
+
+    def unpack(self, bits, keys):
+        # (shifts, not a bitcast: XLA refuses to bitcast uint64 to uint8 inside the loop)
+        shifts = tf.constant(list(range(8)), tf.uint8)
+        flags = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits[..., None], shifts),
+                                       tf.ones([], tf.uint8))
+        flags = tf.not_equal(flags, tf.zeros([], tf.uint8))
+        flags = tf.reshape(flags, tf.concat([tf.shape(bits)[:-1], [bits.shape[-1] * 8]], 0))
+        return flags[..., :keys] if keys % 8 else flags
+
+    def drop(self, x, keep, rate):
+        # `tf.nn.experimental.stateless_dropout` and tf_keras's dropout: x * (1 / (1 - rate)),
+        # zeroed where dropped.
+        return tf.where(keep, x * tf.cast(1.0 / (1.0 - rate), x.dtype), tf.zeros([], x.dtype))
+
+    def join(self, ys, rows):
+        # [blocks, batch, block, heads, dim] -> [batch, blocks * block, heads, dim]
+        moved = tf.transpose(ys, [1, 0] + list(range(2, ys.shape.rank)))
+        shape = tf.concat([tf.shape(moved)[:1], [-1], tf.shape(moved)[3:]], 0)
+        joined = tf.reshape(moved, shape)
+        return joined if joined.shape[1] == rows else joined[:, :rows]
+
+    def zeros_like(self, x):
+        return tf.zeros_like(x)
+
+
+ENGINE = _Engine()
+
+
+def ones(batch_like, shape, dtype):
+    """Ones of `[batch of batch_like] + shape` (what the dropout's decision is drawn on)."""
+    return tf.ones(tf.concat([tf.shape(batch_like)[:1], shape], 0), dtype)
+
+
+def attention(probabilities, query, key, value, mask, bits, rate, block):
+    """`_flash.forward` as one `tf.custom_gradient` of `query`, `key` and `value`,
+    whose gradient is `_flash.backward` (it keeps the inputs, `mask` and `bits`)."""
+
+    @tf.custom_gradient
+    def core(query, key, value):
+        output = _flash.forward(ENGINE, probabilities, query, key, value, mask, bits, rate, block)
+
+        def grad(d_out):
+            # The recomputation waits for the gradient (see `_core.after`).
+            q, k, v, m, b = after([query, key, value, mask, bits], d_out)
+            return _flash.backward(ENGINE, probabilities, q, k, v, m, b, rate, block, d_out)
+
+        return output, grad
+
+    return core(query, key, value)

@@ -1,0 +1,138 @@
+"""The blocked attention core (`recompute._flash`) on both engines against autodiff of the
+unblocked core: outputs and the gradients of queries, keys and values, with padding and
+causal masks, dropout bits, block sizes that divide the queries and that do not."""
+
+import numpy as np
+import pytest
+
+import recompute
+from recompute import _flash
+from tests.helpers.numerics import assert_all_close
+
+B, T, S, N, H = 2, 7, 9, 3, 4
+RATE = 0.25
+
+
+def _inputs(mask_kind):
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(B, T, N, H)).astype("float32")
+    k = rng.normal(size=(B, S, N, H)).astype("float32")
+    v = rng.normal(size=(B, S, N, H + 1)).astype("float32")
+    d_out = rng.normal(size=(B, T, N, H + 1)).astype("float32")
+    keep = rng.random((B, N, T, S)) > RATE
+    lengths = np.array([S, 5])
+    padding = np.arange(S)[None, None, None, :] < lengths[:, None, None, None]  # [B, 1, 1, S]
+    causal = np.arange(S)[None, None, None, :] <= np.arange(T)[None, None, :, None] + (S - T)
+    mask = {"none": None, "padding": np.broadcast_to(padding, (B, 1, T, S)).copy(),
+            "keys": padding, "causal": np.broadcast_to(causal & padding, (B, 1, T, S)).copy()}[mask_kind]
+    return q, k, v, d_out, keep, mask
+
+
+class _TF:
+    def __init__(self):
+        import tensorflow as tf
+
+        from recompute import _flash_tf
+
+        self.tf, self.engine = tf, _flash_tf
+
+    def probabilities(self, q, k, mask):
+        tf = self.tf
+        s = tf.einsum(_flash.SCORES, q * 0.5, k)
+        if mask is None:
+            return tf.nn.softmax(s)
+        return tf.where(mask, tf.nn.softmax(tf.where(mask, s, -1e9)), 0.0)
+
+    def run(self, fn, q, k, v, d_out):
+        tf = self.tf
+        q, k, v = (tf.constant(a) for a in (q, k, v))
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = fn(q, k, v)
+        grads = tape.gradient(out, [q, k, v], output_gradients=tf.constant(d_out))
+        return [np.asarray(x) for x in [out] + grads]
+
+    def reference(self, mask, keep):
+        tf = self.tf
+        return lambda q, k, v: tf.einsum(_flash.COMBINE, self.engine.ENGINE.drop(
+            self.probabilities(q, k, mask), tf.constant(keep), RATE), v)
+
+    def blocked(self, mask, keep, block, graph):
+        tf = self.tf
+        mask = None if mask is None else tf.constant(mask)
+        bits = self.engine.pack(tf.constant(keep))
+        fn = lambda q, k, v: self.engine.attention(self.probabilities, q, k, v, mask, bits, RATE, block)
+        return tf.function(fn) if graph else fn
+
+
+class _JAX:
+    def __init__(self):
+        import jax
+        import jax.numpy as jnp
+
+        from recompute import _flash_jax
+
+        self.jax, self.jnp, self.engine = jax, jnp, _flash_jax
+
+    def probabilities(self, q, k, mask):
+        jnp = self.jnp
+        s = jnp.einsum(_flash.SCORES, q * 0.5, k)
+        if mask is None:
+            return self.jax.nn.softmax(s)
+        return jnp.where(mask, self.jax.nn.softmax(jnp.where(mask, s, -1e9)), 0.0)
+
+    def run(self, fn, q, k, v, d_out):
+        out, pullback = self.jax.vjp(fn, q, k, v)
+        return [np.asarray(x) for x in (out,) + tuple(pullback(d_out))]
+
+    def reference(self, mask, keep):
+        jnp = self.jnp
+        return lambda q, k, v: jnp.einsum(_flash.COMBINE, self.engine.ENGINE.drop(
+            self.probabilities(q, k, mask), jnp.asarray(keep), RATE), v)
+
+    def blocked(self, mask, keep, block, graph):
+        bits = self.engine.pack(self.jnp.asarray(keep))
+        fn = lambda q, k, v: self.engine.attention(self.probabilities, q, k, v, mask, bits, RATE, block)
+        return self.jax.jit(fn) if graph else fn
+
+
+ENGINES = {"tf": _TF, "jax": _JAX}
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("block", [1, 3, 7, 16])
+@pytest.mark.parametrize("mask", ["none", "padding", "keys", "causal"])
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_blocked_core_matches_autodiff(engine, mask, block, graph):
+    e = ENGINES[engine]()
+    q, k, v, d_out, keep, m = _inputs(mask)
+    reference = e.run(e.reference(m, keep), q, k, v, d_out)
+    blocked = e.run(e.blocked(m, keep, block, graph), q, k, v, d_out)
+    assert_all_close(reference, blocked, ["output", "d_query", "d_key", "d_value"])
+    assert np.abs(reference[0]).max() > 0.1 and np.abs(reference[1]).max() > 0.01
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_bits_round_trip(engine):
+    e = ENGINES[engine]()
+    for keys in (1, 7, 8, 9, 17):
+        keep = np.random.default_rng(keys).random((2, 3, 4, keys)) > 0.5
+        bits = np.asarray(e.engine.pack(keep))
+        assert bits.shape == (2, 3, 4, -(-keys // 8)) and bits.dtype == np.uint8
+        np.testing.assert_array_equal(np.asarray(e.engine.ENGINE.unpack(bits, keys)), keep)
+
+
+def test_block_rows_default_and_override():
+    assert _flash.block_rows(512, 512) == 128
+    assert _flash.block_rows(2048, 2048) == 32
+    assert _flash.block_rows(6, 6) == 6  # short sequences: one block
+    assert _flash.block_rows(100000, 100000) == 1
+    with recompute.attention_block_size(4):
+        assert _flash.block_rows(512, 512) == 4
+        with recompute.attention_block_size(None):
+            assert _flash.block_rows(512, 512) == 128
+        assert _flash.block_rows(3, 512) == 3
+    assert _flash.block_rows(512, 512) == 128
+    for bad in (0, -1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match=r"`rows` must be an integer >= 1 or None\. Received: rows="):
+            recompute.attention_block_size(bad)
