@@ -12,6 +12,12 @@ saves the figures):
   turn, for time ratios under one load). `--backend jax`: the standard
   encoder on Keras 3's JAX backend, measured by JAX's saved residuals and
   XLA's compiled temp buffer.
+- `python -m benchmarks.peer`: the same BERT-base classifier through the
+  project (keras-hub's `BertBackbone` or the standard Keras 3 block, every
+  policy, on the Keras backend at hand) and, where torch and transformers
+  are importable already, Hugging Face BERT (sdpa and eager attention, with
+  and without gradient checkpointing): MiB per sample, memory and step-time
+  ratios within each framework, the batch in a budget, first losses.
 - `python -m benchmarks.xla_remat_temp`: whether XLA's compiled temp buffer
   shrinks when blocks are recomputed (`jax.checkpoint`, and a recomputation
   that waits for the cotangent); JAX only.

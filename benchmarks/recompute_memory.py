@@ -125,6 +125,20 @@ def _bert4keras_model(cfg, policy):
     return (lambda b: float(model.train_on_batch(*b))), int(model.count_params()), batches
 
 
+def saved_residual_bytes(fn, primals):
+    """Bytes of what JAX keeps for the backward pass of `fn(primals)`: the leaves of
+    `jax.vjp(fn, primals)`'s VJP function, their shapes found by `jax.eval_shape`
+    (nothing is allocated). `primals` (the weights) are among them."""
+    import jax
+    import numpy as np
+
+    def residuals(primals):
+        return jax.vjp(fn, primals)[1]
+
+    return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+               for leaf in jax.tree_util.tree_leaves(jax.eval_shape(residuals, primals)))
+
+
 def _jax_worker(cfg, policy, batch, steps):
     """Keras 3 on JAX: (result fields, progress text) of the standard encoder at `batch`.
 
@@ -145,11 +159,8 @@ def _jax_worker(cfg, policy, batch, steps):
     batches = [(rng.integers(0, cfg["vocab"], (batch, cfg["seq"])).astype("int32"),
                 rng.integers(0, 2, (batch,)).astype("int32")) for _ in range(steps + 2)]
 
-    def residuals(trainable):
-        return jax.vjp(lambda t: loss_fn(t, non_trainable, *batches[0])[0], trainable)[1]
-
-    residual_bytes = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-                         for leaf in jax.tree_util.tree_leaves(jax.eval_shape(residuals, trainable)))
+    residual_bytes = saved_residual_bytes(
+        lambda t: loss_fn(t, non_trainable, *batches[0])[0], trainable)
     step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     compiled = step.lower(trainable, non_trainable, *batches[0]).compile()
     analysis = compiled.memory_analysis()
