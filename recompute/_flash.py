@@ -128,6 +128,9 @@ class Engine:
     def zeros_like(self, x):
         """Zeros of `x`'s shape and dtype."""
 
+    def length(self, x, axis):
+        """The size of `x` along `axis` when it is known only when run (a tensor)."""
+
 
 def _rows_of(mask, queries):
     """Whether `mask` (rank 4, [batch, heads, queries, keys], axes maybe 1) varies along the queries."""
@@ -139,6 +142,8 @@ def _padded(E, q, mask, bits, block, extra=()):
     (padding rows attend to every key: nothing masked, no dropout; their results
     are cut off). Returns `(q, mask, bits, extra, n_blocks)`."""
     queries = q.shape[1]
+    if queries is None or block is None:  # a length known only when run: one block
+        return q, mask, bits, extra, 1
     n = -(-queries // block)
     amount = n * block - queries
     if amount:
@@ -152,11 +157,18 @@ def _padded(E, q, mask, bits, block, extra=()):
 
 
 def _block_inputs(E, i, block, q, mask, bits, keys):
+    if block is None or q.shape[1] is None:
+        keep = None if bits is None else E.unpack(bits, keys)
+        return 0, q, mask, keep
     start = i * block
     q_j = E.rows(q, start, block, 1)
     mask_j = E.rows(mask, start, block, 2) if _rows_of(mask, None) else mask
     keep_j = None if bits is None else E.unpack(E.rows(bits, start, block, 2), keys)
     return start, q_j, mask_j, keep_j
+
+
+def _keys(E, k):
+    return k.shape[1] if k.shape[1] is not None else E.length(k, 1)
 
 
 def forward(E, probabilities, q, k, v, mask, bits, rate, block):
@@ -173,9 +185,10 @@ def forward(E, probabilities, q, k, v, mask, bits, rate, block):
         bits: None (no dropout) or the dropout's decision packed along the keys
             ([batch, heads, queries, ceil(keys / 8)] uint8).
         rate: the dropout's rate.
-        block: query rows per block.
+        block: query rows per block (None: one block; so too when the queries'
+            number is known only when the core runs).
     """
-    queries, keys = q.shape[1], k.shape[1]
+    queries, keys = q.shape[1], _keys(E, k)
     qp, maskp, bitsp, _, n = _padded(E, q, mask, bits, block)
 
     def body(carry, i):
@@ -191,13 +204,13 @@ def forward(E, probabilities, q, k, v, mask, bits, rate, block):
 
 def backward(E, probabilities, q, k, v, mask, bits, rate, block, d_out):
     """`(dq, dk, dv)` of `forward` for the gradient `d_out` of its result, block by block."""
-    queries, keys = q.shape[1], k.shape[1]
+    queries, keys = q.shape[1], _keys(E, k)
     qp, maskp, bitsp, (d_outp,), n = _padded(E, q, mask, bits, block, (d_out,))
 
     def body(carry, i):
         d_k, d_v = carry
         start, q_j, mask_j, keep_j = _block_inputs(E, i, block, qp, maskp, bitsp, keys)
-        d_out_j = E.rows(d_outp, start, block, 1)
+        d_out_j = d_outp if q_j is qp else E.rows(d_outp, start, block, 1)
         p, pullback = E.vjp(lambda q_j, k: probabilities(q_j, k, mask_j), q_j, k)
         dropped = p if keep_j is None else E.drop(p, keep_j, rate)
         d_v = d_v + E.einsum(D_VALUE, dropped, d_out_j)

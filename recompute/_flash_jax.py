@@ -80,6 +80,9 @@ class _Engine(_flash.Engine):
 
         return jnp.zeros_like(x)
 
+    def length(self, x, axis):
+        return x.shape[axis]  # (static under JAX)
+
 
 ENGINE = _Engine()
 

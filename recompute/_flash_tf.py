@@ -24,12 +24,15 @@ def pack(mask):
     mask = tf.convert_to_tensor(mask)
     keys = mask.shape[-1]
     flat = tf.cast(mask, tf.uint8)
-    if keys % 8:
-        flat = tf.pad(flat, [[0, 0]] * (mask.shape.rank - 1) + [[0, -keys % 8]])
+    pad = tf.math.floormod(-tf.shape(mask)[-1], 8) if keys is None else -keys % 8
+    if keys is None or pad:
+        flat = tf.pad(flat, [[0, 0]] * (mask.shape.rank - 1) + [[0, pad]])
     # (bitcast between rank-2 and rank-1 tensors only: XLA refuses some other shapes)
     words = tf.bitcast(tf.reshape(flat, [-1, 8]), tf.uint64) * tf.constant(_GATHER, tf.uint64)
     packed = tf.cast(tf.bitwise.right_shift(words, tf.constant(56, tf.uint64)), tf.uint8)
-    return tf.reshape(packed, tf.concat([tf.shape(mask)[:-1], [-(-keys // 8)]], 0))
+    packed = tf.reshape(packed, tf.concat([tf.shape(mask)[:-1], [-1]], 0))
+    packed.set_shape(mask.shape[:-1].concatenate([None if keys is None else -(-keys // 8)]))
+    return packed
 
 
 class _Engine(_flash.Engine):
@@ -83,8 +86,10 @@ class _Engine(_flash.Engine):
         flags = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits[..., None], shifts),
                                        tf.ones([], tf.uint8))
         flags = tf.not_equal(flags, tf.zeros([], tf.uint8))
-        flags = tf.reshape(flags, tf.concat([tf.shape(bits)[:-1], [bits.shape[-1] * 8]], 0))
-        return flags[..., :keys] if keys % 8 else flags
+        flags = tf.reshape(flags, tf.concat([tf.shape(bits)[:-1], [-1]], 0))
+        width = bits.shape[-1]
+        flags.set_shape(bits.shape[:-1].concatenate([None if width is None else 8 * width]))
+        return flags if isinstance(keys, int) and keys % 8 == 0 else flags[..., :keys]
 
     def drop(self, x, keep, rate):
         # `tf.nn.experimental.stateless_dropout` and tf_keras's dropout: x * (1 / (1 - rate)),
@@ -100,6 +105,9 @@ class _Engine(_flash.Engine):
 
     def zeros_like(self, x):
         return tf.zeros_like(x)
+
+    def length(self, x, axis):
+        return tf.shape(x)[axis]
 
 
 ENGINE = _Engine()

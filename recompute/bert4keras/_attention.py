@@ -36,69 +36,103 @@ bert4keras's own code (recomputed all the same).
 
 import tensorflow as tf
 
-from .. import _attention as shared
+from .. import _core, _flash, _flash_tf
 
 SCORES_EINSUM = "bjhd,bkhd->bhjk"  # queries x keys, as bert4keras writes it
 P_EINSUM = "bhjk,bkhd->bjhd"  # probabilities x values, as bert4keras writes it
 
 
 def lean_applies(layer, inputs, kwargs):
-    """True if `layer.pay_attention_to(inputs, mask, **kwargs)` is the standard case."""
+    """True if `layer.pay_attention_to(inputs, mask, **kwargs)` is the standard case:
+    softmax, no position bias; an attention bias (`a_bias`: the language model's
+    causal mask, UniLM's) is supported."""
     return (
         getattr(layer, "normalization", None) == "softmax"
-        and not kwargs.get("a_bias")
         and not kwargs.get("p_bias")
-        and len(inputs) == 3
+        and len(inputs) == (4 if kwargs.get("a_bias") else 3)
     )
 
 
+def _aligned_bias(inputs):
+    """The attention bias of `inputs` (`a_bias`, bool or float) as rank 4, or None."""
+    if len(inputs) < 4:
+        return None
+    bias = inputs[3]
+    if bias.shape.rank == 3:  # as bert4keras aligns it: [batch, 1, queries, keys]
+        return bias[:, None]
+    while bias.shape.rank < 4:
+        bias = bias[None]
+    return bias
+
+
 def _probabilities(layer, mask):
-    """`(qw, kw) -> (probs, a)` of bert4keras's core: the softmax and the scaled scores."""
+    """`(qw, kw) -> probs` of bert4keras's core for a block of queries: the scale
+    folded into the queries, the keys' padding an additive bias of 0 and -inf."""
     v_mask = mask[1] if mask is not None else None
 
-    def probabilities(qw, kw, again=False):  # (`again`: the same ops either way)
-        if layer.attention_scale:
-            qw = qw * tf.cast(layer.key_size ** -0.5, qw.dtype)
-        a = tf.einsum(SCORES_EINSUM, qw, kw)
-        if v_mask is None:
-            return tf.nn.softmax(a, axis=-1), a
-        keys = tf.cast(v_mask, tf.bool)[:, None, None, :]
-        bias = tf.where(keys, tf.zeros([], a.dtype), tf.constant(-float("inf"), a.dtype))
-        return tf.nn.softmax(a + bias, axis=-1), a
+    def probabilities(qw, kw, a_bias=None):  # `a_bias`: this block's rows of the attention bias
+        a = tf.einsum(SCORES_EINSUM, _scaled(layer, qw), kw)
+        if v_mask is not None:
+            keys = tf.cast(v_mask, tf.bool)[:, None, None, :]
+            a = a + tf.where(keys, tf.zeros([], a.dtype), tf.constant(-float("inf"), a.dtype))
+        if a_bias is not None:  # as bert4keras's `sequence_masking`
+            a = tf.where(a_bias, a, tf.constant(-float("inf"), a.dtype)) \
+                if a_bias.dtype == tf.bool else a + tf.cast(a_bias, a.dtype)
+        return tf.nn.softmax(a, axis=-1)
 
     return probabilities
 
 
-def lean_pay_attention_to(layer, inputs, mask, dropout):
+def _scaled(layer, qw):
+    return qw * tf.cast(layer.key_size ** -0.5, qw.dtype) if layer.attention_scale else qw
+
+
+def _decision(layer, qw, kw, dropout):
+    """`(bits, rate)`: the dropout's decision, drawn by bert4keras's own `Dropout` layer on
+    ones of the probabilities' shape, as bits; `rate` is 0 where it did not run (inference)."""
+    rate = layer.attention_dropout
+    if not rate:
+        return None, 0.0
+    shape = tf.stack([tf.shape(qw)[2], tf.shape(qw)[1], tf.shape(kw)[1]])
+    ones = _flash_tf.ones(qw, shape, qw.dtype)
+    dropped = dropout(rate)(ones)
+    ran = tf.reduce_any(tf.not_equal(dropped, ones))
+    return _flash_tf.pack(tf.not_equal(dropped, tf.zeros([], dropped.dtype))), \
+        tf.where(ran, tf.constant(rate, tf.float32), 0.0)
+
+
+def lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked=True):
     """bert4keras's `pay_attention_to(inputs, mask)` for the standard case
-    (`lean_applies`), computed as the module docstring says, with a gradient that
-    keeps the softmax output and the dropout's bits (inside a recomputed layer or block).
+    (`lean_applies`) as the blocked attention core (`recompute._flash_tf`): it keeps
+    its inputs and the dropout's bits, and holds one block of [.., seq, seq] floats
+    at a time, forward and backward.
 
     Args:
         layer: the bert4keras attention layer (its `key_size`,
             `attention_scale`, `attention_dropout`).
-        inputs: `[qw, kw, vw]`, [batch, seq, heads, size] each.
+        inputs: `[qw, kw, vw]`, [batch, seq, heads, size] each (and the attention
+            bias, with `a_bias=True`).
         mask: `[q_mask, v_mask]` (either may be None).
         dropout: `dropout(rate)`, returning the `Dropout` layer bert4keras
             would create here.
+        scores_asked: whether the caller uses the scores (else None is returned).
 
     Returns:
         `(o, a)` as bert4keras: the attended values [batch, seq, heads, size]
-        and the (scaled, unmasked) scores [batch, heads, seq, seq].
+        and the (scaled, unmasked) scores [batch, heads, seq, seq] (computed
+        whole, when asked: in a `tf.function` they are pruned when unused).
     """
-    qw, kw, vw = inputs
-    probs, a = _probabilities(layer, mask)(qw, kw)
-    rate = layer.attention_dropout
-    o = shared.dropout_then_combine(probs, vw, dropout(rate) if rate else None, rate, P_EINSUM)
+    qw, kw, vw = inputs[:3]
+    bits, rate = _core.kept(lambda: _decision(layer, qw, kw, dropout))
+    queries, keys = qw.shape[1], kw.shape[1]
+    block = None if None in (queries, keys) else _flash.block_rows(queries, keys)
+    o = _flash_tf.attention(_probabilities(layer, mask), qw, kw, vw, _aligned_bias(inputs), bits,
+                            rate, block)
+    a = tf.einsum(SCORES_EINSUM, _scaled(layer, qw), kw) if scores_asked else None
     return o, a
 
 
 def recomputed_pay_attention_to(layer, inputs, mask, dropout, scores_asked):
-    """The same under `patch(policy="attention")` with a tape recording: a unit that
-    keeps its inputs and the dropout's bits and recomputes the softmax for
-    the gradient (`recompute._attention.recomputed_core`). Returns `(o, a or None)`."""
-    qw, kw, vw = inputs
-    rate = layer.attention_dropout
-    return shared.recomputed_core(_probabilities(layer, mask), qw, kw, vw,
-                                  dropout(rate) if rate else None, rate, P_EINSUM,
-                                  second_asked=scores_asked)
+    """The same under `patch(policy="attention")` with a tape recording (the blocked
+    core is one unit already). Returns `(o, a or None)`."""
+    return lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked)

@@ -103,11 +103,9 @@ def test_attention_dropout_drawn_once_per_step(config_path, monkeypatch, policy)
     """With a tape, dropout on and padding: each attention layer's dropout runs once
     per step (its bool decision is kept, not redrawn by the recomputation), and
     the loss and gradients equal RECOMPUTE=0's."""
-    from recompute import _attention as shared
-
     draws = []
-    real = shared._drop
-    monkeypatch.setattr(shared, "_drop", lambda *a, **k: draws.append(1) or real(*a, **k))
+    real = _attention._decision
+    monkeypatch.setattr(_attention, "_decision", lambda *a, **k: draws.append(1) or real(*a, **k))
     token_ids, segment_ids, labels = batch()
     results = []
     for on in (False, True):
@@ -151,24 +149,40 @@ def test_inference_and_no_dropout_equal_too(config_path, lean_calls):
 
 
 @pytest.mark.parametrize("policy", ["layer", "attention"])
-def test_non_standard_attention_runs_bert4keras_code(config_path, lean_calls, policy):
-    """A language model's causal attention bias is not the lean case: bert4keras's own
-    core runs (recomputed), gradients still exact."""
+def test_language_model_causal_bias_is_blocked(config_path, lean_calls, policy):
+    """A language model's causal attention bias (`a_bias`) runs in the blocked core too
+    (blocks of 4 rows: the bias is cut with the queries); gradients exact."""
     token_ids, segment_ids, labels = batch()
     results = []
     for on in (False, True):
         rb.patch(policy=policy)
         model = build(config_path, application="lm")
+        with recompute.recompute_scope(on), recompute.attention_block_size(4):
+            lean_calls.clear()
+            results.append(loss_and_grads(model, token_ids, segment_ids, labels))
+        # 2 layers; "layer" runs each core again in its recomputation
+        assert len(lean_calls) == (0 if not on else 2 if policy == "attention" else 4)
+    assert_all_close(results[0], results[1])
+
+
+@pytest.mark.parametrize("policy", ["layer", "attention"])
+def test_non_standard_attention_runs_bert4keras_code(config_path, lean_calls, policy):
+    """RoFormer's rotary position bias (`p_bias`) is not the standard case: bert4keras's own
+    core runs (recomputed), gradients still exact."""
+    token_ids, segment_ids, labels = batch()
+    results = []
+    for on in (False, True):
+        rb.patch(policy=policy)
+        model = build(config_path, model="roformer")
         with recompute.recompute_scope(on):
             results.append(loss_and_grads(model, token_ids, segment_ids, labels))
     assert lean_calls == []
     assert_all_close(results[0], results[1])
 
 
-def test_lean_core_keeps_only_the_softmax_and_a_bool_mask():
+def test_blocked_core_keeps_no_attention_matrix():
     """Under a tape, the [.., seq, seq] float tensors the gradient reads: bert4keras's
-    core keeps several; the lean core only the softmax output (the dropout mask it
-    keeps is bool)."""
+    core keeps several; the blocked core none (its dropout decision is kept as bits)."""
     rb.patch(policy="layer")
     layer = B.MultiHeadAttention(heads=4, head_size=16, attention_dropout=0.2)
     layer.build([[None, SEQ, 64]] * 3)
@@ -201,7 +215,7 @@ def test_lean_core_keeps_only_the_softmax_and_a_bool_mask():
         finally:
             _patch._attending.stack = []
 
-    assert forward_tensors_kept(graph(lean), (SEQ, SEQ)) == {"Softmax"}
+    assert forward_tensors_kept(graph(lean), (SEQ, SEQ)) == set()
     assert len(forward_tensors_kept(graph(bert4keras), (SEQ, SEQ))) >= 3
 
 

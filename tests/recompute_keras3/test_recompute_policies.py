@@ -68,39 +68,3 @@ def test_bad_policies_are_refused():
         recompute_grad(policy="block")
     with pytest.raises(TypeError, match=r"keyword argument: `@recompute_grad\(policy='attention'\)`"):
         recompute_grad("attention")
-
-
-def test_lean_product_gradient_equations():
-    """`dropout_then_combine` takes its gradients by the transposed products; it
-    refuses an equation where those would not be the gradients."""
-    from recompute import _attention
-
-    assert _attention._gradient_equations("acbe,aecd->abcd") == ("abcd,aecd->acbe", "acbe,abcd->aecd")
-    assert _attention._gradient_equations("ab,bc->a") is None  # c summed within one operand
-    assert _attention._gradient_equations("aab,bc->ac") is None  # a diagonal
-
-
-def test_lean_product_matches_autodiff():
-    """`dropout_then_combine` against autodiff of `einsum(where(keep, p * scale, 0), v)`."""
-    from recompute import _attention
-
-    rng = np.random.RandomState(0)
-    p = tf.nn.softmax(tf.constant(rng.randn(2, 3, 5, 5), tf.float32))
-    v = tf.constant(rng.randn(2, 5, 3, 4), tf.float32)
-    keep = tf.constant(rng.rand(2, 3, 5, 5) > 0.3)
-    scale = tf.constant(1 / (1 - 0.3), tf.float32)
-    eq = "acbe,aecd->abcd"
-
-    def dropout(x):
-        return tf.where(keep, x * scale, tf.zeros([], x.dtype))
-
-    results = []
-    for fn in (lambda p, v: tf.einsum(eq, dropout(p), v),
-               lambda p, v: _attention.dropout_then_combine(p, v, dropout, 0.3, eq, training=True)):
-        with tf.GradientTape() as tape:
-            tape.watch([p, v])
-            out = fn(p, v)
-            loss = tf.reduce_sum(out * tf.cos(out))
-        results.append([out.numpy()] + [g.numpy() for g in tape.gradient(loss, [p, v])])
-    np.testing.assert_array_equal(results[0][0], results[1][0])
-    assert_all_close(results[0], results[1])
