@@ -18,6 +18,9 @@ saves the figures):
   are importable already, Hugging Face BERT (sdpa and eager attention, with
   and without gradient checkpointing): MiB per sample, memory and step-time
   ratios within each framework, the batch in a budget, first losses.
+- `python -m benchmarks.attention_seq`: activation memory per sample of the
+  standard Keras 3 block against the sequence length, per policy (through
+  `recompute_memory`); a table and a PNG (docs/attention.md).
 - `python -m benchmarks.xla_remat_temp`: whether XLA's compiled temp buffer
   shrinks when blocks are recomputed (`jax.checkpoint`, and a recomputation
   that waits for the cotangent); JAX only.

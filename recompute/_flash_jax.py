@@ -85,6 +85,7 @@ class _Engine(_flash.Engine):
 
 
 ENGINE = _Engine()
+NAME = "jax"
 
 
 def ones(batch_like, shape, dtype):

@@ -82,6 +82,7 @@ class _Engine(_flash.Engine):
 
     def unpack(self, bits, keys):
         # (shifts, not a bitcast: XLA refuses to bitcast uint64 to uint8 inside the loop)
+        bits = tf.convert_to_tensor(bits)
         shifts = tf.constant(list(range(8)), tf.uint8)
         flags = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits[..., None], shifts),
                                        tf.ones([], tf.uint8))
@@ -111,6 +112,7 @@ class _Engine(_flash.Engine):
 
 
 ENGINE = _Engine()
+NAME = "tensorflow"
 
 
 def ones(batch_like, shape, dtype):

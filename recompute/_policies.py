@@ -36,10 +36,15 @@ from . import _attention, _core, _flash_tf, _gelu, _tf
 
 def full(adapter, fn, layer, args, kwargs):
     """The whole call is recomputed; its attention cores run blocked (`_flash`)."""
-    layers = adapter.attention_layers(adapter.sublayers(layer))
-    if layers:
-        fn = with_blocked_cores(fn, lambda: _cores_recomputed(adapter, layers))
-    return _core.recomputed_call(adapter, fn, layer, args, kwargs)
+    sublayers = adapter.sublayers(layer)
+    layers = adapter.attention_layers(sublayers)
+
+    @contextlib.contextmanager
+    def lean():
+        with _cores_recomputed(adapter, layers), _gelu.kept_input(sublayers):
+            yield
+
+    return _core.recomputed_call(adapter, with_blocked_cores(fn, lean), layer, args, kwargs)
 
 
 def with_blocked_cores(fn, cores):

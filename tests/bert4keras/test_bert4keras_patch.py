@@ -12,7 +12,7 @@ if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") !=
 import recompute  # noqa: E402
 import recompute.bert4keras as rb  # noqa: E402
 import recompute.bert4keras._patch as rbp  # noqa: E402
-from recompute import _attention as shared_attention, _core  # noqa: E402
+from recompute import _core, _flash_tf  # noqa: E402
 
 # The import hook must patch a bert4keras imported after `patch()`.
 assert "bert4keras.layers" not in sys.modules
@@ -213,8 +213,8 @@ def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, m
 
     monkeypatch.setattr(_core, "recomputed_call", counting)
     cores = {"n": 0}
-    real_core = shared_attention.recomputed_core
-    monkeypatch.setattr(shared_attention, "recomputed_core",
+    real_core = _flash_tf.attention
+    monkeypatch.setattr(_flash_tf, "attention",
                         lambda *a, **k: cores.__setitem__("n", cores["n"] + 1) or real_core(*a, **k))
     token_ids, segment_ids, labels = batch()
     results = []
@@ -232,11 +232,12 @@ def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, m
     assert_all_close(results[0], results[1])
     # Each step: the two Transformer blocks (or their attention, feed-forward
     # and two layer norms) and the embedding layer norm; or, under "attention",
-    # the five layer norms, and the two attention cores as units of their own
-    # (`recomputed_core`: the dropout's mask kept, not redrawn).
+    # the five layer norms. The two attention cores run blocked (`_flash_tf.attention`,
+    # the dropout's mask kept, not redrawn): once per step under "attention", twice
+    # (forward pass and recomputation) under the others.
     assert calls["n"] == 2 * {"block": 2 + 1, "block_keep_ffn": 2 + 1, "layer": 2 * 4 + 1,
                               "attention": 2 * 2 + 1}[policy]
-    assert cores["n"] == (2 * 2 if policy == "attention" else 0)
+    assert cores["n"] == 2 * 2 * (1 if policy == "attention" else 2)
 
 
 def test_dropout_on_fit_matches(dropout_config_path, replayable_rng, policy):

@@ -202,8 +202,14 @@ def attention_matrices_in_backward(graph, seq=SEQ):
     query row against every key: [.., rows >= seq, seq]."""
     ops = graph.get_operations()
     first = next(i for i, op in enumerate(ops) if op.name.startswith("gradient_tape/"))
+    # What the function runs: the ancestors of its outputs (TensorFlow prunes the rest,
+    # e.g. tf_keras's attention scores, computed beside the blocked core and unused).
+    live = set()
+    for t in list(graph.outputs) + [op.outputs[0] for op in graph.control_outputs if op.outputs]:
+        live |= ancestors(t.op)
     found = set()
-    for op in _ops_with_bodies(graph, ops[first:]):
+    backward = [op for op in ops[first:] if op.name in live]
+    for op in _ops_with_bodies(graph, backward):
         for t in op.outputs:
             if (t.dtype.is_floating and t.shape.rank is not None and t.shape.rank >= 3
                     and t.shape[-1] == seq and t.shape[-2] is not None and t.shape[-2] >= seq):
@@ -259,19 +265,23 @@ def check_backward_holds_no_attention_matrix(K, policy):
 
 
 def check_gelus_keep_their_input(K, policy, monkeypatch):
-    """The blocks' exact GELUs run as `recompute._gelu.keeping_input` under
-    "attention" (recomputation on), and their shadowing is undone after the call;
-    "full" recomputes them as written."""
+    """The blocks' exact GELUs run as `recompute._gelu.keeping_input` under both
+    policies (recomputation on: once per block under "attention", in the forward
+    pass and the recomputation under "full"), and their shadowing is undone after
+    the call."""
     from recompute import _gelu
 
     calls = []
     real = _gelu.keeping_input
     monkeypatch.setattr(_gelu, "keeping_input", lambda fn: calls.append(fn) or real(fn))
     model = run(K, policy, True, "eager")[4]
-    assert len(calls) == (0 if policy == "full" else 2)  # 2 blocks
+    assert len(calls) == (4 if policy == "full" else 2)  # 2 blocks
     assert all(_gelu.is_exact_gelu(fn) for fn in calls)
     dense = [block.ffn1 for block in model.layers if hasattr(block, "ffn1")]
     assert len(dense) == 2 and all(_gelu.is_exact_gelu(lyr.activation) for lyr in dense)  # restored
+    calls.clear()
+    run(K, policy, False, "eager")
+    assert calls == []
 
 
 def check_recomputation_draws_nothing(K):

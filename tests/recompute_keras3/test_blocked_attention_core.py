@@ -136,3 +136,27 @@ def test_block_rows_default_and_override():
     for bad in (0, -1, 2.5, True, "8"):
         with pytest.raises(ValueError, match=r"`rows` must be an integer >= 1 or None\. Received: rows="):
             recompute.attention_block_size(bad)
+
+
+def test_keras3_tf_decision_is_the_dropout_layers_own():
+    """On Keras 3's TensorFlow backend the blocked core draws the dropout's decision as
+    `uniform >= rate` on the layer's seed generator (no float ones and products): the
+    very mask `keras.layers.Dropout` draws from the same state, and the same state after."""
+    import keras
+    import tensorflow as tf
+
+    from recompute import _attention, _flash_tf
+
+    dropout = keras.layers.Dropout(0.3, seed=5)
+    batch_like = tf.zeros([2, 1])
+    start = np.asarray(dropout.seed_generator.state.value)
+    keep = _attention._keras3_tf_keep(_flash_tf, dropout, batch_like, [3, 7, 9], "float32")
+    after = np.asarray(dropout.seed_generator.state.value)
+    dropout.seed_generator.state.assign(start)
+    own = dropout(tf.ones([2, 3, 7, 9]), training=True) != 0
+    np.testing.assert_array_equal(keep.numpy(), own.numpy())
+    np.testing.assert_array_equal(after, np.asarray(dropout.seed_generator.state.value))
+    assert 0.5 < keep.numpy().mean() < 0.9
+    # Not for another dropout: a noise shape, a subclass.
+    assert _attention._keras3_tf_keep(_flash_tf, keras.layers.Dropout(0.3, noise_shape=(1,)),
+                                      batch_like, [3, 7, 9], "float32") is None
