@@ -8,7 +8,8 @@ For every sequence length, runs `benchmarks.recompute_memory --model standard`
 (the standard Keras 3 block: `MultiHeadAttention`, GELU FFN, dropout 0.1, at
 BERT-base width: hidden 768, 12 heads, FFN 3072; `--layers` blocks) for the
 modes asked (`0` = RECOMPUTE=0, `full`, `attention`), each configuration in a
-fresh process, and reads its per-sample activation memory (TensorFlow's
+fresh process (a vocabulary of 1000: the embedding's gradient is not what is
+measured), and reads its per-sample activation memory (TensorFlow's
 allocator, the slope between `--batch-sizes`). Prints one table -- MiB per
 sample per mode and length, and each length's ratio to the shortest one's --
 and draws it as a PNG (`--plot`; log-log axes, with the slopes of a linear and
@@ -51,6 +52,12 @@ def parse_args(argv=None):
                              "RECOMPUTE=0's attention matrices do not fit in 24 GiB)")
     parser.add_argument("--layers", type=harness.positive_int, default=4,
                         help="blocks (default 4)")
+    parser.add_argument("--hidden", type=harness.positive_int, default=768,
+                        help="hidden size (default 768)")
+    parser.add_argument("--heads", type=harness.positive_int, default=12,
+                        help="attention heads (default 12)")
+    parser.add_argument("--ffn", type=harness.positive_int, default=3072,
+                        help="FFN inner size (default 3072)")
     parser.add_argument("--batch-sizes", type=harness.int_list, default=[1, 2],
                         help="comma-separated batch sizes of the slope (default 1,2)")
     parser.add_argument("--steps", type=harness.positive_int, default=2,
@@ -75,7 +82,8 @@ def measure(seq, modes, args):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "benchmarks.recompute_memory", "--model", "standard",
-               "--layers", str(args.layers), "--seq", str(seq), "--modes", ",".join(modes),
+               "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
+               "--ffn", str(args.ffn), "--vocab", "1000", "--seq", str(seq), "--modes", ",".join(modes),
                "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--steps", str(args.steps),
                "--json", out]
         _progress(f"seq {seq}: {' '.join(cmd[1:])}")
@@ -144,7 +152,8 @@ def main(argv=None):
         results[seq] = measure(seq, modes, args)
     with harness.report_to_docs(args.docs, TOOL, argv):
         print(f"activation MiB per sample (x: against seq {args.seqs[0]}); standard Keras 3 "
-              f"block x {args.layers}, hidden 768, 12 heads, FFN 3072, dropout 0.1; "
+              f"block x {args.layers}, hidden {args.hidden}, {args.heads} heads, FFN {args.ffn}, "
+              f"dropout 0.1; "
               f"batches {','.join(map(str, args.batch_sizes))}; TensorFlow's CPU allocator\n")
         print(table(args.seqs, results, args.modes))
     if args.plot:

@@ -66,7 +66,7 @@ def step(model, on, block):
     return float(loss), [np.asarray(g) for g in grads]
 
 
-@pytest.mark.parametrize("block", [None, 5, 1])
+@pytest.mark.parametrize("block", [None, 5, pytest.param(1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("masks", ["padding", "causal", "causal+padding"])
 @pytest.mark.parametrize("policy", ["full", "attention"])
 def test_blocked_cores_match_no_recompute(policy, masks, block):

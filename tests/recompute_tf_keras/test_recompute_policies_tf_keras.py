@@ -16,7 +16,7 @@ def tf_random_generator():
 
 @pytest.mark.parametrize("mode", ["eager", "function", "jit"])
 @pytest.mark.parametrize("policy", ["full", "attention"])
-@pytest.mark.parametrize("block", [None, 4, 1])
+@pytest.mark.parametrize("block", [None, 4, pytest.param(1, marks=pytest.mark.slow)])
 def test_policy_matches_no_recompute(policy, mode, block):
     blocks.check_policy_matches(K, policy, mode, block)
 
