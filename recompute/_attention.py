@@ -82,12 +82,12 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
     def decide():
         if not training:
             return None
-        keep = _keras3_tf_keep(engine, layer._dropout_layer, query, [heads, queries, keys], dtype)
-        if keep is None:
-            dropped = layer._dropout_layer(engine.ones(query, [heads, queries, keys], dtype),
-                                           training=training)
-            keep = dropped != 0
-        return engine.pack(keep)
+        bits = _keras3_tf_bits(engine, layer._dropout_layer, query, [heads, queries, keys], dtype)
+        if bits is not None:
+            return bits
+        dropped = layer._dropout_layer(engine.ones(query, [heads, queries, keys], dtype),
+                                       training=training)
+        return engine.pack(dropped != 0)
 
     bits = _core.kept(decide)
     output = engine.attention(probabilities, query, key, value, mask, bits, rate,
@@ -96,22 +96,26 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
     return output, scores
 
 
-def _keras3_tf_keep(engine, dropout, batch_like, shape, dtype):
-    """The keep-mask of Keras 3's `Dropout` on the TensorFlow backend, drawn as it draws it
-    -- `uniform >= rate` on a seed of its seed generator -- without the float tensors of
-    `dropout(ones)` (the ones, their scaled copy, the cast mask and the product: on
-    TensorFlow without XLA, three more [batch, heads, seq, seq] floats alive at once).
-    None for any other dropout (tf_keras's; JAX, where XLA fuses `dropout(ones)`).
-    `test_blocked_attention_core.py` checks that the masks are the layer's own."""
+def _keras3_tf_bits(engine, dropout, batch_like, shape, dtype):
+    """The decision of Keras 3's `Dropout` on the TensorFlow backend, as bits, drawn as it
+    draws it -- `uniform >= rate` on a seed of its seed generator -- but in chunks
+    (`_flash_tf.stateless_keep_bits`): without the whole [batch, heads, seq, seq] uniform
+    draw (nor the ones, scaled copy, cast mask and product of `dropout(ones)`). None for
+    any other dropout (tf_keras's; JAX, where XLA fuses `dropout(ones)`) and other dtypes
+    than float32. `test_blocked_attention_core.py` checks that the masks are the layer's own."""
     import sys
 
     keras = sys.modules.get("keras")
     if (engine.NAME != "tensorflow" or keras is None or type(dropout) is not getattr(
             getattr(keras, "layers", None), "Dropout", None)
-            or dropout.noise_shape is not None or keras.backend.backend() != "tensorflow"):
+            or dropout.noise_shape is not None or keras.backend.backend() != "tensorflow"
+            or keras.backend.standardize_dtype(dtype) != "float32"):
         return None
     import tensorflow as tf
 
-    full = tf.concat([tf.shape(batch_like)[:1], shape], 0)
-    uniform = keras.random.uniform(full, dtype=dtype, seed=dropout.seed_generator)
-    return uniform >= tf.cast(dropout.rate, uniform.dtype)
+    # The seed Keras's TensorFlow dropout draws: the generator's next seed, as int32.
+    seed = dropout.seed_generator.next()
+    if seed.dtype != tf.int32:
+        seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
+    rows = tf.concat([tf.shape(batch_like)[:1], shape[:-1]], 0)
+    return engine.stateless_keep_bits(seed, rows, shape[-1], dropout.rate)

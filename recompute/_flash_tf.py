@@ -114,6 +114,53 @@ class _Engine(_flash.Engine):
 ENGINE = _Engine()
 NAME = "tensorflow"
 
+DRAW_ELEMENTS = 1 << 20  # random numbers per chunk of `stateless_keep_bits`: 4 MiB of float32
+
+
+def stateless_keep_bits(seed, rows_shape, keys, rate):
+    """The bits of `tf.random.stateless_uniform(rows_shape + [keys], seed) >= rate`
+    (float32), drawn in chunks of rows: `pack` of that mask, without the whole
+    uniform tensor.
+
+    TensorFlow's stateless Philox generator gives element `i` of a draw the
+    `i % 4`-th number of the block at counter `c + i // 4`, where `(key, c)`
+    come from the seed (`StatelessRandomGetKeyCounter`); so a chunk of
+    consecutive elements starting at a multiple of 4 is the draw of its size at
+    the counter advanced by its offset / 4 -- on TensorFlow's kernels and under
+    XLA alike (each with its own numbers; tested). Chunks are whole rows of
+    `keys`, a multiple of 4 rows, one at a time.
+
+    Args:
+        seed: the int32 [2] seed `tf.random.stateless_uniform` takes.
+        rows_shape: a 1-D int32 tensor, the shape without the last axis.
+        keys: the last axis's length (a Python int).
+        rate: the dropout's rate (a Python float).
+
+    Returns:
+        uint8 bits of shape `rows_shape + [ceil(keys / 8)]`.
+    """
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+    alg = tf.raw_ops.StatelessRandomGetAlg()
+    rows = tf.reduce_prod(rows_shape)
+    chunk = max(4, (DRAW_ELEMENTS // keys) // 4 * 4)
+    n = (rows + chunk - 1) // chunk
+    low, high = counter[0], counter[1]
+
+    def step(i, array):
+        offset = tf.cast(i, tf.uint64) * tf.constant(chunk * keys // 4, tf.uint64)
+        new_low = low + offset
+        new_high = high + tf.cast(new_low < low, tf.uint64)  # the carry
+        uniform = tf.raw_ops.StatelessRandomUniformV2(
+            shape=[chunk, keys], key=key, counter=tf.stack([new_low, new_high]), alg=alg,
+            dtype=tf.float32)
+        return i + 1, array.write(i, pack(uniform >= tf.constant(rate, tf.float32)))
+
+    array = tf.TensorArray(tf.uint8, size=n, element_shape=[chunk, -(-keys // 8)])
+    _, array = tf.while_loop(lambda i, _: i < n, step, (tf.constant(0), array),
+                             parallel_iterations=1)
+    bits = array.concat()[:rows]
+    return tf.reshape(bits, tf.concat([rows_shape, [-(-keys // 8)]], 0))
+
 
 def ones(batch_like, shape, dtype):
     """Ones of `[batch of batch_like] + shape` (what the dropout's decision is drawn on)."""

@@ -138,25 +138,41 @@ def test_block_rows_default_and_override():
             recompute.attention_block_size(bad)
 
 
-def test_keras3_tf_decision_is_the_dropout_layers_own():
-    """On Keras 3's TensorFlow backend the blocked core draws the dropout's decision as
-    `uniform >= rate` on the layer's seed generator (no float ones and products): the
-    very mask `keras.layers.Dropout` draws from the same state, and the same state after."""
+@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
+@pytest.mark.parametrize("keys", [12, 9, 1000])
+def test_keras3_tf_decision_is_the_dropout_layers_own(mode, keys, monkeypatch):
+    """On Keras 3's TensorFlow backend the blocked core draws the dropout's decision in
+    chunks of rows (`_flash_tf.stateless_keep_bits`: no whole uniform tensor): the very
+    mask `keras.layers.Dropout` draws from the same state -- over several chunks, a last
+    partial one, keys not a multiple of 8 -- and the same state after, in eager mode,
+    `tf.function` and XLA."""
     import keras
     import tensorflow as tf
 
     from recompute import _attention, _flash_tf
 
+    monkeypatch.setattr(_flash_tf, "DRAW_ELEMENTS", 96)  # several chunks here
     dropout = keras.layers.Dropout(0.3, seed=5)
     batch_like = tf.zeros([2, 1])
+    shape = [3, 7, keys]
+
+    def ours():
+        bits = _attention._keras3_tf_bits(_flash_tf, dropout, batch_like, shape, "float32")
+        return _flash_tf.ENGINE.unpack(bits, keys)
+
+    def own():
+        return dropout(tf.ones([2] + shape), training=True) != 0
+
+    if mode != "eager":
+        ours, own = (tf.function(f, jit_compile=mode == "jit") for f in (ours, own))
     start = np.asarray(dropout.seed_generator.state.value)
-    keep = _attention._keras3_tf_keep(_flash_tf, dropout, batch_like, [3, 7, 9], "float32")
+    keep = ours().numpy()
     after = np.asarray(dropout.seed_generator.state.value)
     dropout.seed_generator.state.assign(start)
-    own = dropout(tf.ones([2, 3, 7, 9]), training=True) != 0
-    np.testing.assert_array_equal(keep.numpy(), own.numpy())
+    np.testing.assert_array_equal(keep, own().numpy())
     np.testing.assert_array_equal(after, np.asarray(dropout.seed_generator.state.value))
-    assert 0.5 < keep.numpy().mean() < 0.9
-    # Not for another dropout: a noise shape, a subclass.
-    assert _attention._keras3_tf_keep(_flash_tf, keras.layers.Dropout(0.3, noise_shape=(1,)),
-                                      batch_like, [3, 7, 9], "float32") is None
+    assert 0.5 < keep.mean() < 0.9
+    # Not for another dropout (a noise shape) or dtype.
+    noisy = keras.layers.Dropout(0.3, noise_shape=(1,))
+    assert _attention._keras3_tf_bits(_flash_tf, noisy, batch_like, shape, "float32") is None
+    assert _attention._keras3_tf_bits(_flash_tf, dropout, batch_like, shape, "float16") is None
