@@ -7,23 +7,26 @@ and a tape records (`recompute_grad` decides that and passes the layer's
 
 - `full`: the call is one unit (`_core.recomputed_call`). The forward pass keeps
   only the call's inputs; the backward pass runs the whole call again: about
-  one extra forward pass of the layer. Gradients are bit for bit those of
-  RECOMPUTE=0 (a lean attention core and the GELU of `_gelu` here measured no
-  smaller beyond noise, and TensorFlow's graph rewrites round that GELU's
-  gradient differently from the plain one's in `fit`: not bit for bit).
+  one extra forward pass of the layer. Its GELUs run as written (the GELU of
+  `_gelu` measured no smaller here beyond noise, and with it Adam turned
+  rounding-level differences of analytically zero gradients into whole steps
+  in `fit`).
 - `attention`: the call runs as usual and keeps its activations, except in the
   *attention core* of every multi-head attention layer it contains (Keras's
   `MultiHeadAttention._compute_attention`: scaled scores, mask, softmax,
-  dropout, probabilities × values). Each core keeps only its inputs (the
-  projected queries, keys and values and the mask) and runs again in the
-  backward pass: the selective recomputation of Megatron-LM (Korthikanti et
-  al., 2022). The [heads, seq, seq] tensors, which grow with seq², are not
-  kept; the recomputation costs the attention's share of the forward pass.
-  Keras's own cores run lean (`_attention`): their dropout decision is drawn
-  once, in the forward pass, and kept as bits (1 bit per entry), so
-  the recomputation draws no random numbers. A subclass's core runs as written
-  (and redraws its dropout, replayed). Exact GELUs of `Dense` sublayers keep
-  only their input (`_gelu`): one [seq, ffn] tensor per block instead of four.
+  dropout, probabilities × values), which keeps only its inputs and the
+  dropout's decision as bits and runs again in the backward pass: the
+  selective recomputation of Megatron-LM (Korthikanti et al., 2022). Exact
+  GELUs of `Dense` sublayers keep only their input (`_gelu`): one [seq, ffn]
+  tensor per block instead of four.
+
+Under both, Keras's own cores run as the blocked attention core
+(`_attention.keras_blocked`, `_flash`): one block of query rows alive at a time,
+forward and backward, the dropout's decision drawn once by the layer's own
+dropout and kept as bits (through the recomputation of "full" too: `_core.kept`);
+losses and gradients equal RECOMPUTE=0's to float rounding. A core that is not
+the standard case runs as written: under "attention" recomputed as a call of
+its own (its dropout replayed), under "full" with the call.
 
 `recompute_core` recomputes one such core; `recompute.bert4keras` uses it for
 bert4keras's `pay_attention_to`.
@@ -36,15 +39,10 @@ from . import _attention, _core, _flash_tf, _gelu, _tf
 
 def full(adapter, fn, layer, args, kwargs):
     """The whole call is recomputed; its attention cores run blocked (`_flash`)."""
-    sublayers = adapter.sublayers(layer)
-    layers = adapter.attention_layers(sublayers)
-
-    @contextlib.contextmanager
-    def lean():
-        with _cores_recomputed(adapter, layers), _gelu.kept_input(sublayers):
-            yield
-
-    return _core.recomputed_call(adapter, with_blocked_cores(fn, lean), layer, args, kwargs)
+    layers = adapter.attention_layers(adapter.sublayers(layer))
+    if layers:
+        fn = with_blocked_cores(fn, lambda: _cores_recomputed(adapter, layers))
+    return _core.recomputed_call(adapter, fn, layer, args, kwargs)
 
 
 def with_blocked_cores(fn, cores):
