@@ -51,7 +51,9 @@ def data(n=3):
     return x, keys, rng.normal(size=(n, 1)).astype("float32")
 
 
-def step(model, on, block):
+def loss_of(model, on):
+    """`(loss_fn, trainable)`: the mean squared error of `model` on `data()` as a function of
+    its trainable values (`stateless_call`, training, RECOMPUTE `on`)."""
     x, keys, y = data()
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
@@ -61,6 +63,11 @@ def step(model, on, block):
             out, _ = model.stateless_call(trainable, non_trainable, [x, keys], training=True)
         return jnp.mean((out - y) ** 2)
 
+    return loss_fn, trainable
+
+
+def step(model, on, block):
+    loss_fn, trainable = loss_of(model, on)
     with recompute.attention_block_size(block):
         loss, grads = jax.jit(jax.value_and_grad(loss_fn))(trainable)
     return float(loss), [np.asarray(g) for g in grads]
@@ -95,16 +102,7 @@ def test_fit_matches(policy):
 
 def saved_attention_matrices(model, on):
     """The shapes of the float residuals of the backward pass that hold [.., seq, seq]."""
-    x, keys, _ = data()
-    trainable = [v.value for v in model.trainable_variables]
-    non_trainable = [v.value for v in model.non_trainable_variables]
-
-    def loss_fn(trainable):
-        with recompute_scope(on):
-            out, _ = model.stateless_call(trainable, non_trainable, [x, keys], training=True)
-        return jnp.sum(out**2)
-
-    _, vjp = jax.vjp(loss_fn, trainable)
+    _, vjp = jax.vjp(*loss_of(model, on))
     return [leaf.shape for leaf in jax.tree_util.tree_leaves(vjp)
             if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
             and leaf.ndim >= 3 and leaf.shape[-2:] == (SEQ, SEQ)]
