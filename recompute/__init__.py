@@ -11,11 +11,15 @@ class Block(keras.layers.Layer):
 
 Set `RECOMPUTE=1` (read when the layer runs) or use `recompute_scope(True)`.
 `@recompute_grad(policy="attention")` recomputes only the attention
-probabilities of the block's `MultiHeadAttention` layers (`POLICIES`).
+probabilities of the block's `MultiHeadAttention` layers (`POLICIES`). Under
+every policy the attention cores run blocked: no [seq, seq] floats kept, one
+block of query rows alive at a time (`attention_block_size` sets it).
 
 Modules: `_decorator` (the decorator), `_policies` (what is recomputed),
-`_core` (the recomputation: one `tf.custom_gradient`), `_attention` (the
-attention core as a unit that keeps its dropout mask), `_gelu` (a GELU that
+`_core` (the recomputation: one `tf.custom_gradient`), `_flash` (the blocked
+attention algorithm, once) with its engines `_flash_tf` and `_flash_jax`,
+`_attention` (Keras's attention core as the blocked core, its dropout drawn
+once and kept as bits), `_gelu` (a GELU that
 keeps only its input), `_adapter` (the
 interface to a Keras family) with `_keras3` and `_tf_keras` (its two
 implementations, the only users of private Keras API) chosen by `_backends`,
