@@ -14,8 +14,8 @@ from ._core import after
 
 # Eight 0/1 bytes read as one 64-bit word: a product with _GATHER moves byte i's
 # bit to bit i of the top byte (the partial products are distinct powers of 2,
-# so nothing carries), as `_attention.pack_bits` packs a whole tensor; here each
-# row of keys is packed on its own, for blocks of rows. Bit i is unpacked by a shift.
+# so nothing carries). Each row of keys is packed on its own, for blocks of rows;
+# bit i is unpacked by a shift.
 _GATHER = 0x0102040810204080
 
 

@@ -116,9 +116,9 @@ _MARK = "__recompute_core__"
 
 
 def _class_core(adapter, core):
-    """The class's core `core` (a function of the layer), recomputed: by
-    `_attention.keras_core` where it applies (the dropout drawn once, its bool
-    mask kept), else as written, by `recompute_core`."""
+    """The class's core `core` (a function of the layer): the blocked core of
+    `_attention.keras_blocked` where it applies (the dropout drawn once, its
+    decision kept as bits), else as written, by `recompute_core`."""
 
     def recomputed(layer, *args, **kwargs):
         keep_scores = adapter.scores_asked(args, kwargs)

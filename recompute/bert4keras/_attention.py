@@ -1,37 +1,29 @@
-"""The lean attention core, used while patched with recomputation on: bert4keras's
-`pay_attention_to` with fewer [batch, heads, seq, seq] tensors.
+"""The blocked attention core (`recompute._flash`) for bert4keras's `pay_attention_to`,
+used while patched with recomputation on, under every policy.
 
 bert4keras computes the attention probabilities as
 `A = dropout(softmax(where(mask, (q k^T) / sqrt(d), -inf)))` and lets
 TensorFlow's autodiff take the gradient: the backward pass then holds the
 scores, the scaled scores, the masked scores, the softmax, the dropout's
 uniform draw, its scaled copy and its result, and as many gradients, all
-[batch, heads, seq, seq] float32. With recomputation on, the core is
-recomputed in the backward pass one layer (or block) at a time -- alone under
-`patch(policy="attention")` -- so these tensors are the working set of one
-layer's backward pass, on top of everything the model keeps.
-`lean_pay_attention_to` computes the same values with fewer of them:
+[batch, heads, seq, seq] float32. `lean_pay_attention_to` computes the same
+values as the blocked core, one block of query rows at a time, forward and
+backward (docs/attention.md):
 
 - the scale is folded into the queries (`q / sqrt(d)` is [batch, seq, heads,
   d], not [.., seq, seq]; exact when `d` is a power of 4, as 64 is);
 - the padding mask is an additive [batch, 1, 1, seq] bias of 0 and -inf
-  (`a + bias` equals `where(mask, a, -inf)` bit for bit);
-- the dropout and `probabilities x values` are the package's lean product
-  (`recompute._attention.dropout_then_combine`): bert4keras's own `Dropout`
-  layer drops the probabilities, so the random numbers and values are those
-  of `RECOMPUTE=0`; its decision is kept as bits (1 bit per entry),
-  and the dropped probabilities are formed again for the gradient. The
-  softmax's gradient reads its output, which that product keeps anyway;
-- under `patch(policy="attention")` the core is one unit
-  (`recomputed_pay_attention_to`) that keeps its inputs and those bits:
-  the backward pass recomputes the scores and the softmax, not the dropout's
-  random numbers (the costliest part of the core on CPU). Under "layer" and
-  "block" the core is recomputed with its layer or block, and the bits
-  are kept through that recomputation (`recompute._core.kept`), not redrawn.
+  (`a + bias` equals `where(mask, a, -inf)` bit for bit); an attention bias
+  (`a_bias`: the language model's causal mask) is cut into the blocks' rows
+  and applied as bert4keras's `sequence_masking` applies it;
+- the dropout's decision is drawn once by bert4keras's own `Dropout` layer (on
+  ones of the probabilities' shape: the random numbers of `RECOMPUTE=0`) and
+  kept as bits (1 bit per entry); under "layer" and "block" it is kept through
+  the recomputation of the layer or block (`recompute._core.kept`), not redrawn.
 
-Only the standard case is lean: softmax normalization, no attention bias, no
-position bias. `lean_applies` says whether a call is; every other call runs
-bert4keras's own code (recomputed all the same).
+Only the standard case is blocked: softmax normalization, no position bias.
+`lean_applies` says whether a call is; every other call runs bert4keras's own
+code (recomputed all the same).
 """
 
 import tensorflow as tf

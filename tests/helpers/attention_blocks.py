@@ -24,8 +24,8 @@ def block_class(K, policy):
     """A block class whose `call` is decorated with `policy` (None: undecorated)."""
 
     class CountingAttention(K.layers.MultiHeadAttention):
-        # Counted in the masked softmax, which Keras's core and the lean core
-        # (recompute._attention) both call once: the core itself stays Keras's own.
+        # Counted in the masked softmax, which Keras's core and the blocked core
+        # (recompute._attention, once per block) both call: the core class stays Keras's own.
         def _masked_softmax(self, *args, **kwargs):
             COUNTS["core"] += 1
             return super()._masked_softmax(*args, **kwargs)
