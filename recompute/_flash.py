@@ -31,8 +31,6 @@ of at most `DEFAULT_BLOCK_ELEMENTS` (query, key) pairs; `attention_block_size`
 overrides it.
 """
 
-import math
-
 DEFAULT_BLOCK_ELEMENTS = 64 * 1024  # rows x keys of one block: 128 rows at seq 512
 
 SCORES = "btnh,bsnh->bnts"  # queries x keys -> [batch, heads, queries, keys]
@@ -132,7 +130,7 @@ class Engine:
         """The size of `x` along `axis` when it is known only when run (a tensor)."""
 
 
-def _rows_of(mask, queries):
+def _rows_of(mask):
     """Whether `mask` (rank 4, [batch, heads, queries, keys], axes maybe 1) varies along the queries."""
     return mask is not None and mask.shape[2] is not None and mask.shape[2] != 1
 
@@ -149,22 +147,25 @@ def _padded(E, q, mask, bits, block, extra=()):
     if amount:
         q = E.pad(q, 1, amount, 0)
         extra = tuple(E.pad(x, 1, amount, 0) for x in extra)
-        if _rows_of(mask, queries):
+        if _rows_of(mask):
             mask = E.pad(mask, 2, amount, True)  # (1 for a numeric mask)
         if bits is not None:
             bits = E.pad(bits, 2, amount, 0)
     return q, mask, bits, extra, n
 
 
-def _block_inputs(E, i, block, q, mask, bits, keys):
+def _block_inputs(E, i, block, q, mask, bits, keys, d_out=None):
+    """Block `i`'s rows: `(q_j, mask_j, keep_j, d_out_j)` (the whole inputs when there is
+    one block of a length known only when run; `d_out_j` None without `d_out`)."""
     if block is None or q.shape[1] is None:
         keep = None if bits is None else E.unpack(bits, keys)
-        return 0, q, mask, keep
+        return q, mask, keep, d_out
     start = i * block
     q_j = E.rows(q, start, block, 1)
-    mask_j = E.rows(mask, start, block, 2) if _rows_of(mask, None) else mask
+    mask_j = E.rows(mask, start, block, 2) if _rows_of(mask) else mask
     keep_j = None if bits is None else E.unpack(E.rows(bits, start, block, 2), keys)
-    return start, q_j, mask_j, keep_j
+    d_out_j = None if d_out is None else E.rows(d_out, start, block, 1)
+    return q_j, mask_j, keep_j, d_out_j
 
 
 def _keys(E, k):
@@ -192,7 +193,7 @@ def forward(E, probabilities, q, k, v, mask, bits, rate, block):
     qp, maskp, bitsp, _, n = _padded(E, q, mask, bits, block)
 
     def body(carry, i):
-        _, q_j, mask_j, keep_j = _block_inputs(E, i, block, qp, maskp, bitsp, keys)
+        q_j, mask_j, keep_j, _ = _block_inputs(E, i, block, qp, maskp, bitsp, keys)
         p = probabilities(q_j, k, mask_j)
         if keep_j is not None:
             p = E.drop(p, keep_j, rate)
@@ -209,8 +210,7 @@ def backward(E, probabilities, q, k, v, mask, bits, rate, block, d_out):
 
     def body(carry, i):
         d_k, d_v = carry
-        start, q_j, mask_j, keep_j = _block_inputs(E, i, block, qp, maskp, bitsp, keys)
-        d_out_j = d_outp if q_j is qp else E.rows(d_outp, start, block, 1)
+        q_j, mask_j, keep_j, d_out_j = _block_inputs(E, i, block, qp, maskp, bitsp, keys, d_outp)
         p, pullback = E.vjp(lambda q_j, k: probabilities(q_j, k, mask_j), q_j, k)
         dropped = p if keep_j is None else E.drop(p, keep_j, rate)
         d_v = d_v + E.einsum(D_VALUE, dropped, d_out_j)
@@ -221,8 +221,3 @@ def backward(E, probabilities, q, k, v, mask, bits, rate, block, d_out):
 
     (d_k, d_v), d_qs = E.scan(body, (E.zeros_like(k), E.zeros_like(v)), n, q.dtype)
     return E.join(d_qs, queries), d_k, d_v
-
-
-def scale(key_dim):
-    """The scale of the scores, as Keras's `MultiHeadAttention` computes it."""
-    return 1.0 / math.sqrt(float(key_dim))

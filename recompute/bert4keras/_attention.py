@@ -16,6 +16,9 @@ backward (docs/attention.md):
   (`a + bias` equals `where(mask, a, -inf)` bit for bit); an attention bias
   (`a_bias`: the language model's causal mask) is cut into the blocks' rows
   and applied as bert4keras's `sequence_masking` applies it;
+- under `patch(policy="attention")` it is one unit of its own (a custom gradient
+  keeps its inputs); under the other policies it is recomputed with its layer
+  or block;
 - the dropout's decision is drawn once by bert4keras's own `Dropout` layer (on
   ones of the probabilities' shape: the random numbers of `RECOMPUTE=0`) and
   kept as bits (1 bit per entry); under "layer" and "block" it is kept through
@@ -122,9 +125,3 @@ def lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked=True):
                             rate, block)
     a = tf.einsum(SCORES_EINSUM, _scaled(layer, qw), kw) if scores_asked else None
     return o, a
-
-
-def recomputed_pay_attention_to(layer, inputs, mask, dropout, scores_asked):
-    """The same under `patch(policy="attention")` with a tape recording (the blocked
-    core is one unit already). Returns `(o, a or None)`."""
-    return lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked)

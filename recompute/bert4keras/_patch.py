@@ -210,7 +210,7 @@ def _attending_to(pay_attention_to):
 
     def recomputed_unit(self, inputs, mask, scores_asked):
         dropout = sys.modules[type(self).__module__].Dropout
-        return _attention.recomputed_pay_attention_to(self, inputs, mask, dropout, scores_asked)
+        return _attention.lean_pay_attention_to(self, inputs, mask, dropout, scores_asked)
 
     def wrapper(self, *args, **kwargs):
         if not _config.is_enabled():
