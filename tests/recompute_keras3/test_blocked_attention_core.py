@@ -82,8 +82,11 @@ class _JAX:
         return jnp.where(mask, self.jax.nn.softmax(jnp.where(mask, s, -1e9)), 0.0)
 
     def run(self, fn, q, k, v, d_out):
-        out, pullback = self.jax.vjp(fn, q, k, v)
-        return [np.asarray(x) for x in (out,) + tuple(pullback(d_out))]
+        # Float32 products: this TensorFlow process imported JAX after conftest pinned
+        # precision, so JAX's default (TF32 on a GPU) would hold here.
+        with self.jax.default_matmul_precision("highest"):
+            out, pullback = self.jax.vjp(fn, q, k, v)
+            return [np.asarray(x) for x in (out,) + tuple(pullback(d_out))]
 
     def reference(self, mask, keep):
         jnp = self.jnp
