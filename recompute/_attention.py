@@ -18,6 +18,37 @@ import math
 from . import _core, _flash
 
 
+def attention_layers(adapter, layer):
+    """The `MultiHeadAttention` layers of `layer` (itself included) whose cores
+    policy="attention" recomputes; a ValueError if there are none.
+
+    `recompute_grad` checks this at a layer's first call, RECOMPUTE on or off
+    (the layers may be created in `build`, after the decoration); both engines'
+    "attention" policies too.
+    """
+    layers = adapter.attention_layers(adapter.sublayers(layer))
+    if not layers:
+        raise ValueError(
+            "`recompute_grad(policy='attention')` recomputes the attention core of the "
+            f"`MultiHeadAttention` layers ({adapter.name}) that the decorated layer "
+            f"contains. Received: layer '{layer.name}', which contains none. Create them in "
+            "`__init__` or `build` (as attributes of the layer), or use policy='full'."
+        )
+    return layers
+
+
+def with_blocked_cores(fn, cores):
+    """`fn` (a call `fn(layer, *args, **kwargs)`) run inside the context `cores()` -- the
+    blocked cores installed -- in the forward pass and in the recomputation alike (both
+    engines' "full")."""
+
+    def call(layer, *args, **kwargs):
+        with cores():
+            return fn(layer, *args, **kwargs)
+
+    return call
+
+
 def is_keras_core(core):
     """True if `core` is Keras's own `_compute_attention` (Keras 3 or tf_keras), not
     a subclass's."""

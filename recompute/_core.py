@@ -326,154 +326,185 @@ def check_recomputable(adapter, layer, xs):
 
 def recomputed_call(adapter, call, layer, args, kwargs):
     """Runs `call(layer, *args, **kwargs)` so that its activations are recomputed for the gradient."""
-    structure = (args, kwargs)
-    flat = tf.nest.flatten(structure)
-    slot_of = {}  # id(tensor) -> its index among the differentiable inputs
-    xs = []
-    for value in float_tensors(flat):
-        if id(value) not in slot_of:
-            slot_of[id(value)] = len(xs)  # a tensor passed twice is one input
-            xs.append(value)
+    return Recomputation(adapter, call, layer, args, kwargs).run()
 
-    check_recomputable(adapter, layer, xs)
 
-    layers = adapter.sublayers(layer)
-    if _tf.context_executing_eagerly():
-        opener = _tape_opener(call, layer, layers)
-        if opener is not None:
-            raise NotImplementedError(
-                "`recompute_grad` cannot recompute, in eager mode, a call that opens "
-                "its own `tf.GradientTape`: the eager forward pass pauses every tape "
-                "of the thread (TensorFlow cannot pause only the tapes outside the "
-                "call), so that tape would record nothing and its gradients would be "
-                f"None or zero. Received: layer '{layer.name}', whose `{opener}` uses "
-                "`GradientTape`. Run the step in a `tf.function` or with `model.fit` "
-                "(not `run_eagerly=True`), where such a tape is exact, or run this "
-                "model with RECOMPUTE=0 or inside `recompute_scope(False)`."
-            )
+def _refuse_tape_opener(call, layer, layers):
+    """Raises, in eager mode, if the call opens a `tf.GradientTape` (see `_tape_opener`)."""
+    if not _tf.context_executing_eagerly():
+        return
+    opener = _tape_opener(call, layer, layers)
+    if opener is not None:
+        raise NotImplementedError(
+            "`recompute_grad` cannot recompute, in eager mode, a call that opens "
+            "its own `tf.GradientTape`: the eager forward pass pauses every tape "
+            "of the thread (TensorFlow cannot pause only the tapes outside the "
+            "call), so that tape would record nothing and its gradients would be "
+            f"None or zero. Received: layer '{layer.name}', whose `{opener}` uses "
+            "`GradientTape`. Run the step in a `tf.function` or with `model.fit` "
+            "(not `run_eagerly=True`), where such a tape is exact, or run this "
+            "model with RECOMPUTE=0 or inside `recompute_scope(False)`."
+        )
 
-    def rebuild(new_xs):
-        new_flat = [new_xs[slot_of[id(v)]] if id(v) in slot_of else v for v in flat]
-        return tf.nest.pack_sequence_as(structure, new_flat)
 
-    reenter = adapter.capture_call_state(layer)
-    before = adapter.state_variables(layer)
-    pre = {id(adapter.tf_variable(v)): adapter.tf_variable(v).read_value() for v in before}
-    legacy = adapter.legacy_rng(layers)
-    legacy_seed = legacy.draw_seed() if legacy is not None else None
+def _explained_none_error(e, layer):
+    """`e`, raised in the eager forward pass, with a hint at a tape opened in the call (one
+    the static check could not see), or None if it is not what such a tape's None raises."""
+    exact_type = type(e) in (TypeError, ValueError, AttributeError)
+    if not (exact_type and "None" in str(e) and _tf.context_executing_eagerly()):
+        return None
+    return type(e)(
+        f"{e}\n\nrecompute_grad: this was raised in the eager forward pass "
+        f"of layer '{layer.name}', which runs with every GradientTape of the "
+        "thread paused. If the call opens a `tf.GradientTape` (one not named "
+        "`GradientTape` in its code), that tape records nothing there and its "
+        "gradients are None: run the step in a `tf.function` or with "
+        "`model.fit`, or with RECOMPUTE=0."
+    )
 
-    created = {}  # variables the forward call creates (first call): their initial values
 
-    def record_creation(next_creator, **kw):
+class Recomputation:
+    """One recomputed call of `layer`: `forward` runs it off the tapes and keeps its
+    inputs and starting state, `backward` runs it again under a tape from that state
+    and returns the gradients, `unpack` puts the results back in the call's structure
+    (the shape of PyTorch's `CheckpointFunction`). `run` does the three through one
+    `tf.custom_gradient`.
+
+    Only floating tensors go through the custom gradient: the differentiable inputs
+    (a tensor passed twice is one input), the call's floating outputs and the losses
+    it passes to `add_loss`. Every other leaf (None, Python values, integer masks,
+    variables) is passed and returned as the call has it, as without recomputation.
+    """
+
+    def __init__(self, adapter, call, layer, args, kwargs):
+        self.adapter, self.call, self.layer = adapter, call, layer
+        self.structure = (args, kwargs)
+        self.flat = tf.nest.flatten(self.structure)
+        self.slot_of = {}  # id(tensor) -> its index among the differentiable inputs
+        self.xs = []
+        for value in float_tensors(self.flat):
+            if id(value) not in self.slot_of:
+                self.slot_of[id(value)] = len(self.xs)
+                self.xs.append(value)
+        check_recomputable(adapter, layer, self.xs)
+        self.layers = adapter.sublayers(layer)
+        _refuse_tape_opener(call, layer, self.layers)
+
+        self.reenter = adapter.capture_call_state(layer)
+        before = adapter.state_variables(layer)
+        self.pre = {id(adapter.tf_variable(v)): adapter.tf_variable(v).read_value() for v in before}
+        self.legacy = adapter.legacy_rng(self.layers)
+        self.legacy_seed = self.legacy.draw_seed() if self.legacy is not None else None
+        self.created = {}  # variables the forward call creates (first call): their initial values
+        self.running = _RunningCall(layer)
+
+    def run(self):
+        # custom_gradient needs at least one input tensor: with no differentiable
+        # input (only the weights get gradients), pass a dummy scalar.
+        forward = tf.custom_gradient(self.forward)
+        return self.unpack(list(forward(*self.xs) if self.xs else forward(tf.zeros([]))))
+
+    def _record_creation(self, next_creator, **kw):
         variable = next_creator(**kw)
-        created[id(variable)] = variable.read_value()
+        self.created[id(variable)] = variable.read_value()
         return variable
 
-    running = _RunningCall(layer)
+    def _run_call(self, inputs, seed, replay=False):
+        new_flat = [inputs[self.slot_of[id(v)]] if id(v) in self.slot_of else v for v in self.flat]
+        call_args, call_kwargs = tf.nest.pack_sequence_as(self.structure, new_flat)
+        with _running_call(self.running.replay() if replay else self.running):
+            if self.legacy is None:
+                return self.call(self.layer, *call_args, **call_kwargs)
+            with self.legacy.replay(seed) as replayed:
+                outputs = self.call(self.layer, *call_args, **call_kwargs)
+            if replayed.draws:
+                _warn_legacy_rng(self.layer)
+            return outputs
 
-    def run_call(inputs, seed=legacy_seed, replay=False):
-        call_args, call_kwargs = rebuild(inputs)
-        with _running_call(running.replay() if replay else running):
-            if legacy is not None:
-                with legacy.replay(seed) as replay:
-                    outputs = call(layer, *call_args, **call_kwargs)
-                if replay.draws:
-                    _warn_legacy_rng(layer)
-                return outputs
-            return call(layer, *call_args, **call_kwargs)
-
-    produced = {}  # what the forward call returned: structure and loss slots
-
-    @tf.custom_gradient
-    def forward(*inputs):
-        added_losses = adapter.track_losses(layers)
-        with _tf.pause_outer_tapes(), tf.variable_creator_scope(record_creation):
+    def forward(self, *inputs):
+        """The call off the tapes; its floating outputs and losses, and `backward`."""
+        adapter = self.adapter
+        added_losses = adapter.track_losses(self.layers)
+        with _tf.pause_outer_tapes(), tf.variable_creator_scope(self._record_creation):
             try:
-                outputs = run_call(inputs)
+                outputs = self._run_call(inputs, self.legacy_seed)
             except (TypeError, ValueError, AttributeError) as e:
-                # What a None gradient from a tape opened in the call (one the
-                # static check could not see) raises, with a hint at the cause.
-                exact_type = type(e) in (TypeError, ValueError, AttributeError)
-                if not (exact_type and "None" in str(e) and _tf.context_executing_eagerly()):
+                explained = _explained_none_error(e, self.layer)
+                if explained is None:
                     raise
-                raise type(e)(
-                    f"{e}\n\nrecompute_grad: this was raised in the eager forward pass "
-                    f"of layer '{layer.name}', which runs with every GradientTape of the "
-                    "thread paused. If the call opens a `tf.GradientTape` (one not named "
-                    "`GradientTape` in its code), that tape records nothing there and its "
-                    "gradients are None: run the step in a `tf.function` or with "
-                    "`model.fit`, or with RECOMPUTE=0."
-                ) from e
-        loss_slots = added_losses()
-        # Only floating tensors go through the custom gradient; every other
-        # leaf (None, Python values, integer masks, variables) is returned as
-        # the call returned it, as without recomputation.
+                raise explained from e
+        self.inputs, self.outputs, self.loss_slots = inputs, outputs, added_losses()
         flat_outputs = tf.nest.flatten(outputs)
-        differentiable = [i for i, out in enumerate(flat_outputs) if _is_float_tensor(out)]
+        self.differentiable = [i for i, out in enumerate(flat_outputs) if _is_float_tensor(out)]
         # Losses the call passes to `add_loss` become outputs too, so that their
         # gradients flow through the recomputation like the call's results.
-        losses = [lst[i] for lst, i in loss_slots]
-        state = adapter.state_variables(layer)
-        start = []
-        for v in state:
+        self.losses = [lst[i] for lst, i in self.loss_slots]
+        self.state = adapter.state_variables(self.layer)
+        self.start = []
+        for v in self.state:
             key = id(adapter.tf_variable(v))
-            start.append(pre[key] if key in pre else created[key])
+            self.start.append(self.pre[key] if key in self.pre else self.created[key])
+        return [flat_outputs[i] for i in self.differentiable] + self.losses, self.backward
 
-        def grad_fn(*dys, variables=None):
-            variables = list(variables or [])
-            first_dy = next((d for d in dys if d is not None), None)
-            with _tf.ordered_stateful_ops() as order:
-                mark = graph_mark()
-                ready = after(inputs, first_dy)
-                with tf.GradientTape(watch_accessed_variables=False) as tape:
-                    tape.watch(ready)
-                    tape.watch(variables)
-                    # The replayed state waits for the gradient too (see `after`).
-                    with reenter(), _forbid_creation(layer, adapter), adapter.replay_state(
-                        layer, state, after(start, first_dy)
-                    ) as recomputed_losses:
-                        # The legacy seed is a forward-pass tensor too: gated like the state.
-                        seed = after([legacy_seed], first_dy)[0] if legacy is not None else None
-                        recomputed = run_call(ready, seed, replay=True)
-                reads = reads_since(mark)
-                running.check_replayed()
-                if len(recomputed_losses) != len(losses):
-                    raise RuntimeError(
-                        f"recompute_grad: layer '{layer.name}' added {len(losses)} "
-                        f"losses in the forward pass but {len(recomputed_losses)} "
-                        "when recomputed; `call` must add the same losses each time."
-                    )
-                targets, seeds = [], []
-                flat_recomputed = tf.nest.flatten(recomputed)
-                flat_recomputed = [flat_recomputed[i] for i in differentiable]
-                flat_recomputed += list(recomputed_losses)
-                for out, dy in zip(flat_recomputed, dys):
-                    if dy is not None and _is_float_tensor(out):
-                        targets.append(out)
-                        seeds.append(dy)
-                # An input or weight the outputs do not depend on gets None, as
-                # without recomputation (a zero would still move it under weight decay).
-                grads = tape.gradient(targets, list(ready) + variables, output_gradients=seeds)
-                grads = [order.mark(g) for g in grads]
-            n = len(ready)
-            # The gradients wait for every read of the recomputation, so that an
-            # optimizer cannot update a weight before it is read (`reads_since`).
-            grads = after(grads, *reads)
-            # The block below recomputes once this block's gradients are all done (see `after`).
-            return after(grads[:n], *grads[n:]), grads[n:]
+    def backward(self, *dys, variables=None):
+        """The call again under a tape, from the forward pass's state; the gradients of
+        the inputs and of `variables` (the weights it read)."""
+        variables = list(variables or [])
+        first_dy = next((d for d in dys if d is not None), None)
+        with _tf.ordered_stateful_ops() as order:
+            mark = graph_mark()
+            ready = after(self.inputs, first_dy)
+            tape, recomputed_losses = self._recompute(ready, variables, first_dy)
+            reads = reads_since(mark)
+            targets, seeds = self._targets(recomputed_losses, dys)
+            # An input or weight the outputs do not depend on gets None, as
+            # without recomputation (a zero would still move it under weight decay).
+            grads = tape.gradient(targets, list(ready) + variables, output_gradients=seeds)
+            grads = [order.mark(g) for g in grads]
+        n = len(ready)
+        # The gradients wait for every read of the recomputation, so that an
+        # optimizer cannot update a weight before it is read (`reads_since`).
+        grads = after(grads, *reads)
+        # The block below recomputes once this block's gradients are all done (see `after`).
+        return after(grads[:n], *grads[n:]), grads[n:]
 
-        produced["outputs"], produced["loss_slots"] = outputs, loss_slots
-        produced["differentiable"] = differentiable
-        return [flat_outputs[i] for i in differentiable] + losses, grad_fn
+    def _recompute(self, ready, variables, first_dy):
+        """The call run again on `ready` under a tape watching it and `variables`: the tape
+        and the losses the call added (its outputs go to `self.recomputed`)."""
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(ready)
+            tape.watch(variables)
+            # The replayed state waits for the gradient too (see `after`).
+            with self.reenter(), _forbid_creation(self.layer, self.adapter), \
+                    self.adapter.replay_state(
+                        self.layer, self.state, after(self.start, first_dy)) as recomputed_losses:
+                # The legacy seed is a forward-pass tensor too: gated like the state.
+                seed = after([self.legacy_seed], first_dy)[0] if self.legacy is not None else None
+                self.recomputed = self._run_call(ready, seed, replay=True)
+        self.running.check_replayed()
+        if len(recomputed_losses) != len(self.losses):
+            raise RuntimeError(
+                f"recompute_grad: layer '{self.layer.name}' added {len(self.losses)} "
+                f"losses in the forward pass but {len(recomputed_losses)} "
+                "when recomputed; `call` must add the same losses each time."
+            )
+        return tape, list(recomputed_losses)
 
-    # custom_gradient needs at least one input tensor: with no differentiable
-    # input (only the weights get gradients), pass a dummy scalar.
-    flat_results = list(forward(*xs) if xs else forward(tf.zeros([])))
-    n_outputs = len(flat_results) - len(produced["loss_slots"])
-    for (lst, i), loss in zip(produced["loss_slots"], flat_results[n_outputs:]):
-        lst[i] = loss  # the copy connected to the tape replaces the one computed off it
-    flat_outputs = tf.nest.flatten(produced["outputs"])
-    for i, result in zip(produced["differentiable"], flat_results[:n_outputs]):
-        adapter.copy_output_mask(flat_outputs[i], result)
-        flat_outputs[i] = result
-    return tf.nest.pack_sequence_as(produced["outputs"], flat_outputs)
+    def _targets(self, recomputed_losses, dys):
+        """The recomputed outputs and losses that get a gradient, and those gradients."""
+        flat = tf.nest.flatten(self.recomputed)
+        flat = [flat[i] for i in self.differentiable] + recomputed_losses
+        pairs = [(out, dy) for out, dy in zip(flat, dys) if dy is not None and _is_float_tensor(out)]
+        return [out for out, _ in pairs], [dy for _, dy in pairs]
+
+    def unpack(self, flat_results):
+        """The custom gradient's results put back into the call's output structure; the
+        losses' copies connected to the tape replace those computed off it."""
+        n_outputs = len(flat_results) - len(self.loss_slots)
+        for (lst, i), loss in zip(self.loss_slots, flat_results[n_outputs:]):
+            lst[i] = loss
+        flat_outputs = tf.nest.flatten(self.outputs)
+        for i, result in zip(self.differentiable, flat_results[:n_outputs]):
+            self.adapter.copy_output_mask(flat_outputs[i], result)
+            flat_outputs[i] = result
+        return tf.nest.pack_sequence_as(self.outputs, flat_outputs)

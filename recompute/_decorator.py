@@ -6,7 +6,7 @@ import weakref
 
 import tensorflow as tf
 
-from . import _backends, _config, _core, _jax, _policies, _tf
+from . import _attention, _backends, _config, _core, _jax, _policies, _tf
 
 
 def _describe(obj):
@@ -151,17 +151,17 @@ def recompute_grad(call=None, *, policy="full"):
                 f"Received: a call on {_describe(layer)}"
             )
         if policy == "attention" and layer not in checked:
-            _policies.attention_layers(adapter, layer)
+            _attention.attention_layers(adapter, layer)
             checked.add(layer)
         if not _config.is_enabled():
             return _autographed(unbound, autograph_status)(layer, *args, **kwargs)
         adapter.check_supported(layer)
         if _backends.on_jax(adapter):
-            return _jax.run(policy, unbound, layer, args, kwargs)
+            return _jax.run(run_policy.jax, unbound, layer, args, kwargs)
         fn = _autographed(unbound, autograph_status)
         if not _tf.tape_is_active() or _core.inside_recomputed_call():
             return fn(layer, *args, **kwargs)
-        return run_policy(adapter, fn, layer, args, kwargs)
+        return run_policy.tensorflow(adapter, fn, layer, args, kwargs)
 
     # The wrappers are two lines so that AutoGraph, which converts them when it
     # converts the caller, passes its status on; `run` is never converted.

@@ -28,7 +28,8 @@ Uses private names of Keras's JAX backend -- the raw value of a variable, the
 symbolic (shape-inference) scope, the global seed generator and the check
 that keeps it out of traced code -- here and nowhere else. `recompute._keras3`
 is the TensorFlow backend's adapter; this module replaces `_core` and the
-policies for JAX (`POLICIES`).
+policies' TensorFlow functions for JAX (`full`, `attention`; `_policies.POLICIES`
+names both engines').
 """
 
 import contextlib
@@ -189,7 +190,7 @@ def recomputed_call(call, layer, args, kwargs):
 def full(fn, layer, args, kwargs):
     """The whole call is one `jax.checkpoint`: it keeps its inputs, runs again in the backward
     pass; its attention cores run blocked (`_flash`), in both passes."""
-    from ._policies import with_blocked_cores
+    from ._attention import with_blocked_cores
 
     layers = _keras3.attention_layers(_keras3.sublayers(layer))
     if layers:
@@ -202,7 +203,7 @@ def attention(fn, layer, args, kwargs):
     attention layer in the call keeps less: blocked (`_flash_jax`: it keeps its inputs and
     the dropout's bits), or, where the core is not the standard case, a `jax.checkpoint`
     (its dropout replayed from the seed state); everything else is kept."""
-    from ._policies import attention_layers  # the check and its message, shared
+    from ._attention import attention_layers  # the check and its message, shared
 
     layers = attention_layers(_keras3, layer)
     with _cores_blocked(layers, _keras3.attention_core, checkpoint_others=True):
@@ -243,11 +244,9 @@ def _cores_blocked(layers, name, checkpoint_others=False):
             object.__delattr__(lyr, name)
 
 
-POLICIES = {"full": full, "attention": attention}
-
-
 def run(policy, fn, layer, args, kwargs):
-    """The decorated call on the JAX backend with recomputation on (`recompute_grad`)."""
+    """The decorated call on the JAX backend with recomputation on (`recompute_grad`):
+    `policy` is this engine's function of the chosen policy (`_policies.POLICIES`)."""
     if inside_recomputed_call() or in_shape_inference():
         return fn(layer, *args, **kwargs)
-    return POLICIES[policy](fn, layer, args, kwargs)
+    return policy(fn, layer, args, kwargs)

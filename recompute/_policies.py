@@ -1,9 +1,12 @@
 """Recomputation policies: what a call decorated with `recompute_grad` recomputes.
 
-A policy is one small function `policy(adapter, fn, layer, args, kwargs)` that
-runs the decorated call `fn(layer, *args, **kwargs)` when recomputation is on
-and a tape records (`recompute_grad` decides that and passes the layer's
-`_adapter.Adapter`). `POLICIES` names them; `recompute_grad(policy=...)` picks one.
+A policy is one small function per engine that runs the decorated call
+`fn(layer, *args, **kwargs)` when recomputation is on: on TensorFlow
+`policy(adapter, fn, layer, args, kwargs)`, here, called when a tape records
+(`recompute_grad` decides that and passes the layer's `_adapter.Adapter`); on
+JAX `policy(fn, layer, args, kwargs)`, in `_jax`. `POLICIES`, the one registry,
+names each `Policy` (both engines' functions); `recompute_grad(policy=...)`
+picks one.
 
 - `full`: the call is one unit (`_core.recomputed_call`). The forward pass keeps
   only the call's inputs; the backward pass runs the whole call again: about
@@ -33,55 +36,34 @@ bert4keras's `pay_attention_to`.
 """
 
 import contextlib
+from typing import Callable, NamedTuple
 
-from . import _attention, _core, _flash_tf, _gelu, _tf
+from . import _attention, _core, _flash_tf, _gelu, _jax, _tf
 
 
 def full(adapter, fn, layer, args, kwargs):
     """The whole call is recomputed; its attention cores run blocked (`_flash`)."""
     layers = adapter.attention_layers(adapter.sublayers(layer))
     if layers:
-        fn = with_blocked_cores(fn, lambda: _cores_recomputed(adapter, layers))
+        fn = _attention.with_blocked_cores(fn, lambda: _cores_recomputed(adapter, layers))
     return _core.recomputed_call(adapter, fn, layer, args, kwargs)
-
-
-def with_blocked_cores(fn, cores):
-    """`fn` (a call `fn(layer, *args, **kwargs)`) run inside the context `cores()`, in
-    the forward pass and in the recomputation alike (the JAX engine uses it too)."""
-
-    def call(layer, *args, **kwargs):
-        with cores():
-            return fn(layer, *args, **kwargs)
-
-    return call
-
-
-def attention_layers(adapter, layer):
-    """The `MultiHeadAttention` layers of `layer` (itself included) whose cores
-    policy="attention" recomputes; a ValueError if there are none.
-
-    `recompute_grad` checks this at a layer's first call, RECOMPUTE on or off
-    (the layers may be created in `build`, after the decoration); `_jax` too.
-    """
-    layers = adapter.attention_layers(adapter.sublayers(layer))
-    if not layers:
-        raise ValueError(
-            "`recompute_grad(policy='attention')` recomputes the attention core of the "
-            f"`MultiHeadAttention` layers ({adapter.name}) that the decorated layer "
-            f"contains. Received: layer '{layer.name}', which contains none. Create them in "
-            "`__init__` or `build` (as attributes of the layer), or use policy='full'."
-        )
-    return layers
 
 
 def attention(adapter, fn, layer, args, kwargs):
     """Only the attention cores of the call's multi-head attention layers are recomputed."""
-    layers = attention_layers(adapter, layer)
+    layers = _attention.attention_layers(adapter, layer)
     with _cores_recomputed(adapter, layers), _gelu.kept_input(adapter.sublayers(layer)):
         return fn(layer, *args, **kwargs)
 
 
-POLICIES = {"full": full, "attention": attention}
+class Policy(NamedTuple):
+    """How each engine runs a decorated call under one `policy=` name."""
+
+    tensorflow: Callable  # (adapter, fn, layer, args, kwargs): this module's
+    jax: Callable  # (fn, layer, args, kwargs): `_jax`'s
+
+
+POLICIES = {"full": Policy(full, _jax.full), "attention": Policy(attention, _jax.attention)}
 NAMES = tuple(POLICIES)  # exported as `recompute.POLICIES`
 
 
