@@ -74,9 +74,10 @@ def tf_keras_model(seed=0):
     return tf_keras.Model(inp, L.Dense(1)(h))
 
 
-def unused_model(keras_module, seed=0):
+def unused_model(keras_module, seed=0, units=UNITS, features=UNITS):
     """A block whose output uses neither its second input `aux` nor its `unused` sublayer:
-    the weights of both get no gradient (None), with or without recomputation."""
+    the weights of both get no gradient (None), with or without recomputation.
+    Returns the model and those unconnected weights (`aux`'s, then `unused`'s)."""
     from recompute import recompute_grad
 
     L = keras_module.layers
@@ -84,8 +85,8 @@ def unused_model(keras_module, seed=0):
     class UnusedBlock(L.Layer):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
-            self.used = L.Dense(UNITS, activation="tanh")
-            self.unused = L.Dense(UNITS, name="unused")
+            self.used = L.Dense(units, activation="tanh")
+            self.unused = L.Dense(units, name="unused")
 
         def build(self, input_shape):
             self.used.build(input_shape[0])
@@ -99,10 +100,10 @@ def unused_model(keras_module, seed=0):
             return self.used(x)
 
     keras_module.utils.set_random_seed(seed)
-    inp = L.Input((UNITS,))
-    aux = L.Dense(UNITS, name="aux")(inp)
+    inp = L.Input((features,))
+    aux = L.Dense(units, name="aux")(inp)  # reaches the output only through `aux`
     block = UnusedBlock(name="block")
-    model = keras_module.Model(inp, L.Dense(1)(block([L.Dense(UNITS)(inp), aux])))
+    model = keras_module.Model(inp, L.Dense(1)(block([L.Dense(units)(inp), aux])))
     return model, model.get_layer("aux").weights + block.unused.weights
 
 
