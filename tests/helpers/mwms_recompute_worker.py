@@ -12,6 +12,7 @@ all-reduce), the state (weights, moving statistics, RNG states), the trainable
 weights and the number of block calls traced, for each setting.
 """
 
+import functools
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tests.helpers.recompute_distributed import data, run_custom_loop  # noqa: E402
+from tests.helpers.recompute_distributed import block_model, data, run_custom_loop  # noqa: E402
 
 B, STEPS = 8, 2
 
@@ -34,14 +35,12 @@ def main():
     if family == "keras3":
         import keras
 
-        from tests.helpers.recompute_distributed import keras3_model as make_model
-
+        make_model = functools.partial(block_model, keras)
         make_optimizer = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
     else:
         import tf_keras
 
-        from tests.helpers.recompute_distributed import tf_keras_model as make_model
-
+        make_model = functools.partial(block_model, tf_keras)
         tf_keras.backend.experimental.enable_tf_random_generator()
         make_optimizer = lambda: tf_keras.optimizers.SGD(0.1)  # noqa: E731
     x, y = data(STEPS * B)

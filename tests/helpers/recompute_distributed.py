@@ -16,41 +16,13 @@ UNITS, DEPTH = 8, 2
 CALLS = {"n": 0}
 
 
-def keras3_model(seed=0):
-    import keras
-
-    from recompute import recompute_grad
-
-    class Block(keras.layers.Layer):
-        def __init__(self, units, **kwargs):
-            super().__init__(**kwargs)
-            self.d1 = keras.layers.Dense(units * 2, activation="gelu")
-            self.drop = keras.layers.Dropout(0.3)
-            self.d2 = keras.layers.Dense(units)
-            self.bn = keras.layers.BatchNormalization(momentum=0.5)
-
-        @recompute_grad
-        def call(self, x, training=None):
-            CALLS["n"] += 1
-            h = self.d2(self.drop(self.d1(x), training=training))
-            return self.bn(x + h, training=training)
-
-    keras.utils.set_random_seed(seed)
-    inp = keras.Input((UNITS,))
-    h = inp
-    for _ in range(DEPTH):
-        h = Block(UNITS)(h)
-    return keras.Model(inp, keras.layers.Dense(1)(h))
-
-
-def tf_keras_model(seed=0):
-    """Needs `tf_keras.backend.experimental.enable_tf_random_generator()` for dropout
+def block_model(K, seed=0):
+    """`DEPTH` blocks and a Dense head, in the family `K` (`keras` or `tf_keras`). tf_keras
+    needs `tf_keras.backend.experimental.enable_tf_random_generator()` for dropout
     masks identical to a run without recomputation."""
-    import tf_keras
-
     from recompute import recompute_grad
 
-    L = tf_keras.layers
+    L = K.layers
 
     class Block(L.Layer):
         def __init__(self, units, **kwargs):
@@ -66,12 +38,12 @@ def tf_keras_model(seed=0):
             h = self.d2(self.drop(self.d1(x), training=training))
             return self.bn(x + h, training=training)
 
-    tf_keras.utils.set_random_seed(seed)
-    inp = L.Input((UNITS,))
+    K.utils.set_random_seed(seed)
+    inp = K.Input((UNITS,))
     h = inp
     for _ in range(DEPTH):
         h = Block(UNITS)(h)
-    return tf_keras.Model(inp, L.Dense(1)(h))
+    return K.Model(inp, L.Dense(1)(h))
 
 
 def unused_model(keras_module, seed=0, units=UNITS, features=UNITS):

@@ -349,3 +349,6 @@ def test_unconnected_weights_under_weight_decay_fit_matches(K, jit_compile):
     names = [variable_name(K, v) for v in model.variables]
     for name, w0, w1 in zip(names, *weights):
         np.testing.assert_allclose(w1, w0, rtol=0, atol=1e-6, err_msg=name)
+
+
+__all__ = [name for name in dir() if name.startswith("test_")]  # what the suites import

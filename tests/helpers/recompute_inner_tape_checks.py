@@ -384,3 +384,6 @@ def test_rnn_alternatives_match(K, cell_cls, rnn_cls, unroll, compile_mode):
                 loss, grads = grads_of(model, x, compile_mode)
                 results.append([np.asarray(loss)] + grads)
     assert_all_close(results[0], results[1])
+
+
+__all__ = [name for name in dir() if name.startswith("test_")]  # what the suites import
