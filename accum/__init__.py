@@ -13,7 +13,9 @@ locally and the replicas all-reduce once per update, not once per micro-batch
 (`accum._distributed`; `python -m benchmarks.accum_distribute` measures it).
 
 Modes: `"buffer"` (exact; `accum._window`), `"momentum"` (`accum._momentum`)
-and `"rescale"` (`accum._rescale`: β̃ = 1 − (1 − β)/k, no buffer).
+and `"rescale"` (`accum._rescale`: β̃ = 1 − (1 − β)/k, no buffer), each an
+object of `accum._modes` (what it builds, does at a micro-step and at the
+window's end, whether it can be distributed or flushed) that the families ask.
 `accum.BatchNormalization` (`accum._batchnorm_window`) keeps the big batch's
 moving statistics; the optimizer ends its window.
 

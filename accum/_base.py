@@ -8,7 +8,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from . import _families, _validation, _window
+from . import _families, _modes, _validation, _window
 
 
 class AccumOptimizer:
@@ -98,17 +98,14 @@ class AccumOptimizer:
     def _mode_rule(self, optimizer, mode, steps_per_update):
         """What the mode needs of `optimizer`, refusing those it cannot handle: the
         family's `MomentumRule` (`mode="momentum"`), its `accum._rescale.Rescale`
-        (`mode="rescale"`), or None (`mode="buffer"`)."""
-        if mode == "momentum":
-            return self._momentum_rule_for(optimizer)
-        if mode == "rescale":
-            return self._rescale_spec_for(optimizer, steps_per_update)
-        return None
+        (`mode="rescale"`), or None (`mode="buffer"`); see `accum._modes`."""
+        return _modes.MODES[mode].rule(self, optimizer, steps_per_update)
 
     def _init_window(self, steps_per_update, mode, rule):
         """Sets the validated arguments (after the Keras optimizer's `__init__`)."""
         self._steps_per_update = steps_per_update
-        self.mode = mode
+        self.mode = mode  # the name, as given and saved
+        self._mode = _modes.MODES[mode]  # what the mode does (`accum._modes`)
         self._rule = rule
         self._warned_pending = False
 
@@ -162,6 +159,36 @@ class AccumOptimizer:
         self._check_flushable()
         return make_flush_callback(self, at)
 
+    # ------------------------------------------------- the family's hooks
+    # What `accum._modes` asks of the family's implementation (each family
+    # class defines them; `_rescale_*` only where mode="rescale" can be built).
+
+    def _accumulate(self, grads, indices):
+        """`mode="buffer"`: adds `grads` to the buffers of the variables `indices`."""
+        raise NotImplementedError
+
+    def _apply_mean(self):
+        """`mode="buffer"`: the inner optimizer applied to the window's mean gradient."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _momentum_rule_for(optimizer):
+        """`mode="momentum"`: the family's `accum._momentum.MomentumRule` for `optimizer`."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _rescale_spec_for(optimizer, steps_per_update):
+        """`mode="rescale"`: the family's `accum._rescale.Rescale` for `optimizer`."""
+        raise NotImplementedError
+
+    def _rescale_check_variables(self, variables):
+        """`mode="rescale"`: refuses variables whose dtype cannot hold the coefficients."""
+        raise NotImplementedError
+
+    def _rescale_micro_step(self, grads, indices):
+        """`mode="rescale"`: the whole micro-step (`accum._rescale`)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------ window
     # Shared by the families, which provide `_end_window`'s `_apply_mean` and
     # `_distributed_window()`, and `_tf` below.
@@ -174,10 +201,7 @@ class AccumOptimizer:
     def _end_window(self):
         """Applies the window (if it kept any micro-batch) and starts a new one."""
         touched = [self._tf(t) for t in self.touched]
-        if self.mode == "buffer":
-            buffers, apply = [self._tf(a) for a in self.accumulators], self._apply_mean
-        else:
-            buffers, apply = [], lambda: self._rule.finish(self)
+        buffers, apply = self._mode.window_end(self)
         _window.end_window(
             buffers, self._tf(self.window_steps), self._tf(self.window_count), apply, touched=touched
         )
@@ -241,27 +265,7 @@ class AccumOptimizer:
         _window.flush(self._tf(self.window_steps), self._end_window)
 
     def _check_flushable(self):
-        if self.mode == "rescale":
-            raise ValueError(
-                '`flush()` needs `mode="buffer"`: with '
-                '`mode="rescale"` the micro-steps of a window are already in the inner '
-                "optimizer's moving averages, and the weights move only at the window's "
-                f"last micro-step (every {self.steps_per_update}-th). Received: mode=\"rescale\""
-            )
-        if self.mode == "momentum":
-            # The slot holds `decay * m_old + scale * sum(g_i) / k` once a micro-step is
-            # folded in: re-normalizing the sum by a count c < k needs `m_old` or the sum
-            # apart, i.e. a buffer, which is what this mode does without.
-            raise ValueError(
-                '`flush()` needs `mode="buffer"`: with `mode="momentum"` each micro-gradient '
-                "is folded into the inner optimizer's moments as it arrives, scaled by "
-                f"1/steps_per_update (1/{self.steps_per_update}), so a partial window cannot be "
-                "normalized by its count afterwards (the moment from before the window and "
-                "the window's sum are one tensor by then; applying it would count the missing "
-                "micro-batches as zero gradients). Leave the partial window pending: it is "
-                "carried into the next window, exactly (as `fit` does across epochs); or use "
-                '`mode="buffer"` to flush partial windows. Received: mode="momentum"'
-            )
+        self._mode.check_flushable(self.steps_per_update)
 
     def _pending_micro_steps(self):
         """Micro-steps in the current window (0 if not built yet, or not eager)."""
@@ -286,20 +290,7 @@ class AccumOptimizer:
         if not pending:
             return
         self._warned_pending = True
-        if self.mode == "rescale":
-            window = f"steps_per_update={self.steps_per_update}, mode=\"rescale\""
-            fate = ("They are in the inner optimizer's moving averages and move the weights "
-                    "at the next update (the window's last micro-step).")
-        elif self.mode == "momentum":
-            window = f"steps_per_update={self.steps_per_update}, mode=\"momentum\""
-            fate = ("They are folded into the inner optimizer's moments and join the next "
-                    "window; if training stops here they never reach the weights "
-                    "(`flush()` needs mode=\"buffer\").")
-        else:
-            window = f"steps_per_update={self.steps_per_update}"
-            fate = ("They stay in the buffer and join the next window; call "
-                    "`optimizer.flush()` to apply them now, or pass "
-                    "`callbacks=[optimizer.flush_callback()]` to `fit`.")
+        window, fate = self._mode.pending(self.steps_per_update)
         warnings.warn(
             f"AccumOptimizer: {pending} micro-step(s) of an incomplete window ({window}) "
             f"are pending at the end of training. {fate}",

@@ -58,6 +58,16 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
 
         return spec_for(optimizer, steps_per_update)
 
+    def _rescale_check_variables(self, variables):
+        from ._rescale_keras3 import check_variables
+
+        check_variables(self._rule, variables)
+
+    def _rescale_micro_step(self, grads, indices):
+        from ._rescale_keras3 import micro_step
+
+        return micro_step(self, grads, indices)
+
     # ------------------------------------------------------------------ state
 
     def build(self, var_list):
@@ -66,12 +76,9 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         # Under a strategy, the window count and the buffers are replica-local
         # (see `accum._distributed`).
         self._accum_strategy = _distributed.current_strategy()
-        if self._accum_strategy is not None and self.mode != "buffer":
-            raise _distributed.mode_not_supported(self.mode)
-        if self.mode == "rescale":  # the coefficients in the variables' own dtypes
-            from ._rescale_keras3 import check_variables
-
-            check_variables(self._rule, var_list)
+        if self._accum_strategy is not None:
+            self._mode.check_distributable()
+        self._mode.check_variables(self, var_list)
         self.window_steps = self.add_variable(
             shape=(), dtype="int64", initializer="zeros", name="window_steps"
         )
@@ -81,21 +88,18 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             )
         with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
             # One flag per variable: did the window give it a gradient (`accum._window`).
-            # (`mode="rescale"` gives every variable a gradient at every micro-step.)
             self.touched = [
                 self.add_variable(shape=(), dtype="int64", initializer="zeros", name="touched")
-                for _ in (var_list if self.mode != "rescale" else ())
+                for _ in (var_list if self._mode.flags_touched else ())
             ]
         self.inner_optimizer.build(var_list)
-        if self.mode == "buffer":
+        self.accumulators = []
+        if self._mode.buffered:
             with _distributed.replica_local_variables():
                 self.accumulators = [
                     self.add_variable_from_reference(v, name="accumulator") for v in var_list
                 ]
-        else:
-            self.accumulators = []
-            if self.mode == "momentum":
-                self._rule.check_built(self.inner_optimizer, var_list)
+        self._mode.check_built(self, self.inner_optimizer, var_list)
         super().build(var_list)
         self._link_batch_norm(var_list)
         _batchnorm.warn_for_training_model(self)
@@ -148,7 +152,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             raise ValueError("No gradients provided for any variable.")
         grads = [g for g, _ in pairs]
         indices = tuple(self._get_variable_index(v) for _, v in pairs)
-        if self.steps_per_update == 1 and self.mode == "buffer":
+        if self.steps_per_update == 1 and self._mode.buffered:
             # k=1: every micro-step is an update; the inner optimizer sees the
             # gradients exactly as given (sparse ones stay sparse).
             self.inner_optimizer.apply(grads, [self._trainable_variables[i] for i in indices])
@@ -160,20 +164,14 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     def _micro_step(self, grads, indices):
         """Accumulates `grads` (of the variables `indices`) and ends the window when full."""
         with keras.name_scope(self.name, caller=self):
-            if self.mode == "rescale":
-                from ._rescale_keras3 import micro_step
-
-                micro_step(self, grads, indices)
+            if self._mode.own_micro_step:
+                self._mode.micro_step(self, grads, indices)
                 return
             if _distributed.in_replica_context():
-                if self.mode != "buffer":
-                    raise _distributed.mode_not_supported(self.mode)
+                self._mode.check_distributable()
                 self._distributed_window().micro_step(grads, indices)
                 return
-            if self.mode == "buffer":
-                self._accumulate(grads, indices)
-            else:
-                self._rule.accumulate(self, grads, indices)
+            self._mode.accumulate(self, grads, indices)
             self._iterations.assign_add(1)
             _window.maybe_end_window(
                 self.steps_per_update, self.window_steps.value, self._end_window

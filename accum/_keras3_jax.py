@@ -72,7 +72,7 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
     def _micro_step(self, grads, indices):
         """Adds `grads` to the buffers of `indices` unless one is non-finite; ends a full window.
         (`mode="rescale"`: `accum._rescale_keras3`, in `keras.ops`, as on TensorFlow.)"""
-        if self.mode == "rescale":
+        if self._mode.own_micro_step:
             return super()._micro_step(grads, indices)
         jnp = _jnp()
         scale = self._inner_loss_scale()

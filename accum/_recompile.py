@@ -85,7 +85,7 @@ def warn_if_dropped(old, new, stacklevel=2):
         if not pending:
             continue
         k = optimizer.steps_per_update
-        if optimizer.mode == "buffer":
+        if optimizer._mode.buffered:
             avoid = ("call the AccumOptimizer's `flush()` before `compile` to apply them now "
                      "(or pass `callbacks=[optimizer.flush_callback()]` to `fit`).")
         else:

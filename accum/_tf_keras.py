@@ -81,12 +81,9 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
             return
         var_list = list(var_list)
         self._accum_strategy = _distributed.current_strategy()
-        if self._accum_strategy is not None and self.mode != "buffer":
-            raise _distributed.mode_not_supported(self.mode)
-        if self.mode == "rescale":  # the coefficients in the variables' own dtypes
-            from ._rescale_tf_keras import check_variables
-
-            check_variables(self._rule, var_list)
+        if self._accum_strategy is not None:
+            self._mode.check_distributable()
+        self._mode.check_variables(self, var_list)
         self.inner_optimizer.build(var_list)
         super().build(var_list)
         self._model_variables.extend(var_list)
@@ -95,15 +92,14 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
             first = len(self.touched)
             self.touched.extend(
                 self.add_variable(shape=(), dtype=tf.int64, name=f"touched_{first + i}")
-                for i in range(len(var_list) if self.mode != "rescale" else 0)
+                for i in range(len(var_list) if self._mode.flags_touched else 0)
             )
-        if self.mode == "buffer":
+        if self._mode.buffered:
             with _distributed.replica_local_variables():
                 self.accumulators.extend(
                     self.add_variable_from_reference(v, "accumulator") for v in var_list
                 )
-        elif self.mode == "momentum":
-            self._rule.check_built(self.inner_optimizer, var_list)
+        self._mode.check_built(self, self.inner_optimizer, var_list)
         self._built = True
         self._built_accum = True
         self._link_batch_norm(var_list)

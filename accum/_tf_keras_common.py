@@ -69,6 +69,16 @@ class TFKerasWindow:
 
         return rule_for(optimizer)
 
+    def _rescale_check_variables(self, variables):
+        from ._rescale_tf_keras import check_variables
+
+        check_variables(self._rule, variables)
+
+    def _rescale_micro_step(self, grads, indices):
+        from ._rescale_tf_keras import micro_step
+
+        return micro_step(self, grads, indices)
+
     @AccumOptimizer.iterations.setter
     def iterations(self, variable):
         self.inner_optimizer.iterations = variable
@@ -101,25 +111,19 @@ class TFKerasWindow:
         variables = [v for _, v in grads_and_vars]
         indices = tuple(self._variable_index(v) for v in variables)
         with tf.name_scope(name or self._config_name()):
-            if self.mode == "rescale" and not accumulate_locally:
-                from ._rescale_tf_keras import micro_step
-
-                return micro_step(self, grads, indices)  # counts the micro-step
+            if self._mode.own_micro_step and not accumulate_locally:
+                return self._mode.micro_step(self, grads, indices)  # counts the micro-step
             if accumulate_locally:
                 # Each replica accumulates its own gradients; one all-reduce per
                 # update (`accum._distributed`). Gradients already reduced by the
                 # caller (no aggregation asked) are not supported here.
-                if self.mode != "buffer":
-                    raise _distributed.mode_not_supported(self.mode)
+                self._mode.check_distributable()
                 return self._distributed_window().micro_step(grads, indices)
-            if self.steps_per_update == 1 and self.mode == "buffer":
+            if self.steps_per_update == 1 and self._mode.buffered:
                 self._inner_apply(list(zip(grads, variables)))
                 self._finish_batch_norm()
             else:
-                if self.mode == "buffer":
-                    self._accumulate(grads, indices)
-                else:
-                    self._rule.accumulate(self, grads, indices)
+                self._mode.accumulate(self, grads, indices)
                 _window.maybe_end_window(
                     self.steps_per_update, self.window_steps, self._end_window
                 )
@@ -128,7 +132,7 @@ class TFKerasWindow:
     def _accumulates_locally(self):
         """Under a strategy (replica context), gradients are accumulated unreduced."""
         return _distributed.in_replica_context() and not (
-            self.steps_per_update == 1 and self.mode == "buffer"
+            self.steps_per_update == 1 and self._mode.buffered
         )
 
     def _aggregated_unless_local(self, grads_and_vars, aggregate):

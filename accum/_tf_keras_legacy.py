@@ -70,8 +70,8 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
         with tf.init_scope():
             if first:
                 self._accum_strategy = _distributed.current_strategy()
-                if self._accum_strategy is not None and self.mode != "buffer":
-                    raise _distributed.mode_not_supported(self.mode)
+                if self._accum_strategy is not None:
+                    self._mode.check_distributable()
             # OptimizerV2 has no public `build`; this is what its
             # `apply_gradients` calls first (slots of new variables only).
             self._inner._create_all_weights(new)
@@ -98,11 +98,10 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
                         f"touched_{len(self.touched)}", shape=[], dtype=tf.int64, trainable=False,
                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
                     ))
-                if self.mode == "buffer":
+                if self._mode.buffered:
                     with _distributed.replica_local_variables():
                         self.accumulators.append(self.add_slot(v, "accumulator"))
-        if self.mode == "momentum":
-            self._rule.check_built(self._inner, new)
+        self._mode.check_built(self, self._inner, new)
         self._built_accum = True
         if first:
             _batchnorm.warn_for_training_model(self)
