@@ -7,9 +7,13 @@ how often each block and attention core ran, and the step's graph (modes
 "function"/"jit") for the memory checks. `block` is the blocked attention
 core's query rows per block (`recompute.attention_block_size`): None (the
 default: one block at this length), 4 (two blocks, the last one padded), 1.
+
+The `test_*` functions are the policy tests of both suites, written once: each
+suite's test_recompute_policies*.py imports them (`__all__`) with its fixture `K`.
 """
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import recompute
@@ -217,10 +221,14 @@ def attention_matrices_in_backward(graph, seq=SEQ):
     return found
 
 
-# The checks both suites run (tests/recompute_*/test_recompute_policies*.py).
+# The tests both suites run (tests/recompute_*/test_recompute_policies*.py import them
+# with the fixture `K` of tests/helpers/families.py).
 
 
-def check_policy_matches(K, policy, mode, block=None):
+@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
+@pytest.mark.parametrize("policy", ["full", "attention"])
+@pytest.mark.parametrize("block", [None, 4, pytest.param(1, marks=pytest.mark.slow)])
+def test_policy_matches_no_recompute(K, policy, mode, block):
     """`policy` with RECOMPUTE on: the loss and every gradient of the undecorated
     block to float rounding (the attention cores run blocked); "full" runs each
     block twice, "attention" once."""
@@ -235,7 +243,8 @@ def check_policy_matches(K, policy, mode, block=None):
     assert counts1["block"] == (4 if policy == "full" else 2)
 
 
-def check_blocked_cores_used(K, policy, monkeypatch):
+@pytest.mark.parametrize("policy", ["full", "attention"])
+def test_blocked_cores_used(K, policy, monkeypatch):
     """Under either policy, Keras's own cores run blocked (`recompute._flash`): once per
     forward pass of a block (twice per block under "full", which recomputes the
     block) and once backward; off, never."""
@@ -254,7 +263,8 @@ def check_blocked_cores_used(K, policy, monkeypatch):
     assert calls == []
 
 
-def check_backward_holds_no_attention_matrix(K, policy):
+@pytest.mark.parametrize("policy", ["full", "attention"])
+def test_backward_holds_no_attention_matrix(K, policy):
     """With blocks of 4 rows at seq 6, no float tensor of the backward pass -- the
     recomputation of "full" included, and the loops' bodies -- holds every query
     row: one block at a time. Without recomputation the backward pass holds them."""
@@ -264,7 +274,8 @@ def check_backward_holds_no_attention_matrix(K, policy):
     assert not forward_tensors_kept(graph)
 
 
-def check_gelus_keep_their_input(K, policy, monkeypatch):
+@pytest.mark.parametrize("policy", ["full", "attention"])
+def test_gelus_keep_their_input(K, policy, monkeypatch):
     """The blocks' exact GELUs run as `recompute._gelu.keeping_input` under "attention"
     (recomputation on), and their shadowing is undone after the call; "full"
     recomputes them as written (with it, Adam turned rounding-level differences of
@@ -284,7 +295,7 @@ def check_gelus_keep_their_input(K, policy, monkeypatch):
     assert calls == []
 
 
-def check_recomputation_draws_nothing(K):
+def test_attention_policy_recomputation_draws_no_random_numbers(K):
     """Under "attention" the backward pass draws no random numbers (the dropout's
     decision is kept as bits) and reads one uint8 tensor of bits per core; under
     "full" it draws the other dropouts' masks again (replayed), not the cores'."""
@@ -308,13 +319,14 @@ def check_recomputation_draws_nothing(K):
                    if t.shape.rank), [op.name for op in redrawn]
 
 
-def check_fit_matches(K, policy):
+@pytest.mark.parametrize("policy", ["full", "attention"])
+def test_fit_matches(K, policy):
     from tests.helpers.numerics import assert_all_close
 
     assert_all_close(fit_weights(K, None, False), fit_weights(K, policy, True))
 
 
-def check_attention_policy_keeps_no_attention_matrix(K):
+def test_attention_policy_keeps_no_attention_matrix(K):
     """The backward pass reads no [.., seq, seq] tensor of the forward pass (softmax,
     dropout and scores are recomputed); without recomputation it reads the softmax."""
     kept_off = forward_tensors_kept(run(K, None, False, "function")[3])
@@ -328,7 +340,6 @@ def check_attention_policy_needs_attention_layers(K, on):
     """policy="attention" on a block without `MultiHeadAttention` is refused at its first
     call, RECOMPUTE on or off, tape or not, with the same error in every family (`K`:
     keras on either backend, or tf_keras); a block that has one is accepted either way."""
-    import pytest
 
     class NoAttention(K.layers.Layer):
         def __init__(self, **kwargs):
@@ -357,3 +368,11 @@ def check_attention_policy_needs_attention_layers(K, on):
         x, mask = (np.asarray(t) for t in inputs())
         with tf.GradientTape():
             block(x, mask)
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+def test_attention_policy_without_attention_layer_is_refused(K, on):
+    check_attention_policy_needs_attention_layers(K, on)
+
+
+__all__ = [name for name in dir() if name.startswith("test_")]  # what the suites import
