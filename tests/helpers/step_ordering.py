@@ -10,14 +10,14 @@ every gradient (the default replica context's all-reduce), then bypassed that
 `IdentityN`. With nothing ordering them, a read that ran late saw the updated
 weight, and the layers below got a wrong gradient in that step.
 
-Two checks, each run by the Keras 3 and the tf_keras suite with its own
-`keras` module:
-- `check_step_graph_orders_every_variable`: in the graph TensorFlow *runs*
+Two tests, each run by the Keras 3 and the tf_keras suite (its
+test_recompute_step_ordering*.py imports them, `__all__`, with its fixture `K`):
+- `test_step_graph_orders_every_variable`: in the graph TensorFlow *runs*
   (after Grappler; read from the run metadata, `tensorflow.python.eager.context`,
   private API that has no public equivalent), every two ops on one variable of
   which one writes are ordered by a path. Deterministic: it fails on every run
   of the unfixed code, for the blocks of `test_non_tensor_outputs_in_fit`.
-- `check_late_reads_match_reference`: the race itself, made likely -- blocks
+- `test_late_reads_match_reference`: the race itself, made likely -- blocks
   whose recomputation reads the weight only after some work on its input,
   updated before the blocks below them -- trained many steps on TensorFlow's
   inter-op threads against `RECOMPUTE=0`. It failed in 2 or 3 of 6 runs of the
@@ -28,6 +28,7 @@ import collections
 import os
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import recompute
@@ -122,7 +123,8 @@ def _standard_net(K):
     return K.Model(inputs, K.layers.Dense(1)(Block()(Block()(inputs))))
 
 
-def check_step_graph_orders_every_variable(K, on):
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+def test_step_graph_orders_every_variable(K, on):
     """In the training step TensorFlow runs (`fit`, SGD), every read of a variable is
     ordered against every write of it, RECOMPUTE on (as off)."""
     x = np.random.RandomState(0).randn(16, 8).astype("float32")
@@ -177,7 +179,8 @@ def _late_read_net(K, blocks):
     return Net()
 
 
-def check_late_reads_match_reference(K, epochs=40):
+@pytest.mark.slow
+def test_late_reads_match_reference(K, epochs=40):
     """`fit` with recomputation ends at RECOMPUTE=0's weights (≤ 1e-6) when the recomputation
     reads its weights late, step after step on TensorFlow's inter-op threads."""
     assert tf.config.threading.get_inter_op_parallelism_threads() != 1 and (os.cpu_count() or 1) > 1
@@ -191,3 +194,6 @@ def check_late_reads_match_reference(K, epochs=40):
             model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
         weights.append([np.asarray(v) for v in model.trainable_variables])
     assert_all_close(weights[0], weights[1], rtol=1e-6)
+
+
+__all__ = [name for name in dir() if name.startswith("test_")]  # what the suites import

@@ -1,24 +1,15 @@
 """tf_keras: the recomputation's weight reads run before the optimizer's writes of those
-weights (tests/helpers/step_ordering.py says what raced and why)."""
+weights (the tests of tests/helpers/step_ordering.py, which says what raced and why)."""
 
 import pytest
-import tf_keras
+import tf_keras as keras
 
-from tests.helpers import step_ordering
+from tests.helpers.families import tf_keras  # noqa: F401 (the fixture K)
+from tests.helpers.step_ordering import *  # noqa: F403 (the tests, collected here)
 
 
 @pytest.fixture(autouse=True)
 def tf_random_generator():
     """Replayable dropout (tf.random.Generator), as a user seeking RECOMPUTE=0's numbers runs."""
-    tf_keras.backend.experimental.enable_tf_random_generator()
+    keras.backend.experimental.enable_tf_random_generator()
     yield
-
-
-@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
-def test_step_graph_orders_every_variable(on):
-    step_ordering.check_step_graph_orders_every_variable(tf_keras, on)
-
-
-@pytest.mark.slow
-def test_late_reads_match_reference():
-    step_ordering.check_late_reads_match_reference(tf_keras)
