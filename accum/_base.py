@@ -1,5 +1,6 @@
 """`AccumOptimizer`: the public class, which picks the implementation for the wrapped optimizer."""
 
+import contextlib
 import copy
 import inspect
 import warnings
@@ -189,22 +190,35 @@ class AccumOptimizer:
         """`mode="rescale"`: the whole micro-step (`accum._rescale`)."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------ window
-    # Shared by the families, which provide `_end_window`'s `_apply_mean` and
-    # `_distributed_window()`, and `_tf` below.
+    def _window_state(self):
+        """The window's state (`accum._window.WindowState`), once built."""
+        raise NotImplementedError
 
-    @staticmethod
-    def _tf(variable):
-        """The `tf.Variable` behind one of the wrapper's variables (Keras 3: `.value`)."""
-        return variable
+    def _apply_inner(self, grads, indices, touched):
+        """The inner optimizer's update of the variables `indices` with `grads`, where only
+        those whose `touched` (scalar bool tensors) is true change."""
+        raise NotImplementedError
+
+    def _loss_scale(self):
+        """The inner loss scale that micro-gradients are divided by before they are added
+        (a variable), or None: the family's inner optimizer unscales itself."""
+        return None
+
+    def _on_skip(self):
+        """What the inner loss-scale optimizer does with a non-finite micro-batch (nothing
+        without one)."""
+
+    def _inner_scope(self):
+        """A context entered (cross-replica context) around the replicas' `_apply_inner`
+        (`accum._distributed`)."""
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------ window
+    # Shared by the families: the state is `_window_state()`, the update the mode's.
 
     def _end_window(self):
         """Applies the window (if it kept any micro-batch) and starts a new one."""
-        touched = [self._tf(t) for t in self.touched]
-        buffers, apply = self._mode.window_end(self)
-        _window.end_window(
-            buffers, self._tf(self.window_steps), self._tf(self.window_count), apply, touched=touched
-        )
+        _window.end_window(self._window_state(), self._mode.window_end(self))
         self._finish_batch_norm()
 
     # ------------------------------------------------- accum.BatchNormalization
@@ -262,7 +276,7 @@ class AccumOptimizer:
             indices = tuple(range(len(self._model_variables_list())))
             self._distributed_window().flush(self._accum_strategy, indices)
             return
-        _window.flush(self._tf(self.window_steps), self._end_window)
+        _window.flush(self._window_state().window_steps, self._end_window)
 
     def _check_flushable(self):
         self._mode.check_flushable(self.steps_per_update)

@@ -167,45 +167,17 @@ def local_share(wrapper, grads_and_vars):
 
 
 class Window:
-    """What the distributed path needs from a family's wrapper.
-
-    Args:
-        wrapper: the `AccumOptimizer` (for `steps_per_update`).
-        buffers: `fn(indices)` -> the replica-local buffers (`tf.Variable`s).
-        all_buffers: `fn()` -> every buffer (zeroed at the end of a window).
-        destinations: `fn(indices)` -> the model variables (`tf.Variable`s)
-            the reduced gradients are placed like.
-        window_steps, window_count, micro_steps: `fn()` -> the counters
-            (`tf.Variable`s; `window_count` replica-local).
-        touched: `fn(indices)` -> the replica-local touched flags of those
-            variables (scalar `tf.Variable`s, see `accum._window`).
-        apply_inner: `fn(grads, indices, touched)`, called in each replica:
-            applies the inner optimizer to the reduced mean, without
-            aggregating it again, updating only the variables whose `touched`
-            (scalar bool tensors) is true.
-        inner_scope: a context manager entered (cross-replica context) around
-            the replicas' `apply_inner`, or None.
-        loss_scale: `fn()` -> the inner loss-scale variable to divide
-            gradients by before they are added (Keras 3), or None.
-        on_skip: `fn()`, called (cross-replica context) at the end of a
-            window that dropped a micro-batch on some replica, or None.
+    """The distributed path of a family's wrapper: the window's state
+    (`wrapper._window_state()`, an `accum._window.WindowState`) and the hooks
+    `AccumOptimizer` declares -- `_apply_inner` (called in each replica: the
+    inner optimizer on the reduced mean, without aggregating it again, only the
+    touched variables changing), `_inner_scope` (entered around it),
+    `_loss_scale` (micro-gradients are divided by it before they are added) and
+    `_on_skip` (at the end of a window that dropped a micro-batch on some replica).
     """
 
-    def __init__(self, wrapper, buffers, all_buffers, destinations, window_steps,
-                 window_count, micro_steps, apply_inner, inner_scope=None,
-                 loss_scale=None, on_skip=None, touched=None):
+    def __init__(self, wrapper):
         self.wrapper = wrapper
-        self.touched = touched
-        self.buffers = buffers
-        self.all_buffers = all_buffers
-        self.destinations = destinations
-        self.window_steps = window_steps
-        self.window_count = window_count
-        self.micro_steps = micro_steps
-        self.apply_inner = apply_inner
-        self.inner_scope = inner_scope or contextlib.nullcontext
-        self.loss_scale = loss_scale or (lambda: None)
-        self.on_skip = on_skip or (lambda: None)
 
     # -------------------------------------------------------- replica context
 
@@ -213,7 +185,7 @@ class Window:
         """One micro-step, called in replica context. Returns `micro_steps` after it."""
         grads = list(grads)
         finite = _window.all_finite(grads)
-        scale = self.loss_scale()
+        scale = self.wrapper._loss_scale()
         if scale is not None:
             grads = [_window.scale_gradient(g, 1.0 / tf.cast(scale, tf.float64)) for g in grads]
         return tf.distribute.get_replica_context().merge_call(
@@ -231,33 +203,34 @@ class Window:
             flag.assign(tf.where(ok, tf.ones((), flag.dtype), flag.read_value()))
             return tf.constant(0)
 
-        for buffer, g in zip(self.buffers(indices), grads):
-            distribution.extended.update(buffer, add, args=(g, finite), group=False)
-        for flag in self.touched(indices):
-            distribution.extended.update(flag, mark, args=(finite,), group=False)
+        state = self.wrapper._window_state()
+        for i, g in zip(indices, grads):
+            distribution.extended.update(state.buffers[i], add, args=(g, finite), group=False)
+        for i in indices:
+            distribution.extended.update(state.touched[i], mark, args=(finite,), group=False)
         distribution.extended.update(
-            self.window_count(),
+            state.window_count,
             lambda count, ok: count.assign_add(tf.cast(ok, count.dtype)),
             args=(finite,),
             group=False,
         )
-        window_steps = self.window_steps()
-        window_steps.assign_add(1)
+        state.window_steps.assign_add(1)
         _window.maybe_end_window(
             self.wrapper.steps_per_update,
-            window_steps,
-            lambda: self.end_window(distribution, tuple(range(len(self.all_buffers())))),
+            state.window_steps,
+            lambda: self.end_window(distribution, tuple(range(len(state.buffers)))),
         )
-        return self.micro_steps().assign_add(1)
+        return state.micro_steps.assign_add(1)
 
     def end_window(self, distribution, indices):
         """The window's update (cross-replica context): one batched all-reduce, then apply.
 
         `indices`: every variable the wrapper tracks; those no replica touched in
         the window are left alone (their flags are reduced with the buffers)."""
-        buffers = self.buffers(indices)
-        flags = self.touched(indices)
-        count = self.window_count()
+        state = self.wrapper._window_state()
+        buffers = [state.buffers[i] for i in indices]
+        flags = [state.touched[i] for i in indices]
+        count = state.window_count
 
         def read_local():
             return [b.read_value() for b in buffers] + [
@@ -266,7 +239,7 @@ class Window:
             ]
 
         local = distribution.extended.call_for_each_replica(read_local)
-        destinations = self.destinations(indices)
+        destinations = [state.variables[i] for i in indices]
         reduced = distribution.extended.batch_reduce_to(
             _SUM, list(zip(local, destinations + destinations[:1] * 2))
         )
@@ -275,30 +248,30 @@ class Window:
         touched_total = distribution.experimental_local_results(touched)[0]
         mask = [touched_total[i] > 0 for i in range(len(flags))]
         replicas = float(distribution.num_replicas_in_sync)
-        steps = tf.cast(self.window_steps(), tf.float32)
-        tf.cond(kept_total < replicas * steps, lambda: self.on_skip(), lambda: None)
+        steps = tf.cast(state.window_steps, tf.float32)
+        tf.cond(kept_total < replicas * steps, lambda: self.wrapper._on_skip(), lambda: None)
 
         def apply():
             def replica_apply(sums, kept):
                 micro_batches = kept / replicas  # = window_count on one device
                 grads = [s / tf.cast(micro_batches, s.dtype) for s in sums]
-                scale = self.loss_scale()
+                scale = self.wrapper._loss_scale()
                 if scale is not None:
                     grads = [g * tf.cast(scale, g.dtype) for g in grads]
-                self.apply_inner(grads, indices, mask)
+                self.wrapper._apply_inner(grads, indices, mask)
 
-            with self.inner_scope():
+            with self.wrapper._inner_scope():
                 distribution.extended.call_for_each_replica(replica_apply, args=(sums, kept))
 
         tf.cond(kept_total > 0, apply, lambda: None)
-        for buffer in list(self.all_buffers()) + list(self.touched(indices)):
+        for buffer in list(state.buffers) + flags:
             distribution.extended.update(
                 buffer, lambda b: b.assign(tf.zeros(b.shape, b.dtype)), group=False
             )
         distribution.extended.update(
             count, lambda c: c.assign(tf.zeros((), c.dtype)), group=False
         )
-        self.window_steps().assign(0)
+        state.window_steps.assign(0)
         # `accum.BatchNormalization`: its replica-local window sums, summed over
         # the replicas (one batched reduction per window).
         self.wrapper._finish_batch_norm(reduce=lambda variables: self._summed(distribution, variables))
@@ -317,4 +290,5 @@ class Window:
     def flush(self, distribution, indices):
         """Applies a partial window (cross-replica context; a collective)."""
         with distribution.scope():
-            _window.flush(self.window_steps(), lambda: self.end_window(distribution, indices))
+            _window.flush(self.wrapper._window_state().window_steps,
+                          lambda: self.end_window(distribution, indices))

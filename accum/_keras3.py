@@ -123,10 +123,6 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     def _has_window_state(self):
         return self.built
 
-    @staticmethod
-    def _tf(variable):
-        return variable.value
-
     # --------------------------------------------------------------- updates
 
     def apply(self, grads, trainable_variables=None):
@@ -181,24 +177,24 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
 
     def _distributed_window(self):
         """The `accum._distributed.Window` of this optimizer (see there)."""
-        variables = self._trainable_variables
-        return _distributed.Window(
-            self,
-            buffers=lambda indices: [self.accumulators[i].value for i in indices],
-            all_buffers=lambda: [a.value for a in self.accumulators],
-            destinations=lambda indices: [variables[i].value for i in indices],
-            window_steps=lambda: self.window_steps.value,
-            window_count=lambda: self.window_count.value,
-            micro_steps=lambda: self._iterations.value,
-            apply_inner=self._apply_inner,
-            touched=lambda indices: [self.touched[i].value for i in indices],
-            inner_scope=self._inner_aggregation_off,
-            loss_scale=lambda: None if self._inner_loss_scale() is None else self._inner_loss_scale().value,
-            on_skip=self._on_skip,
+        return _distributed.Window(self)
+
+    def _window_state(self):
+        return _window.WindowState(
+            micro_steps=self._iterations.value,
+            window_steps=self.window_steps.value,
+            window_count=self.window_count.value,
+            buffers=[a.value for a in self.accumulators],
+            touched=[t.value for t in self.touched],
+            variables=[v.value for v in self._trainable_variables],
         )
 
+    def _loss_scale(self):
+        scale = self._inner_loss_scale()
+        return None if scale is None else scale.value
+
     @contextlib.contextmanager
-    def _inner_aggregation_off(self):
+    def _inner_scope(self):
         """Keras 3 optimizers all-reduce their gradients inside `apply` (TensorFlow
         backend, `_all_reduce_sum_gradients`) and have no argument to skip it: the
         innermost optimizer's is replaced by the identity while the update is traced."""
@@ -231,16 +227,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         scale.assign(scale * 0.5)
 
     def _accumulate(self, grads, indices):
-        scale = self._inner_loss_scale()
-        _window.accumulate(
-            [self.accumulators[i].value for i in indices],
-            grads,
-            self.window_steps.value,
-            self.window_count.value,
-            loss_scale=None if scale is None else scale.value,
-            on_skip=None if scale is None else self._on_skip,
-            touched=[self.touched[i].value for i in indices],
-        )
+        _window.accumulate(self._window_state(), indices, grads, self._loss_scale(), self._on_skip)
 
     def _apply_mean(self):
         scale = self._inner_loss_scale()

@@ -53,8 +53,8 @@ class Mode:
         raise NotImplementedError(self.name)
 
     def window_end(self, wrapper):
-        """(buffers to zero, the update) at the window's end (`accum._window.end_window`)."""
-        return [], lambda: wrapper._rule.finish(wrapper)
+        """The update at the window's end (`accum._window.end_window`)."""
+        return lambda: wrapper._rule.finish(wrapper)
 
     def check_flushable(self, k):
         """Raises unless `flush()` can apply a partial window."""
@@ -74,7 +74,7 @@ class Buffer(Mode):
         wrapper._accumulate(grads, indices)
 
     def window_end(self, wrapper):
-        return [wrapper._tf(a) for a in wrapper.accumulators], wrapper._apply_mean
+        return wrapper._apply_mean
 
     def pending(self, k):
         return (f"steps_per_update={k}",

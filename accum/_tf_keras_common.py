@@ -146,35 +146,32 @@ class TFKerasWindow:
 
     def _distributed_window(self):
         """The `accum._distributed.Window` of this optimizer (see there)."""
-        return _distributed.Window(
-            self,
-            buffers=lambda indices: [self.accumulators[i] for i in indices],
-            all_buffers=lambda: self.accumulators,
-            destinations=lambda indices: [self._model_variables[i] for i in indices],
-            window_steps=lambda: self.window_steps,
-            window_count=lambda: self.window_count,
-            micro_steps=self._micro_steps_variable,
-            apply_inner=self._apply_mean_gradients,
-            on_skip=loss_scale_on_skip(self.inner_optimizer),
-            touched=lambda indices: [self.touched[i] for i in indices],
+        return _distributed.Window(self)
+
+    def _window_state(self):
+        return _window.WindowState(
+            micro_steps=self._micro_steps_variable(),
+            window_steps=self.window_steps,
+            window_count=self.window_count,
+            buffers=self.accumulators,
+            touched=self.touched,
+            variables=self._model_variables,
         )
 
+    def _on_skip(self):
+        on_skip = loss_scale_on_skip(self.inner_optimizer)
+        if on_skip is not None:
+            on_skip()
+
     def _accumulate(self, grads, indices):
-        _window.accumulate(
-            [self.accumulators[i] for i in indices],
-            grads,
-            self.window_steps,
-            self.window_count,
-            on_skip=loss_scale_on_skip(self.inner_optimizer),
-            touched=[self.touched[i] for i in indices],
-        )
+        _window.accumulate(self._window_state(), indices, grads, on_skip=self._on_skip)
 
     def _apply_mean(self):
         grads = _window.mean_gradients(self.accumulators, self.window_count)
         indices = tuple(range(len(self._model_variables)))
-        self._apply_mean_gradients(grads, indices, _window.touched_mask(self.touched))
+        self._apply_inner(grads, indices, _window.touched_mask(self.touched))
 
-    def _apply_mean_gradients(self, grads, indices, touched):
+    def _apply_inner(self, grads, indices, touched):
         """The inner optimizer's update of the variables `indices`, where only those
         whose `touched` (scalar bool tensors) is true change."""
         variables = [self._model_variables[i] for i in indices]

@@ -25,12 +25,29 @@ code runs eagerly, in `tf.function` and under XLA (`jit_compile=True`), and
 only the branch taken runs.
 
 All variables passed here are `tf.Variable`s (Keras 3 backends pass
-`keras.Variable.value`).
+`keras.Variable.value`). The window's state is one record, `WindowState`, that
+each family builds from its variables (`AccumOptimizer._window_state`) and
+every mode and the distributed path (`accum._distributed`) read.
 """
 
 import contextlib
+from typing import NamedTuple, Sequence
 
 import tensorflow as tf
+
+
+class WindowState(NamedTuple):
+    """The state of the accumulation window, as the wrapper's `tf.Variable`s (Keras 3
+    backends give `keras.Variable.value`), in the spirit of optax's `MultiStepsState`.
+    Saved with the optimizer (`AccumOptimizer._own_state`); under a strategy,
+    `window_count`, `buffers` and `touched` are replica-local (`accum._distributed`)."""
+
+    micro_steps: tf.Variable  # int64: every micro-step so far (`AccumOptimizer.micro_steps`)
+    window_steps: tf.Variable  # int64: micro-steps in the current window, 0..k
+    window_count: tf.Variable  # int64: micro-batches the window kept (all finite)
+    buffers: Sequence[tf.Variable]  # per model variable, the window's gradient sum (mode="buffer")
+    touched: Sequence[tf.Variable]  # per model variable, 0/1: the window gave it a gradient
+    variables: Sequence[tf.Variable]  # the model variables, in the optimizer's order
 
 
 def all_finite(grads):
@@ -70,30 +87,29 @@ def touched_mask(flags):
     return [flag.read_value() > 0 for flag in flags]
 
 
-def accumulate(buffers, grads, window_steps, window_count, loss_scale=None, on_skip=None,
-               touched=()):
-    """One micro-step: adds `grads` to `buffers` (same order) if all are finite.
+def accumulate(state, indices, grads, loss_scale=None, on_skip=None):
+    """One micro-step: adds `grads` (of the variables `indices`) to their buffers if all
+    are finite, and sets their touched flags.
 
     `loss_scale` (a variable or None): gradients are divided by it before they
     are added, so buffers hold unscaled sums even if the scale changes inside
-    the window. `on_skip` runs when the micro-batch is skipped. `touched`: the
-    flags of the variables of `grads`, set if the micro-batch is kept.
+    the window. `on_skip` runs when the micro-batch is skipped.
     """
 
     def add():
-        for buffer, g in zip(buffers, grads):
+        for i, g in zip(indices, grads):
             if loss_scale is not None:
                 g = scale_gradient(g, 1.0 / tf.cast(loss_scale, tf.float64))
-            add_to(buffer, g)
-        mark_touched(touched)
-        window_count.assign_add(1)
+            add_to(state.buffers[i], g)
+        mark_touched([state.touched[i] for i in indices])
+        state.window_count.assign_add(1)
 
     def skip():
         if on_skip is not None:
             on_skip()
 
     tf.cond(all_finite(grads), add, skip)
-    window_steps.assign_add(1)
+    state.window_steps.assign_add(1)
 
 
 def mean_gradients(buffers, window_count, loss_scale=None):
@@ -107,14 +123,14 @@ def mean_gradients(buffers, window_count, loss_scale=None):
     return means
 
 
-def end_window(all_buffers, window_steps, window_count, apply_fn, touched=()):
+def end_window(state, apply_fn):
     """Calls `apply_fn()` if the window kept a micro-batch, then starts a new window
-    (buffers, counters and the `touched` flags zeroed)."""
-    tf.cond(window_count > 0, apply_fn, lambda: None)
-    for buffer in list(all_buffers) + list(touched):
+    (buffers, counters and touched flags zeroed)."""
+    tf.cond(state.window_count > 0, apply_fn, lambda: None)
+    for buffer in list(state.buffers) + list(state.touched):
         buffer.assign(tf.zeros(buffer.shape, buffer.dtype))
-    window_steps.assign(0)
-    window_count.assign(0)
+    state.window_steps.assign(0)
+    state.window_count.assign(0)
 
 
 def maybe_end_window(steps_per_update, window_steps, end_fn):
