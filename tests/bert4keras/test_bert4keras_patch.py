@@ -12,7 +12,7 @@ if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") !=
 import recompute  # noqa: E402
 import recompute.bert4keras as rb  # noqa: E402
 import recompute.bert4keras._patch as rbp  # noqa: E402
-from recompute import _core, _flash_tf  # noqa: E402
+from recompute import _flash_tf  # noqa: E402
 
 # The import hook must patch a bert4keras imported after `patch()`.
 assert "bert4keras.layers" not in sys.modules
@@ -25,6 +25,7 @@ from bert4keras.models import build_transformer_model  # noqa: E402
 
 from tests.helpers import tiny_bert  # noqa: E402
 from tests.helpers.numerics import assert_all_close, to_numpy  # noqa: E402
+from tests.helpers.recompute_runs import count_recomputed_calls  # noqa: E402
 
 
 
@@ -120,14 +121,7 @@ def build(config_path):
 
 # Dropout off here; with dropout on, see the tests at the end (replayable RNG).
 def test_gradients_match_with_padding(config_path, monkeypatch, policy):
-    calls = {"n": 0}
-    real = _core.recomputed_call
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_core, "recomputed_call", counting)
+    calls = count_recomputed_calls(monkeypatch)
     token_ids, segment_ids, labels = batch()
     results = []
     for on in (False, True):
@@ -204,14 +198,7 @@ def test_default_patch_keeps_bert4keras_structure(config_path):
 
 
 def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, monkeypatch, policy):
-    calls = {"n": 0}
-    real = _core.recomputed_call
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_core, "recomputed_call", counting)
+    calls = count_recomputed_calls(monkeypatch)
     cores = {"n": 0}
     real_core = _flash_tf.attention
     monkeypatch.setattr(_flash_tf, "attention",

@@ -9,6 +9,7 @@ import recompute
 from recompute import recompute_grad
 from tests.helpers.numerics import assert_all_close, assert_state_equal, max_rel_err, to_numpy
 from tests.helpers.k3_blocks import CALLS, build_model, inputs, run_both
+from tests.helpers.recompute_runs import fit_both, under_outer_eager_tape
 
 
 @pytest.mark.parametrize("compile_mode", ["eager", "function", "jit"])
@@ -37,13 +38,9 @@ def test_function_under_outer_eager_tape():
     results = []
     for on in (False, True):
         model = build_model()
-        fn = tf.function(lambda x: model(x, training=True))
         CALLS["n"] = 0
         with recompute.recompute_scope(on):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                loss = tf.reduce_sum(fn(x) ** 2)
-            grads = tape.gradient(loss, [x] + model.trainable_variables)
+            _, grads = under_outer_eager_tape(model, x)
         results.append((to_numpy(grads), CALLS["n"]))
     assert_all_close(results[0][0], results[1][0])
     assert results[1][1] > results[0][1]  # the backward function traced the recomputation
@@ -51,20 +48,8 @@ def test_function_under_outer_eager_tape():
 
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_fit_matches(jit_compile):
-    x = np.random.RandomState(0).randn(32, 8).astype("float32")
-    y = np.random.RandomState(1).randn(32, 1).astype("float32")
-    weights, calls = [], []
-    for on in (False, True):
-        model = build_model()
-        # Plain SGD: the update is proportional to the gradient, so the weights
-        # compare gradients (Adam would amplify last-bit differences of XLA fusions).
-        model.compile(keras.optimizers.SGD(0.05), "mse", jit_compile=jit_compile)
-        CALLS["n"] = 0
-        with recompute.recompute_scope(on):
-            hist = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-        weights.append([np.asarray(v) for v in model.variables])
-        calls.append(CALLS["n"])
-        assert np.all(np.isfinite(hist.history["loss"]))
+    weights_of = lambda model: [np.asarray(v) for v in model.variables]  # noqa: E731
+    weights, calls = fit_both(keras, build_model, jit_compile, weights_of, CALLS)
     assert_all_close(weights[0], weights[1])
     assert calls[1] == 2 * calls[0]  # traced once each; the recompute traces the call again
 

@@ -3,9 +3,9 @@
 import keras
 import tensorflow as tf
 
-import recompute
 from recompute import recompute_grad
 from tests.helpers.attention_blocks import ancestors
+from tests.helpers.recompute_runs import gradient_graph
 
 
 class MaskBlock(keras.layers.Layer):
@@ -25,20 +25,7 @@ def test_recomputed_random_ops_wait_for_the_gradient():
     x = tf.ones([2, 8])
     for b in blocks:
         b(x)
-
-    @tf.function
-    def step(x):
-        # (traced with recomputation on; see the scope below)
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = x
-            for b in blocks:
-                y = b(y, training=True)
-            loss = tf.reduce_sum(y * y)
-        return tape.gradient(loss, x)
-
-    with recompute.recompute_scope(True):
-        graph = step.get_concrete_function(x).graph
+    graph = gradient_graph(blocks, x)  # traced with recomputation on
     loss_grad = [op for op in graph.get_operations() if op.name.startswith("gradient_tape/")]
     assert loss_grad
     random_ops = [op for op in graph.get_operations()

@@ -9,6 +9,7 @@ import recompute
 from recompute import recompute_grad
 from tests.helpers.numerics import assert_all_close, to_numpy
 from tests.helpers.k3_blocks import CALLS, inputs
+from tests.helpers.recompute_runs import check_add_loss_applied_once
 
 
 class BNBlock(keras.layers.Layer):
@@ -57,31 +58,5 @@ def test_batchnorm_statistics_updated_once(compile_mode, training):
     assert np.any(moving_mean != 0) == training
 
 
-class LossBlock(keras.layers.Layer):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = keras.layers.Dense(4)
-
-    @recompute_grad
-    def call(self, x):
-        h = self.dense(x)
-        self.add_loss(0.1 * tf.reduce_sum(h**2))
-        return h
-
-
 def test_add_loss_applied_once():
-    grads, n_losses = [], []
-    for on in (False, True):
-        keras.utils.set_random_seed(0)
-        layer = LossBlock()
-        x = inputs((3, 4))
-        with recompute.recompute_scope(on):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = layer(x)
-                loss = tf.reduce_sum(y) + tf.add_n(layer.losses)
-            g = tape.gradient(loss, [x] + layer.trainable_variables)
-        n_losses.append(len(layer.losses))
-        grads.append([float(loss)] + to_numpy(g))
-    assert n_losses == [1, 1]
-    assert_all_close(grads[0], grads[1])
+    check_add_loss_applied_once(keras, inputs((3, 4)))

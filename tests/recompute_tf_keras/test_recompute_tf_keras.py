@@ -13,7 +13,12 @@ import tf_keras as K
 
 import recompute
 from recompute import _core, recompute_grad
+from tests.helpers.attention_blocks import ancestors
 from tests.helpers.numerics import assert_all_close, assert_state_equal, to_numpy
+from tests.helpers.recompute_runs import (
+    check_add_loss_applied_once, check_variable_creation_refused, count_recomputed_calls, fit_both,
+    gradient_graph, under_outer_eager_tape,
+)
 
 CALLS = {"n": 0}
 
@@ -104,12 +109,8 @@ def test_function_under_outer_eager_tape():
     results = []
     for on in (False, True):
         model = build_model()
-        fn = tf.function(lambda x: model(x, training=True))
         with recompute.recompute_scope(on):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                loss = tf.reduce_sum(fn(x) ** 2)
-            grads = tape.gradient(loss, [x] + model.trainable_weights)
+            loss, grads = under_outer_eager_tape(model, x)
         results.append(([float(loss)] + to_numpy(grads), state_values(model)))
     assert_all_close(results[0][0], results[1][0])
     assert_state_equal(results[0][1], results[1][1])
@@ -117,18 +118,8 @@ def test_function_under_outer_eager_tape():
 
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_fit_matches(jit_compile):
-    x = np.random.RandomState(0).randn(32, 8).astype("float32")
-    y = np.random.RandomState(1).randn(32, 1).astype("float32")
-    weights, calls = [], []
-    for on in (False, True):
-        model = build_model()
-        model.compile(K.optimizers.SGD(0.05), "mse", jit_compile=jit_compile)
-        CALLS["n"] = 0
-        with recompute.recompute_scope(on):
-            hist = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-        assert np.all(np.isfinite(hist.history["loss"]))
-        weights.append([np.asarray(v) for v in model.weights] + state_values(model))
-        calls.append(CALLS["n"])
+    weights_of = lambda model: [np.asarray(v) for v in model.weights] + state_values(model)  # noqa: E731
+    weights, calls = fit_both(K, build_model, jit_compile, weights_of, CALLS)
     assert_all_close(weights[0], weights[1])
     assert calls[1] > calls[0]
 
@@ -221,33 +212,8 @@ def test_self_attention_same_tensor_three_times(compile_mode):
     assert_all_close(results[0], results[1])
 
 
-class LossBlock(K.layers.Layer):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = K.layers.Dense(4)
-
-    @recompute_grad
-    def call(self, x):
-        h = self.dense(x)
-        self.add_loss(0.1 * tf.reduce_sum(h**2))
-        return h
-
-
 def test_add_loss_applied_once_with_its_gradient():
-    results, n_losses = [], []
-    for on in (False, True):
-        K.utils.set_random_seed(0)
-        layer = LossBlock()
-        x = inputs((3, 4))
-        with recompute.recompute_scope(on):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                loss = tf.reduce_sum(layer(x)) + tf.add_n(layer.losses)
-            g = tape.gradient(loss, [x] + layer.trainable_weights)
-        n_losses.append(len(layer.losses))
-        results.append([float(loss)] + to_numpy(g))
-    assert n_losses == [1, 1]
-    assert_all_close(results[0], results[1])
+    check_add_loss_applied_once(K, inputs((3, 4)))
 
 
 def test_mixed_precision_eager_exact():
@@ -275,14 +241,7 @@ class LazyBlock(K.layers.Layer):
 
 
 def test_variable_created_in_recomputation_raises():
-    layer = LazyBlock()
-    x = inputs((2, 3))
-    with recompute.recompute_scope(True):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x)
-        with pytest.raises(recompute.VariableCreatedInRecomputationError, match="build the layer"):
-            tape.gradient(y, x)
+    check_variable_creation_refused(LazyBlock(), inputs((2, 3)))
 
 
 def test_disabled_runs_the_original_call_once():
@@ -334,14 +293,7 @@ class SquaredAffine(Affine):
 
 @pytest.mark.parametrize("compile_mode", ["eager", "function"])
 def test_decorated_super_call_is_recomputed_once(compile_mode, monkeypatch):
-    calls = {"n": 0}
-    real = _core.recomputed_call
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_core, "recomputed_call", counting)
+    calls = count_recomputed_calls(monkeypatch)
     layer = SquaredAffine()
     x = inputs()
     layer(x)
@@ -375,14 +327,7 @@ class Outer(K.layers.Layer):
 
 
 def test_outermost_decorated_call_is_the_unit(monkeypatch):
-    calls = {"n": 0}
-    real = _core.recomputed_call
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_core, "recomputed_call", counting)
+    calls = count_recomputed_calls(monkeypatch)
     K.utils.set_random_seed(0)
     layer = Outer()
     x = inputs()
@@ -440,36 +385,13 @@ def test_legacy_rng_recomputed_draws_wait_for_the_gradient():
     pass (its seed waits for the gradient), not kept from the forward pass."""
     K.backend.experimental.disable_tf_random_generator()
     blocks = [DropoutOnly(), DropoutOnly()]
-    x = tf.ones([2, 8])
-
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = x
-            for b in blocks:
-                y = b(y, training=True)
-            loss = tf.reduce_sum(y * y)
-        return tape.gradient(loss, x)
-
-    with recompute.recompute_scope(True), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        graph = step.get_concrete_function(x).graph
+        graph = gradient_graph(blocks, tf.ones([2, 8]))
     ops = graph.get_operations()
     first_grad = next(i for i, op in enumerate(ops) if op.name.startswith("gradient_tape/"))
     recomputed = [op for op in ops[first_grad:]
                   if op.type.startswith("StatelessRandom") and "KeyCounter" not in op.type]
     assert len([op for op in recomputed if op.type == "StatelessRandomUniformV2"]) == 2  # the masks
-
-    def ancestors(op):
-        seen, stack = set(), [op]
-        while stack:
-            o = stack.pop()
-            if o.name not in seen:
-                seen.add(o.name)
-                stack.extend(t.op for t in o.inputs)
-                stack.extend(o.control_inputs)
-        return seen
-
     for op in recomputed:
         assert any(name.startswith("gradient_tape/") for name in ancestors(op)), op.name
