@@ -365,6 +365,27 @@ class AccumOptimizer:
                 stacklevel=2,
             )
             return
+        values = self._saved_buffers(store, keys)
+        state["window_steps"].assign(store["window_steps"])
+        state["window_count"].assign(store["window_count"])
+        for acc, value in zip(self.accumulators, values):
+            acc.assign(value)
+        flags = getattr(self, "touched", [])
+        saved_flags = [store[f"touched:{i}"] for i in range(len(flags)) if f"touched:{i}" in keys]
+        if len(saved_flags) == len(flags) and all(
+            tuple(np.shape(v)) == tuple(f.shape) for v, f in zip(saved_flags, flags)
+        ):
+            for flag, value in zip(flags, saved_flags):
+                flag.assign(value)
+        else:
+            # No flags saved (or not matching): a variable with buffered gradient
+            # counts as touched; with no window pending, none is.
+            for flag, acc in zip(flags, self.accumulators):
+                flag.assign(tf.cast(tf.reduce_any(tf.not_equal(acc, 0)), flag.dtype))
+
+    def _saved_buffers(self, store, keys):
+        """The buffers saved in `store` (by position), checked against this optimizer's:
+        zeros if they do not match while no micro-step is pending, else a `ValueError`."""
         saved = sorted(
             int(key.split(":", 1)[1])
             for key in keys
@@ -395,22 +416,7 @@ class AccumOptimizer:
                     + ". Load into a model with the same trainable variables (same "
                     "architecture, same layers trainable), built before loading."
                 )
-        state["window_steps"].assign(store["window_steps"])
-        state["window_count"].assign(store["window_count"])
-        for acc, value in zip(self.accumulators, values):
-            acc.assign(value)
-        flags = getattr(self, "touched", [])
-        saved_flags = [store[f"touched:{i}"] for i in range(len(flags)) if f"touched:{i}" in keys]
-        if len(saved_flags) == len(flags) and all(
-            tuple(np.shape(v)) == tuple(f.shape) for v, f in zip(saved_flags, flags)
-        ):
-            for flag, value in zip(flags, saved_flags):
-                flag.assign(value)
-        else:
-            # No flags saved (or not matching): a variable with buffered gradient
-            # counts as touched; with no window pending, none is.
-            for flag, acc in zip(flags, self.accumulators):
-                flag.assign(tf.cast(tf.reduce_any(tf.not_equal(acc, 0)), flag.dtype))
+        return values
 
     # ------------------------------------------------------------- config
     # Each family provides `_FAMILY`, `_serialize_inner()` and

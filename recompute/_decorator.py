@@ -52,6 +52,39 @@ def _autographed(fn, status):
     return tf.__internal__.autograph.tf_convert(fn, status)
 
 
+def _checked_call(call):
+    """(the layer `call` is bound to or None, the function behind it), or a TypeError
+    unless `call` is a Keras layer's `call` (a function, or bound to a layer)."""
+    if isinstance(call, type) or not callable(call) or not (
+        inspect.isfunction(call) or inspect.ismethod(call)
+    ):
+        raise TypeError(
+            "`recompute_grad` decorates the `call` method of a Keras layer "
+            f"(a function). Received: {_describe(call)}"
+        )
+    fn_name = getattr(call, "__name__", None)
+    if fn_name != "call":
+        raise TypeError(
+            "`recompute_grad` decorates the `call` method of a Keras layer, "
+            f"but received a function named {fn_name!r}. Decorate `call` itself "
+            "(Keras invokes `call` from `Layer.__call__`)."
+        )
+    bound_to = call.__self__ if inspect.ismethod(call) else None
+    unbound = call.__func__ if inspect.ismethod(call) else call
+    if bound_to is None:
+        _check_takes_self(call)
+        _backends.check_decoration(call)
+    elif _backends.adapter_for(bound_to) is None:
+        raise TypeError(
+            "`recompute_grad` decorates the `call` method of a Keras layer "
+            "(`keras.layers.Layer` or `tf_keras.layers.Layer`). "
+            f"Received: the bound `call` of {_describe(bound_to)}"
+        )
+    else:
+        _backends.adapter_for(bound_to).check_supported(bound_to)
+    return bound_to, unbound
+
+
 def recompute_grad(call=None, *, policy="full"):
     """Decorates a Keras layer's `call` so that its activations are recomputed in the backward pass.
 
@@ -108,33 +141,7 @@ def recompute_grad(call=None, *, policy="full"):
     if call is None:
         return functools.partial(recompute_grad, policy=policy)
     run_policy = _policies.POLICIES[policy]
-    if isinstance(call, type) or not callable(call) or not (
-        inspect.isfunction(call) or inspect.ismethod(call)
-    ):
-        raise TypeError(
-            "`recompute_grad` decorates the `call` method of a Keras layer "
-            f"(a function). Received: {_describe(call)}"
-        )
-    fn_name = getattr(call, "__name__", None)
-    if fn_name != "call":
-        raise TypeError(
-            "`recompute_grad` decorates the `call` method of a Keras layer, "
-            f"but received a function named {fn_name!r}. Decorate `call` itself "
-            "(Keras invokes `call` from `Layer.__call__`)."
-        )
-    bound_to = call.__self__ if inspect.ismethod(call) else None
-    unbound = call.__func__ if inspect.ismethod(call) else call
-    if bound_to is None:
-        _check_takes_self(call)
-        _backends.check_decoration(call)
-    elif _backends.adapter_for(bound_to) is None:
-        raise TypeError(
-            "`recompute_grad` decorates the `call` method of a Keras layer "
-            "(`keras.layers.Layer` or `tf_keras.layers.Layer`). "
-            f"Received: the bound `call` of {_describe(bound_to)}"
-        )
-    else:
-        _backends.adapter_for(bound_to).check_supported(bound_to)
+    bound_to, unbound = _checked_call(call)
 
     # Layers that passed the policy's check (policy="attention": it has MultiHeadAttention
     # layers), made at each layer's first call whether RECOMPUTE is on or off: at the

@@ -165,13 +165,8 @@ REQUIRED_CONFIG_KEYS = (
 # Config, vocabulary, tensors
 
 
-def google_config(hf_config):
-    """Google's ``bert_config.json`` dict for a HF BERT ``config.json`` dict.
-
-    Raises `ValueError` for a config that is not BERT's, or that bert4keras's
-    BERT cannot reproduce (activation, layer-norm epsilon, relative position
-    embeddings, decoder).
-    """
+def _check_is_bert(hf_config):
+    """Raises `ValueError` unless `hf_config` is a BERT's with every required key."""
     model_type = hf_config.get("model_type")
     architectures = hf_config.get("architectures") or []
     if model_type is None and architectures and all(
@@ -190,6 +185,16 @@ def google_config(hf_config):
             f"Expected config.json to give {', '.join(REQUIRED_CONFIG_KEYS)}, "
             f"but it lacks {', '.join(missing)}."
         )
+
+
+def google_config(hf_config):
+    """Google's ``bert_config.json`` dict for a HF BERT ``config.json`` dict.
+
+    Raises `ValueError` for a config that is not BERT's, or that bert4keras's
+    BERT cannot reproduce (activation, layer-norm epsilon, relative position
+    embeddings, decoder).
+    """
+    _check_is_bert(hf_config)
     cfg = dict(HF_DEFAULTS)
     cfg.update({k: v for k, v in hf_config.items() if v is not None})
     act = cfg["hidden_act"]
@@ -354,6 +359,14 @@ def google_variables(tensors, cfg):
             + "; ".join(problems[:8])
             + (f"; ... ({len(problems)} in all)." if len(problems) > 8 else ".")
         )
+    _check_rest(named, variables, cfg)
+    return variables, found
+
+
+def _check_rest(named, variables, cfg):
+    """Raises `ValueError` unless the tensors left in `named` (HF name -> (original
+    name, array)), once the converted `variables` are taken, are buffers bert4keras
+    does not keep or tied copies of converted variables."""
     for buffer in IGNORED_BUFFERS:
         named.pop(buffer, None)
     tied = (
@@ -376,7 +389,6 @@ def google_variables(tensors, cfg):
             f"num_hidden_layers={cfg['num_hidden_layers']} in model.safetensors, but "
             f"received unexpected tensors: {_short_list(v[0] for v in named.values())}."
         )
-    return variables, found
 
 
 # --------------------------------------------------------------------------
