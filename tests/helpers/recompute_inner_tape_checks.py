@@ -23,6 +23,7 @@ import recompute
 from recompute import recompute_grad
 from tests.helpers.families import is_tf_keras, ops_concatenate, ops_sum, variable_name
 from tests.helpers.numerics import assert_all_close, to_numpy
+from tests.helpers.recompute_runs import loss_and_gradients
 
 HiddenTape = tf.GradientTape  # a name the check of the call's code does not follow
 
@@ -229,14 +230,7 @@ def inputs():
 
 
 def grads_of(model, x, compile_mode):
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(model(x, training=True) ** 2)
-        return loss, tape.gradient(loss, [x] + model.trainable_variables)
-
-    if compile_mode == "function":
-        step = tf.function(step)
+    step = loss_and_gradients(model, compile_mode)
     for _ in range(2):
         loss, grads = step(x)
     return float(loss), to_numpy(grads)

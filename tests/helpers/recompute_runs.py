@@ -108,3 +108,16 @@ def gradient_graph(blocks, x):
 
     with recompute.recompute_scope(True):
         return step.get_concrete_function(x).graph
+
+
+def loss_and_gradients(model, compile_mode, training=True):
+    """A step x -> (sum(model(x)²), the gradients of x and of every trainable variable),
+    in a `tf.function` for compile_mode "function"."""
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(model(x, training=training) ** 2)
+        return loss, tape.gradient(loss, [x] + model.trainable_variables)
+
+    return tf.function(step) if compile_mode == "function" else step

@@ -3,13 +3,12 @@
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import recompute
 from recompute import recompute_grad
 from tests.helpers.numerics import assert_all_close, to_numpy
 from tests.helpers.k3_blocks import CALLS, inputs
-from tests.helpers.recompute_runs import check_add_loss_applied_once
+from tests.helpers.recompute_runs import check_add_loss_applied_once, loss_and_gradients
 
 
 class BNBlock(keras.layers.Layer):
@@ -38,15 +37,7 @@ def test_batchnorm_statistics_updated_once(compile_mode, training):
     results = []
     for on in (False, True):
         model = make()
-
-        def step(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                loss = tf.reduce_sum(model(x, training=training) ** 2)
-            return loss, tape.gradient(loss, [x] + model.trainable_variables)
-
-        if compile_mode == "function":
-            step = tf.function(step)
+        step = loss_and_gradients(model, compile_mode, training=training)
         with recompute.recompute_scope(on):
             for _ in range(3):
                 loss, grads = step(x)
