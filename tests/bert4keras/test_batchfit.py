@@ -11,6 +11,7 @@ if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") !=
     pytest.skip("run with TF_KERAS=1 TF_USE_LEGACY_KERAS=1 (see README)", allow_module_level=True)
 
 from benchmarks import batchfit  # noqa: E402  (does not import bert4keras)
+from tests.helpers.commands import run_module  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPTS = dict(seq_len=256, steps=1, accum_steps=1, max_batch=64, abort_factor=1.5)
@@ -52,10 +53,7 @@ def test_bad_arguments_are_rejected(argv, message, capsys):
 
 
 def test_command_line_error_exit_code():
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.batchfit", "--max-batch", "zero"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
+    out = run_module("benchmarks.batchfit", "--max-batch", "zero")
     assert out.returncode == 2
     assert "--max-batch: expected a positive integer, got 'zero'" in out.stderr
 

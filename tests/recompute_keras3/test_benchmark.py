@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.helpers.commands import run_module
+
 pytestmark = pytest.mark.slow  # examples/benchmarks end to end: the newest Python in CI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,10 +41,7 @@ def test_quick_benchmark(tmp_path):
 
 
 def test_benchmark_rejects_bad_arguments():
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.recompute_memory", "--layers", "0"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
+    out = run_module("benchmarks.recompute_memory", "--layers", "0")
     assert out.returncode == 2
     assert "--layers: expected a positive integer, got '0'" in out.stderr
 
@@ -86,10 +85,7 @@ def test_quick_paired_benchmark(tmp_path):
 
 
 def test_paired_refuses_jax():
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.recompute_memory", "--backend", "jax", "--paired"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
+    out = run_module("benchmarks.recompute_memory", "--backend", "jax", "--paired")
     assert out.returncode == 2
     assert "--paired measures TensorFlow's allocator and steps: it takes --backend tensorflow" \
         in out.stderr
