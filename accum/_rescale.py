@@ -273,5 +273,12 @@ def spec_for(optimizer, k, classes, family_description, dtype):
     return spec
 
 
+def every_gradient(variables, indices, grads, zeros):
+    """A gradient for each of `variables`: `grads` at `indices`, `zeros(variable)` for the
+    others (a variable missing from a micro-step counts a zero gradient there)."""
+    given = dict(zip(indices, grads))
+    return [given[i] if i in given else zeros(v) for i, v in enumerate(variables)]
+
+
 def _is_number(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)

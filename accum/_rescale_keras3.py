@@ -63,8 +63,7 @@ def micro_step(wrapper, grads, indices):
     spec = wrapper._rule
     inner = wrapper.inner_optimizer
     variables = list(wrapper._trainable_variables)
-    given = dict(zip(indices, grads))
-    grads = [given[i] if i in given else ops.zeros(v.shape, v.dtype) for i, v in enumerate(variables)]
+    grads = _rescale.every_gradient(variables, indices, grads, lambda v: ops.zeros(v.shape, v.dtype))
 
     micro = wrapper._iterations
     last = ops.equal(ops.mod(micro.value + 1, spec.k), 0)

@@ -45,8 +45,7 @@ def micro_step(wrapper, grads, indices):
     spec = wrapper._rule
     inner = wrapper.inner_optimizer
     variables = list(wrapper._model_variables)
-    given = dict(zip(indices, grads))
-    grads = [given[i] if i in given else tf.zeros_like(v) for i, v in enumerate(variables)]
+    grads = _rescale.every_gradient(variables, indices, grads, tf.zeros_like)
 
     micro = wrapper._iterations
     last = tf.equal((micro + 1) % spec.k, 0)
