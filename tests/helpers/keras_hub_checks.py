@@ -4,10 +4,15 @@ and on JAX (tests/recompute_jax). Backend-neutral: they train with `train_on_bat
 Exactness is checked on gradients: one SGD step with a large learning rate from the same
 state (weights and seed-generator states) with RECOMPUTE off and on; the weight change
 divided by the learning rate is the gradient, compared for every variable.
+
+The `test_*` functions (and the fixture `reference`) are the tests of both suites,
+written once: tests/recompute_keras3/test_keras_hub.py and
+tests/recompute_jax/test_keras_hub_jax.py import them (`__all__`).
 """
 
 import keras
 import numpy as np
+import pytest
 
 from recompute import recompute_scope
 from tests.helpers.numerics import assert_all_close
@@ -74,7 +79,8 @@ def check_recompute_exact(model, x, y):
     assert encoder and all(np.abs(g).max() > 0 for g in encoder)
 
 
-def check_patch(policy):
+@pytest.mark.parametrize("policy", ["full", "attention"])
+def test_patch_is_exact_and_reversible(policy):
     """Patched, a tiny BertBackbone (dropout 0.1, padding) built before and one built after
     `patch()` both recompute exactly; `unpatch()` restores keras-hub's own call."""
     import keras_hub
@@ -101,8 +107,6 @@ def check_patch(policy):
 def numpy_reference():
     """The NumPy BERT of the MiniLM package's weights, with the GELU keras-hub computes
     (skips the test if the package is not installed)."""
-    import pytest
-
     from recompute.bert4keras.converter import minilm_zip
     from tests.helpers import numpy_bert
 
@@ -116,7 +120,12 @@ def numpy_reference():
     return numpy_bert.NumpyBert(dict(config, hidden_act="gelu_new"), weights)
 
 
-def check_minilm_preset(tmp_path, reference):
+@pytest.fixture(scope="module")
+def reference():
+    return numpy_reference()
+
+
+def test_minilm_preset_matches_numpy_bert_and_recomputes_exactly(tmp_path, reference):
     """The real MiniLM, loaded by keras-hub from the preset directory, matches the NumPy BERT
     (≤ 1e-4 on every real token), and recomputes exactly when patched."""
     import keras_hub
@@ -147,3 +156,7 @@ def check_minilm_preset(tmp_path, reference):
                                       "padding_mask": mask}, np.array([1, 0], "int32"))
     finally:
         hub.unpatch()
+
+
+# what the suites import: the tests and the fixture `reference`
+__all__ = [name for name in dir() if name.startswith("test_")] + ["reference"]
