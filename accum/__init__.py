@@ -12,17 +12,29 @@ the model and the optimizer in `strategy.scope()`; each replica accumulates
 locally and the replicas all-reduce once per update, not once per micro-batch
 (`accum._distributed`; `python -m benchmarks.accum_distribute` measures it).
 
-Modes: `"buffer"` (exact; `accum._window`), `"momentum"` (`accum._momentum`)
-and `"rescale"` (`accum._rescale`: β̃ = 1 − (1 − β)/k, no buffer), each an
-object of `accum._modes` (what it builds, does at a micro-step and at the
-window's end, whether it can be distributed or flushed) that the families ask.
-`accum.BatchNormalization` (`accum._batchnorm_window`) keeps the big batch's
-moving statistics; the optimizer ends its window.
+Where things are:
 
-The Keras families (Keras 3 / tf_keras / tf_keras legacy) are told apart in
-`accum._families`; `accum._dispatch` picks the implementation for each (and for
-Keras 3 on the JAX backend, `accum._keras3_jax`: the window through
-`stateless_apply`, the inner update in a `jax.lax.cond`).
+| | files |
+|---|---|
+| the public class, the family hooks it declares | `_base` (`AccumOptimizer`) |
+| the modes (what each builds, does at a micro-step and at the window's end, whether it can be distributed or flushed) | `_modes` (`Buffer`, `Momentum`, `Rescale`) |
+| the window's state and its TensorFlow ops | `_window` (`WindowState`) |
+| `"momentum"` | `_momentum` + `_momentum_keras3` / `_momentum_tf_keras` |
+| `"rescale"` (β̃ = 1 − (1 − β)/k, no buffer) | `_rescale` + `_rescale_keras3` / `_rescale_tf_keras` |
+| Keras 3 on TensorFlow / on JAX | `_keras3` / `_keras3_jax` (the window through `stateless_apply`, the inner update in a `jax.lax.cond`) |
+| tf_keras / tf_keras legacy | `_tf_keras_common` + `_tf_keras` / `_tf_keras_legacy` |
+| `tf.distribute` | `_distributed` |
+| `accum.BatchNormalization` (the big batch's moving statistics) | `_batchnorm_window` + `_batchnorm_keras3` / `_batchnorm_tf_keras`; `_batchnorm` (the warnings) |
+| which family an optimizer is, which class serves it | `_families`, `_dispatch` |
+| argument checks; `flush_callback`; `compile` dropping micro-steps | `_validation`; `_flush`; `_recompile` |
+
+One update (Keras 3 on TensorFlow, `mode="buffer"`) goes through three
+modules: `_keras3` (`apply` -> `_micro_step`) asks `_modes.Buffer` to
+accumulate, which calls back `_keras3._accumulate` -> `_window.accumulate`
+(the buffers, counters and touched flags of the `WindowState`); when the
+window is full, `_modes.Mode.end_window` -> `_window.end_window` ->
+`_keras3._apply_mean` (the inner optimizer on the mean, masked by the
+touched flags), then zeroes the window.
 """
 
 from ._base import AccumOptimizer

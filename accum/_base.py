@@ -213,14 +213,6 @@ class AccumOptimizer:
         (`accum._distributed`)."""
         return contextlib.nullcontext()
 
-    # ------------------------------------------------------------ window
-    # Shared by the families: the state is `_window_state()`, the update the mode's.
-
-    def _end_window(self):
-        """Applies the window (if it kept any micro-batch) and starts a new one."""
-        _window.end_window(self._window_state(), self._mode.window_end(self))
-        self._finish_batch_norm()
-
     # ------------------------------------------------- accum.BatchNormalization
 
     def _link_batch_norm(self, var_list):
@@ -276,7 +268,7 @@ class AccumOptimizer:
             indices = tuple(range(len(self._model_variables_list())))
             self._distributed_window().flush(self._accum_strategy, indices)
             return
-        _window.flush(self._window_state().window_steps, self._end_window)
+        _window.flush(self._window_state().window_steps, lambda: self._mode.end_window(self))
 
     def _check_flushable(self):
         self._mode.check_flushable(self.steps_per_update)

@@ -170,7 +170,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             self._mode.accumulate(self, grads, indices)
             self._iterations.assign_add(1)
             _window.maybe_end_window(
-                self.steps_per_update, self.window_steps.value, self._end_window
+                self.steps_per_update, self.window_steps.value, lambda: self._mode.end_window(self)
             )
 
     # ---------------------------------------------------- tf.distribute path

@@ -18,7 +18,7 @@ in `AccumOptimizer` (`_accumulate`, `_apply_mean`, `_momentum_rule_for`,
 `_rescale_spec_for`, `_rescale_check_variables`, `_rescale_micro_step`).
 """
 
-from . import _distributed
+from . import _distributed, _window
 
 
 class Mode:
@@ -52,8 +52,14 @@ class Mode:
         """The whole micro-step of an `own_micro_step` mode."""
         raise NotImplementedError(self.name)
 
+    def end_window(self, wrapper):
+        """Applies the window (if it kept any micro-batch) and starts a new one; the
+        linked `accum.BatchNormalization` layers end theirs."""
+        _window.end_window(wrapper._window_state(), self.window_end(wrapper))
+        wrapper._finish_batch_norm()
+
     def window_end(self, wrapper):
-        """The update at the window's end (`accum._window.end_window`)."""
+        """The update at the window's end."""
         return lambda: wrapper._rule.finish(wrapper)
 
     def check_flushable(self, k):

@@ -125,7 +125,7 @@ class TFKerasWindow:
             else:
                 self._mode.accumulate(self, grads, indices)
                 _window.maybe_end_window(
-                    self.steps_per_update, self.window_steps, self._end_window
+                    self.steps_per_update, self.window_steps, lambda: self._mode.end_window(self)
                 )
             return self._count_micro_step()
 
