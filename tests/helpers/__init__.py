@@ -4,6 +4,13 @@
 - `k3_reference`, `tfk_reference`: models, data and big-batch reference runs for
   the `AccumOptimizer` suites (Keras 3, tf_keras).
 - `recompute_distributed`: the block model and loops of the recompute distribution tests.
+- `families`: the fixture `K` (`keras3` or `tf_keras`) of the recompute tests written
+  once for both families: `recompute_edge_checks`, `recompute_inner_tape_checks`,
+  `recompute_distribute_checks`, `attention_blocks` (policies), `step_ordering`; each
+  suite's thin test module star-imports their `test_*` functions (`__all__`) with its
+  fixture. `recompute_runs`: runs and checks those suites share around tests that differ.
+- `keras_hub_checks`: the keras-hub tests of the TensorFlow and JAX suites, imported the same way.
+- `commands`: `run_module`, a module of this repository run as a command (`python -m`).
 - `mwms`: runs 2 `MultiWorkerMirroredStrategy` worker processes on loopback;
   `mwms_worker` (AccumOptimizer) and `mwms_recompute_worker` (recompute_grad)
   are those workers (`python -m tests.helpers.<worker>`).
