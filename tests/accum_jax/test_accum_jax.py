@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from accum import AccumOptimizer
-from tests.helpers import save_resume_worker as worker
+from tests.helpers import save_resume_checks as checks
 from tests.helpers.k3_optimizers import OPTIMIZERS
 from tests.helpers.numerics import assert_grouped_close
 
@@ -213,20 +213,13 @@ def test_config_round_trip():
 KINDS = ("sequential", "functional", "subclassed")
 PLAN = {("adam", kind): ["keras", "weights"] for kind in KINDS}
 PLAN[("rescale", "functional")] = ["keras"]
-CASES = [(spec, kind, fmt) for (spec, kind), formats in PLAN.items() for fmt in formats]
+CASES = checks.cases(PLAN)
+saved_and_resumed = checks.saved_and_resumed_fixture("keras", PLAN, "save_resume_jax")
 
 
-@pytest.fixture(scope="module")
-def saved_and_resumed(tmp_path_factory):
-    return worker.run_plan("keras", PLAN, str(tmp_path_factory.mktemp("save_resume_jax")))
-
-
-@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=checks.ids(CASES))
 def test_resume_mid_window_in_fresh_process_is_bit_exact(saved_and_resumed, case):
-    cases, result = saved_and_resumed
-    saved = cases[case][0]
-    assert saved["counters"] == [worker.STOP, 1, worker.STOP - worker.K]  # mid-window
-    worker.check_case(cases, result, case)
+    checks.check_resumed_mid_window(saved_and_resumed, case)
 
 
 def test_variable_without_gradient_in_the_window_keeps_weights_and_slots():

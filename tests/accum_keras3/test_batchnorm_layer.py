@@ -11,12 +11,13 @@ import tensorflow as tf
 
 import accum
 from accum import AccumOptimizer
+from tests.helpers.accum_batchnorm_checks import *  # noqa: F403 (the tests, collected here)
+from tests.helpers.accum_batchnorm_checks import check_mixed_float16, fit_without_accum_optimizer
+from tests.helpers.accum_family_checks import keras3_family  # noqa: F401 (the fixture family)
 from tests.helpers.bn_reference import (
-    B, K, SWITCHES, WINDOWS, assert_statistics_equal, bn_of, check_new_accum_optimizer_drops_window,
-    check_optimizer_switches, check_resume_in_fresh_process, fit_both, loop_both, make_data, make_model,
+    B, K, WINDOWS, assert_statistics_equal, bn_of, check_resume_in_fresh_process, fit_both, loop_both, make_data,
+    make_model,
 )
-
-
 
 
 def inner(mode):
@@ -72,55 +73,15 @@ def test_eager_loop_without_building_first_warns():
 
 
 def test_without_accum_optimizer_it_is_keras_layer():
-    x, y = make_data(K * B)
-    model = make_model(keras, accum.BatchNormalization(), "sequential")
-    ref = make_model(keras, keras.layers.BatchNormalization(), "sequential")
-    for m in (model, ref):
-        m.compile(keras.optimizers.Adam(1e-2), "mse")
-        m.fit(x, y, batch_size=B, shuffle=False, verbose=0)
-    assert_statistics_equal(bn_of(ref), bn_of(model), tol=0.0)
+    model, ref, x = fit_without_accum_optimizer(keras)
     np.testing.assert_array_equal(ref.predict(x, verbose=0), model.predict(x, verbose=0))
-
-
-@pytest.mark.parametrize("phases", SWITCHES, ids="-".join)
-def test_optimizer_switches(phases):
-    """Compiled again with a plain optimizer, the layer is Keras's again (a partial window
-    of the AccumOptimizer dropped); with an AccumOptimizer (the same or a new one), the
-    big batch's statistics again."""
-    check_optimizer_switches(keras, phases, lambda: keras.optimizers.SGD(0.01))
-
-
-def test_new_accum_optimizer_drops_the_window_of_the_previous():
-    check_new_accum_optimizer_drops_window(keras)
 
 
 def test_mixed_precision():
     """float16 inputs (statistics in float32, as Keras's layer). The loss-scale optimizer
     `fit` would add starts at 1: no step overflows, so none is skipped (a skipped step
     never reaches the wrapper, and its micro-batch stays in the layer's window)."""
-    x, y = make_data(K * B * WINDOWS)
-    keras.mixed_precision.set_dtype_policy("mixed_float16")
-    try:
-        model = make_model(keras, accum.BatchNormalization(), "sequential")
-        ref = make_model(keras, keras.layers.BatchNormalization(), "sequential")
-        scaled = keras.optimizers.LossScaleOptimizer
-        fit_both(model, scaled(AccumOptimizer(keras.optimizers.Adam(1e-2), K), initial_scale=1.0),
-                 ref, scaled(keras.optimizers.Adam(1e-2), initial_scale=1.0), x, y)
-    finally:
-        keras.mixed_precision.set_dtype_policy("float32")
-    assert bn_of(model).compute_dtype == "float16"
-
-
-@pytest.mark.skipif(len(tf.config.list_logical_devices("CPU")) < 2, reason="needs 2 logical CPUs")
-def test_mirrored_strategy_reduces_statistics_once_per_window(mirrored_strategy):
-    """Global statistics of the window (k * global batch), as a plain layer on one device
-    at batch k * b: each replica's sums are read once, at the window's end."""
-    x, y = make_data(K * B * WINDOWS)
-    with mirrored_strategy.scope():
-        model = make_model(keras, accum.BatchNormalization(), "sequential")
-        optimizer = AccumOptimizer(keras.optimizers.SGD(0.01), K)
-    ref = make_model(keras, keras.layers.BatchNormalization(), "sequential")
-    fit_both(model, optimizer, ref, keras.optimizers.SGD(0.01), x, y)
+    check_mixed_float16(keras, lambda optimizer: keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=1.0))
 
 
 def test_save_mid_window_resume_in_fresh_process(tmp_path):

@@ -9,6 +9,8 @@ import tensorflow as tf
 
 import accum
 from accum import AccumOptimizer
+from tests.helpers import k3_reference
+from tests.helpers.accum_runs import fit_with_lr_callback
 from tests.helpers.k3_reference import (
     concat,
     fresh,
@@ -153,17 +155,8 @@ def test_fit_matches_big_batch(jit):
 
 
 def test_learning_rate_callback_reaches_inner_optimizer():
-    data = make_data(K * B * 4)
-    x, ids, y = data
-    model = make_dense_model()
-    ref = twin(model)
     inner = keras.optimizers.SGD(0.05, momentum=0.9)
-    ref_opt = fresh(inner)
-    schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 * 0.5**epoch)
-    model.compile(AccumOptimizer(inner, K), "mse")
-    ref.compile(ref_opt, "mse")
-    model.fit([x, ids], y, batch_size=B, epochs=3, shuffle=False, verbose=0, callbacks=[schedule])
-    ref.fit([x, ids], y, batch_size=K * B, epochs=3, shuffle=False, verbose=0, callbacks=[schedule])
+    model, ref, ref_opt = fit_with_lr_callback(k3_reference, keras, inner, K, B)
     assert float(inner.learning_rate) == pytest.approx(0.0125)
     assert_states_close(state(ref, ref_opt), state(model, inner))
 

@@ -1,40 +1,26 @@
 """Keras 3 under `tf.distribute`: AccumOptimizer on 2 replicas equals one device at the same
 global batch, and all-reduces once per update (not once per micro-step).
 
-In-process tests use `MirroredStrategy` on 2 logical CPUs (tests/conftest.py); one
-test runs 2 `MultiWorkerMirroredStrategy` worker processes on loopback.
-Keras's built-in `gradient_accumulation_steps` crashes here in graph mode
+The checks both families share are in tests/helpers/accum_distribute_checks.py
+(collected here). In-process tests use `MirroredStrategy` on 2 logical CPUs
+(tests/conftest.py); one test runs 2 `MultiWorkerMirroredStrategy` worker processes
+on loopback. Keras's built-in `gradient_accumulation_steps` crashes here in graph mode
 (keras-team/keras#20582): `merge_call` inside a `tf.cond`.
 """
-
-import contextlib
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import mwms
 from accum import AccumOptimizer
 from benchmarks.allreduce import AllReduceCounter
+from tests.helpers.accum_distribute_checks import *  # noqa: F403 (the tests, pytestmark, strategy)
+from tests.helpers.accum_distribute_checks import B, assert_state_close, check_workers_match_one_process
+from tests.helpers.accum_distribute_checks import STEPS as K
+from tests.helpers.accum_distribute_checks import distributed_loop
+from tests.helpers.accum_family_checks import keras3_family, new_style_only  # noqa: F401 (fixtures)
 from tests.helpers.k3_reference import fresh, make_data, make_dense_model, make_model, run, state
-from tests.helpers.numerics import assert_grouped_close
-
-K, B = 4, 6  # B: global micro-batch, 3 per replica
-TOL = 1e-5
-
-pytestmark = pytest.mark.skipif(
-    len(tf.config.list_logical_devices("CPU")) < 2, reason="needs 2 logical CPU devices (see tests/conftest.py)"
-)
-
-
-@pytest.fixture(scope="module")
-def strategy(mirrored_strategy):
-    return mirrored_strategy  # one per process (tests/conftest.py)
-
-
-def assert_state_close(want, got, tol=TOL):
-    assert_grouped_close(want, got, tol, [str(i) for i in range(len(want))], lambda n: "all", floor_fraction=1.0)
 
 
 def adam_schedule_clipnorm():
@@ -43,30 +29,6 @@ def adam_schedule_clipnorm():
 
 def sgd_momentum():
     return keras.optimizers.SGD(0.05, momentum=0.9)
-
-
-def distributed_loop(strategy, model, optimizer, data, global_batch, counter=None):
-    """A custom loop: `strategy.run` inside `tf.function`, loss averaged over the global
-    batch (and scaled by `optimizer.scale_loss`: loss scaling, if any)."""
-
-    def replica_step(x, ids, y):
-        with tf.GradientTape() as tape:
-            per_example = tf.reduce_mean(tf.square(model([x, ids], training=True) - y), axis=-1)
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-            loss = optimizer.scale_loss(loss)
-        variables = model.trainable_variables
-        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-
-    @tf.function
-    def step(batch):
-        strategy.run(replica_step, args=batch)
-
-    dataset = tf.data.Dataset.from_tensor_slices(data).batch(global_batch, drop_remainder=True)
-    batches = iter(strategy.experimental_distribute_dataset(dataset))
-    with counter.counting() if counter else contextlib.nullcontext():
-        step(next(batches))  # traced here, counted at every run
-    for batch in batches:
-        step(batch)
 
 
 @pytest.mark.parametrize(
@@ -133,29 +95,6 @@ def test_mirrored_fit_with_loss_scaling(where, strategy):
     assert_state_close(state(ref, ref_opt), state(model, inner))
 
 
-def test_mirrored_fit_mixed_float16(strategy):
-    """`compile` under mixed_float16 wraps the AccumOptimizer in a LossScaleOptimizer;
-    2 replicas match one device at the same global micro-batch (float16 compute:
-    the per-replica halves round differently: measured 1.1e-5, allowed 5e-5)."""
-    x, ids, y = make_data(K * B * 2)
-    keras.mixed_precision.set_dtype_policy("mixed_float16")
-    try:
-        ref = make_dense_model()
-        ref_opt = AccumOptimizer(keras.optimizers.Adam(0.01), K)
-        ref.compile(ref_opt, "mse")
-        with strategy.scope():
-            model = make_dense_model()
-            inner = keras.optimizers.Adam(0.01)
-            model.compile(AccumOptimizer(inner, K), "mse")
-        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-        model.fit([x, ids], y, batch_size=B, epochs=1, shuffle=False, verbose=0)
-        ref.fit([x, ids], y, batch_size=B, epochs=1, shuffle=False, verbose=0)
-    finally:
-        keras.mixed_precision.set_dtype_policy("float32")
-    assert int(inner.iterations.numpy()) == int(ref_opt.iterations.numpy()) == 2
-    assert_state_close(state(ref, ref_opt.inner_optimizer), state(model, inner), 5e-5)
-
-
 def test_mirrored_flush_callback(strategy):
     """A partial window at the end of `fit` is applied by `flush_callback` (a collective)."""
     n_micro = 2 * K + 2
@@ -203,54 +142,12 @@ def test_non_finite_micro_batch_on_one_replica(strategy):
     assert_state_close([np.array(w) for w in ref.get_weights()], model.get_weights())
 
 
-def test_one_all_reduce_round_per_update(strategy):
-    """Counts the reductions executed at run time (`AllReduceCounter`): the plain
-    optimizer all-reduces at each of the N micro-steps, AccumOptimizer once per
-    update (N/k), each time the whole gradient plus the kept count. (`fit`:
-    counted in the fit tests.)"""
-    data = make_data(K * B * 3)
-    n_micro = 3 * K
-    results = {}
-    for name in ("plain", "accum"):
-        counter = AllReduceCounter()
-        with strategy.scope():
-            model = make_dense_model()
-            optimizer = sgd_momentum() if name == "plain" else AccumOptimizer(sgd_momentum(), K)
-            optimizer.build(model.trainable_variables)
-        distributed_loop(strategy, model, optimizer, data, B, counter)
-        params = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
-        results[name] = (int(counter.rounds.numpy()), int(counter.bytes.numpy()), params)
-    (plain_rounds, plain_bytes, params), (rounds, nbytes, _) = results["plain"], results["accum"]
-    assert plain_rounds == n_micro and plain_bytes == n_micro * params
-    assert rounds == n_micro // K == 3
-    # gradient + one touched flag per variable + the kept count (float32)
-    assert nbytes == rounds * (params + 4 * len(model.trainable_variables) + 4)
-
-
-def test_momentum_mode_under_strategy_raises(strategy):
-    with strategy.scope():
-        model = make_dense_model()
-        optimizer = AccumOptimizer(sgd_momentum(), K, mode="momentum")
-        with pytest.raises(NotImplementedError, match='mode="buffer"'):
-            optimizer.build(model.trainable_variables)
-
-
 @pytest.mark.slow
-def test_two_worker_processes_match_one_process(tmp_path):
+def test_two_worker_processes_match_one_process(family, tmp_path):
     """2 `MultiWorkerMirroredStrategy` workers (processes, TF_CONFIG on loopback),
     custom loops (Keras 3's `fit` does not run under this strategy for any
     optimizer, keras-team/keras#20585): equal to one process at batch k*B, one
     all-reduce round per update."""
-    workers = mwms.run_workers("keras3", tmp_path)
-    data = make_data(K * B * 2)
-    refs = {}
-    for key, make_model_, make_inner in (("adam", make_dense_model, adam_schedule_clipnorm),
-                                         ("sgd", make_model, sgd_momentum)):
-        ref, ref_opt = make_model_(), make_inner()
-        run(ref, ref_opt, data, K * B, dense=True)
-        refs[key] = [np.array(w) for w in ref.get_weights()]
-    for w in workers:
-        for key, want in refs.items():
-            assert_state_close(want, mwms.weights(w, key))
-            assert int(w[f"{key}_iterations"]) == 2
-            assert int(w[f"{key}_rounds"]) == 2  # 8 micro-steps, k=4
+    check_workers_match_one_process(
+        family, tmp_path, {"adam": (make_dense_model, adam_schedule_clipnorm), "sgd": (make_model, sgd_momentum)}
+    )

@@ -4,26 +4,15 @@ import keras
 import numpy as np
 import pytest
 
-from accum import AccumOptimizer
+from tests.helpers import k3_reference
+from tests.helpers.accum_family_checks import floatx, keras3_family  # noqa: F401 (fixtures)
+from tests.helpers.accum_runs import accumulated_and_big_batch, check_k1_is_the_inner_optimizer
 from tests.helpers.k3_optimizers import OPTIMIZERS, schedule
-from tests.helpers.k3_reference import fresh, make_data, make_model, run, slot_values, twin
+from tests.helpers.k3_reference import make_model, slot_values
 from tests.helpers.numerics import assert_grouped_close
 
 K, B, UPDATES = 4, 3, 6
 TOL = {"float32": 1e-6, "float64": 1e-12}
-
-
-@pytest.fixture
-def floatx():
-    """Sets keras floatx for one test (optimizer variables use it)."""
-    previous = keras.config.floatx()
-
-    def set_to(dtype):
-        keras.config.set_floatx(dtype)
-        return dtype
-
-    yield set_to
-    keras.config.set_floatx(previous)
 
 
 def slot_kind(name):
@@ -32,16 +21,7 @@ def slot_kind(name):
 
 
 def compare(make_inner, dtype, k=K, compile=None, updates=UPDATES):
-    data = make_data(k * B * updates, dtype=dtype)
-    model = make_model(dtype)
-    ref_model = twin(model)
-    inner = make_inner()
-    ref_opt = fresh(inner)
-    opt = AccumOptimizer(inner, k)
-    run(model, opt, data, B, compile)
-    run(ref_model, ref_opt, data, k * B, compile, dense=True)
-    assert int(opt.iterations) == int(ref_opt.iterations) == updates
-    assert int(opt.micro_steps) == k * updates
+    model, opt, ref_model, ref_opt = accumulated_and_big_batch(k3_reference, make_inner, dtype, k, B, updates, compile)
     ref_slots, slots = slot_values(ref_opt), slot_values(opt.inner_optimizer)
     assert [n.split(":", 1)[1] for n in ref_slots] == [n.split(":", 1)[1] for n in slots]
     names = [w.path for w in model.weights] + list(slots)
@@ -79,13 +59,4 @@ def test_matches_big_batch_compiled(name, compile, floatx):
 def test_k1_is_the_inner_optimizer(floatx):
     """k=1: bit-identical to the inner optimizer at the same batch."""
     floatx("float32")
-    data = make_data(B * 5)
-    model = make_model()
-    ref_model = twin(model)
-    inner = keras.optimizers.Adam(schedule(), clipnorm=0.1, weight_decay=0.01)
-    ref_opt = fresh(inner)
-    run(model, AccumOptimizer(inner, 1), data, B)
-    run(ref_model, ref_opt, data, B)
-    for a, b in zip(ref_model.get_weights() + [v.numpy() for v in ref_opt.variables],
-                    model.get_weights() + [v.numpy() for v in inner.variables]):
-        np.testing.assert_array_equal(a, b)
+    check_k1_is_the_inner_optimizer(k3_reference, keras.optimizers.Adam(schedule(), clipnorm=0.1, weight_decay=0.01), B)

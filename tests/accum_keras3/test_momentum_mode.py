@@ -3,10 +3,11 @@
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from accum import AccumOptimizer
-from tests.helpers.k3_reference import concat, fresh, make_data, make_model, make_step, run, slot_values, twin
+from tests.helpers import k3_reference
+from tests.helpers.accum_runs import micro_gradients, run_micro_batches, train_both
+from tests.helpers.k3_reference import make_data, make_model, run, slot_values, twin
 from tests.helpers.numerics import assert_grouped_close
 
 K, B, UPDATES = 4, 3, 6
@@ -32,14 +33,8 @@ def kind(name):
     ids=["sgd_momentum", "sgd_schedule_wd"],
 )
 def test_sgd_momentum_is_exact_with_no_buffer(make_inner, compile):
-    data = make_data(K * B * UPDATES)
-    model = make_model()
-    ref = twin(model)
-    inner = make_inner()
-    ref_opt = fresh(inner)
-    opt = AccumOptimizer(inner, K, mode="momentum")
-    run(model, opt, data, B, compile)
-    run(ref, ref_opt, data, K * B, compile, dense=True)
+    model, opt, ref, ref_opt = train_both(k3_reference, make_inner, K, B, UPDATES, compile=compile, mode="momentum")
+    inner = opt.inner_optimizer
     assert int(inner.iterations) == UPDATES
     # Zero per-parameter variables beyond the momentum slots: scalar counters and
     # one scalar touched flag per variable.
@@ -62,18 +57,11 @@ def test_adam_first_moment_exact_second_moment_is_mean_of_squares():
     data = make_data(K * B)
     model = make_model()
     variables = model.trainable_variables
-    micro_grads = []
-    for i in range(K):
-        x, ids, y = concat(data, i * B, (i + 1) * B)
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model([x, ids]) - y))
-        micro_grads.append([tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, variables)])
+    micro_grads = micro_gradients(model, data, K, B)
     before = [v.numpy() for v in variables]
     inner = keras.optimizers.AdamW(0.01, weight_decay=0.1)
     opt = AccumOptimizer(inner, K, mode="momentum")
-    step = make_step(model, opt)
-    for i in range(K):
-        step(*concat(data, i * B, (i + 1) * B))
+    run_micro_batches(model, opt, data, K, B)
     for j, var in enumerate(variables):
         g = np.stack([mg[j] for mg in micro_grads])
         m = inner._momentums[j].numpy()

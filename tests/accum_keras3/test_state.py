@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 from accum import AccumOptimizer
+from tests.helpers.accum_runs import resume_keras_file_mid_window
 from tests.helpers.k3_reference import concat, make_data, make_model, make_step, state, twin
 
 K, B = 4, 3
@@ -52,23 +53,10 @@ def test_checkpoint_resume_mid_window_is_bit_exact(tmp_path):
 
 
 def test_keras_file_resume_mid_window_is_bit_exact(tmp_path):
-    data = make_data(B * 20)
-    x, ids, y = data
     model = make_model()
     model.compile(new_optimizer(), "mse")
-    for bx, bi, by in micro_batches(data, 0, 10):
-        model.train_on_batch([bx, bi], by)
-    model.save(tmp_path / "m.keras")
-    for bx, bi, by in micro_batches(data, 10, 20):
-        model.train_on_batch([bx, bi], by)
-    expected = state(model, model.optimizer)
-
-    loaded = keras.models.load_model(tmp_path / "m.keras")
-    assert isinstance(loaded.optimizer, AccumOptimizer)
-    assert int(loaded.optimizer.window_steps) == 2 and int(loaded.optimizer.iterations) == 2
-    for bx, bi, by in micro_batches(data, 10, 20):
-        loaded.train_on_batch([bx, bi], by)
-    assert_bit_equal(expected, state(loaded, loaded.optimizer))
+    expected, got = resume_keras_file_mid_window(keras, model, make_data(B * 20), B, tmp_path / "m.keras", 2)
+    assert_bit_equal(expected, got)
 
 
 def test_changed_k_keeps_inner_slots_keras_file(tmp_path):

@@ -1,18 +1,5 @@
-"""Fixtures for the tf_keras accum tests (the two logical CPUs are set up in tests/conftest.py)."""
+"""Fixtures for the tf_keras accum tests (the two logical CPUs are set up in tests/conftest.py):
+`family` (tf_keras), `legacy` (new-style and legacy optimizers) and `floatx`, from
+tests/helpers/accum_family_checks.py."""
 
-import pytest
-import tf_keras as K
-
-
-
-@pytest.fixture
-def floatx():
-    """Sets tf_keras floatx for one test."""
-    previous = K.backend.floatx()
-
-    def set_to(dtype):
-        K.backend.set_floatx(dtype)
-        return dtype
-
-    yield set_to
-    K.backend.set_floatx(previous)
+from tests.helpers.accum_family_checks import floatx, new_style_and_legacy, tf_keras_family  # noqa: F401

@@ -9,6 +9,8 @@ import tf_keras as K
 
 from accum import AccumOptimizer
 from tests.helpers.numerics import assert_grouped_close
+from tests.helpers import tfk_reference
+from tests.helpers.accum_runs import fit_with_lr_callback, resume_keras_file_mid_window
 from tests.helpers.tfk_reference import (
     concat,
     fresh,
@@ -73,17 +75,8 @@ def test_types_and_config_round_trip(family):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fit_matches_big_batch_with_lr_callback(family):
-    data = make_data(KK * B * 4)
-    x, ids, y = data
-    model = make_model(embedding=False)
-    ref = twin(model)
     inner = FAMILIES[family]()
-    ref_opt = fresh(inner)
-    schedule = K.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 * 0.5**epoch)
-    model.compile(AccumOptimizer(inner, KK), "mse")
-    ref.compile(ref_opt, "mse")
-    model.fit([x, ids], y, batch_size=B, epochs=3, shuffle=False, verbose=0, callbacks=[schedule])
-    ref.fit([x, ids], y, batch_size=KK * B, epochs=3, shuffle=False, verbose=0, callbacks=[schedule])
+    model, ref, ref_opt = fit_with_lr_callback(tfk_reference, K, inner, KK, B)
     assert int(model.optimizer.iterations) == 12
     assert float(K.backend.get_value(inner.learning_rate)) == pytest.approx(0.0125)
     assert_states_close(state(ref, ref_opt), state(model, inner))
@@ -163,20 +156,10 @@ def test_checkpoint_resume_mid_window_is_bit_exact(family, tmp_path):
 
 
 def test_new_style_keras_file_resume_mid_window(tmp_path):
-    data = make_data(B * 20)
     model = make_model()
     model.compile(AccumOptimizer(K.optimizers.Adam(0.01), KK), "mse")
-    for bx, bi, by in micro_batches(data, 0, 10):
-        model.train_on_batch([bx, bi], by)
-    model.save(tmp_path / "m.keras")
-    for bx, bi, by in micro_batches(data, 10, 20):
-        model.train_on_batch([bx, bi], by)
-    expected = state(model, model.optimizer)
-    loaded = K.models.load_model(tmp_path / "m.keras")
-    assert isinstance(loaded.optimizer, AccumOptimizer) and int(loaded.optimizer.window_steps) == 2
-    for bx, bi, by in micro_batches(data, 10, 20):
-        loaded.train_on_batch([bx, bi], by)
-    for a, b in zip(expected, state(loaded, loaded.optimizer)):
+    expected, got = resume_keras_file_mid_window(K, model, make_data(B * 20), B, tmp_path / "m.keras")
+    for a, b in zip(expected, got):
         np.testing.assert_array_equal(a, b)
 
 

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import tf_keras as K
 
-from accum import AccumOptimizer
+from tests.helpers import tfk_reference
+from tests.helpers.accum_runs import accumulated_and_big_batch, check_k1_is_the_inner_optimizer
 from tests.helpers.numerics import assert_grouped_close
-from tests.helpers.tfk_reference import fresh, make_data, make_model, optimizer_variables, run, twin
+from tests.helpers.tfk_reference import make_model, optimizer_variables
 
 KK, B, UPDATES = 4, 3, 6
 TOL = {"float32": 1e-6, "float64": 1e-12}
@@ -61,16 +62,8 @@ def slot_kind(name):
 
 
 def compare(make_inner, dtype, compile=None, k=KK):
-    data = make_data(k * B * UPDATES, dtype=dtype)
-    model = make_model(dtype)
-    ref_model = twin(model)
-    inner = make_inner()
-    ref_opt = fresh(inner)
-    opt = AccumOptimizer(inner, k)
-    run(model, opt, data, B, compile)
-    run(ref_model, ref_opt, data, k * B, compile, dense=True)
-    assert int(opt.iterations) == int(ref_opt.iterations) == UPDATES
-    assert int(opt.micro_steps) == k * UPDATES
+    model, opt, ref_model, ref_opt = accumulated_and_big_batch(tfk_reference, make_inner, dtype, k, B, UPDATES, compile)
+    inner = opt.inner_optimizer
     ref_vars, got_vars = optimizer_variables(ref_opt), optimizer_variables(inner)
     assert [v.shape for v in ref_vars] == [v.shape for v in got_vars]
     names = [w.name for w in model.weights] + [f"{i}:{v.name}" for i, v in enumerate(got_vars)]
@@ -106,13 +99,4 @@ def test_matches_big_batch_in_tf_function(name, floatx):
 @pytest.mark.parametrize("name", ["adam_schedule_clipnorm", "legacy_sgd_nesterov"])
 def test_k1_is_the_inner_optimizer(name, floatx):
     floatx("float32")
-    data = make_data(B * 5)
-    model = make_model()
-    ref_model = twin(model)
-    inner = ALL[name]()
-    ref_opt = fresh(inner)
-    run(model, AccumOptimizer(inner, 1), data, B)
-    run(ref_model, ref_opt, data, B)
-    for a, b in zip(ref_model.get_weights() + [v.numpy() for v in optimizer_variables(ref_opt)],
-                    model.get_weights() + [v.numpy() for v in optimizer_variables(inner)]):
-        np.testing.assert_array_equal(a, b)
+    check_k1_is_the_inner_optimizer(tfk_reference, ALL[name](), B)

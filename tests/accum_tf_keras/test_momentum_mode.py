@@ -2,12 +2,13 @@
 
 import numpy as np
 import pytest
-import tensorflow as tf
 import tf_keras as K
 
 from accum import AccumOptimizer
 from tests.helpers.numerics import assert_grouped_close
-from tests.helpers.tfk_reference import concat, fresh, make_data, make_model, make_step, optimizer_variables, run, twin
+from tests.helpers import tfk_reference
+from tests.helpers.accum_runs import micro_gradients, run_micro_batches, train_both
+from tests.helpers.tfk_reference import make_data, make_model, optimizer_variables
 
 KK, B, UPDATES = 4, 3, 6
 SCHEDULE = lambda: K.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5)  # noqa: E731
@@ -23,14 +24,8 @@ SCHEDULE = lambda: K.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5)  # noqa
     ids=["sgd", "sgd_schedule_wd", "legacy_sgd", "legacy_sgd_schedule"],
 )
 def test_sgd_momentum_is_exact_with_no_buffer(make_inner, compile):
-    data = make_data(KK * B * UPDATES)
-    model = make_model()
-    ref = twin(model)
-    inner = make_inner()
-    ref_opt = fresh(inner)
-    opt = AccumOptimizer(inner, KK, mode="momentum")
-    run(model, opt, data, B, compile)
-    run(ref, ref_opt, data, KK * B, compile, dense=True)
+    model, opt, ref, ref_opt = train_both(tfk_reference, make_inner, KK, B, UPDATES, compile=compile, mode="momentum")
+    inner = opt.inner_optimizer
     assert int(inner.iterations) == UPDATES and opt.accumulators == []
     got, want = optimizer_variables(inner), optimizer_variables(ref_opt)
     assert_grouped_close(
@@ -48,18 +43,11 @@ def test_adam_moments_after_one_window(legacy):
     data = make_data(KK * B)
     model = make_model()
     variables = model.trainable_variables
-    micro = []
-    for i in range(KK):
-        x, ids, y = concat(data, i * B, (i + 1) * B)
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model([x, ids]) - y))
-        micro.append([tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, variables)])
+    micro = micro_gradients(model, data, KK, B)
     before = [v.numpy() for v in variables]
     inner = (K.optimizers.legacy.Adam if legacy else K.optimizers.Adam)(0.01)
     opt = AccumOptimizer(inner, KK, mode="momentum")
-    step = make_step(model, opt)
-    for i in range(KK):
-        step(*concat(data, i * B, (i + 1) * B))
+    run_micro_batches(model, opt, data, KK, B)
     assert int(inner.iterations) == 1
     alpha = 0.01 * np.sqrt(1 - 0.999) / (1 - 0.9)
     for j, var in enumerate(variables):

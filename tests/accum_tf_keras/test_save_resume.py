@@ -23,6 +23,7 @@ The worker is `tests/save_resume_worker.py` (one process for every case)."""
 import numpy as np
 import pytest
 
+from tests.helpers import save_resume_checks as checks
 from tests.helpers import save_resume_worker as worker
 
 KINDS = ("sequential", "functional", "subclassed")
@@ -34,7 +35,7 @@ FORMATS = {
 PLAN = {(spec, kind): FORMATS[kind] for spec in ("adam", "legacy_adam") for kind in KINDS}
 PLAN[("momentum", "sequential")] = ["keras", "h5"]
 PLAN[("rescale", "functional")] = ["keras", "h5"]
-CASES = [(spec, kind, fmt) for (spec, kind), formats in PLAN.items() for fmt in formats]
+CASES = checks.cases(PLAN)
 NO_OPTIMIZER_STATE = [c for c in CASES if c[0] == "legacy_adam" and c[2] in ("keras", "weights")]
 RESUMED = [c for c in CASES if c not in NO_OPTIMIZER_STATE]
 
@@ -53,22 +54,17 @@ def test_new_style_optimizer_variable_names_are_unique_for_h5(tmp_path):
     model.optimizer.set_weights(weights)
 
 
-@pytest.fixture(scope="module")
-def saved_and_resumed(tmp_path_factory):
-    return worker.run_plan("tf_keras", PLAN, str(tmp_path_factory.mktemp("save_resume")))
+saved_and_resumed = checks.saved_and_resumed_fixture("tf_keras", PLAN)
 
 
-@pytest.mark.parametrize("case", RESUMED, ids=["-".join(c) for c in RESUMED])
+@pytest.mark.parametrize("case", RESUMED, ids=checks.ids(RESUMED))
 def test_resume_in_fresh_process_is_bit_exact(saved_and_resumed, case):
-    cases, result = saved_and_resumed
-    saved = cases[case][0]
-    assert saved["counters"] == [worker.STOP, 1, worker.STOP - worker.K]  # mid-window
-    if case[0] not in ("momentum", "rescale"):  # the pending window is in the buffers (after 3 counters)
-        assert any(np.any(v != 0) for v in saved["optimizer"][3:3 + len(saved["weights"])])
-    worker.check_case(cases, result, case)
+    # the pending window is in the buffers (after 3 counters)
+    buffers_at = None if case[0] in ("momentum", "rescale") else 3
+    checks.check_resumed_mid_window(saved_and_resumed, case, buffers_at)
 
 
-@pytest.mark.parametrize("case", NO_OPTIMIZER_STATE, ids=["-".join(c) for c in NO_OPTIMIZER_STATE])
+@pytest.mark.parametrize("case", NO_OPTIMIZER_STATE, ids=checks.ids(NO_OPTIMIZER_STATE))
 def test_legacy_keras_format_restores_weights_not_optimizer_state(saved_and_resumed, case):
     cases, result = saved_and_resumed
     saved, _, job = cases[case]

@@ -2,7 +2,8 @@
 
 - `numerics`: comparisons of gradients, weights and state, with the tolerances.
 - `k3_reference`, `tfk_reference`: models, data and big-batch reference runs for
-  the `AccumOptimizer` suites (Keras 3, tf_keras).
+  the `AccumOptimizer` suites (Keras 3, tf_keras); `accum_runs`, the family-free part
+  they both import, and runs those suites share around tests that differ.
 - `recompute_distributed`: the block model and loops of the recompute distribution tests.
 - `families`: the fixture `K` (`keras3` or `tf_keras`) of the recompute tests written
   once for both families: `recompute_edge_checks`, `recompute_inner_tape_checks`,
@@ -18,6 +19,10 @@
 - `numpy_bert`: an independent NumPy BERT, the converter's reference.
 - `k3_optimizers`: the Keras 3 inner optimizers of the exactness suites (TensorFlow, JAX).
 - `accum_family_checks`: AccumOptimizer checks written once for every family; each
-  suite's `test_family_checks*.py` imports them with its fixture `family`.
+  suite's `test_family_checks*.py` imports them with its fixture `family`, also the
+  fixture (with `legacy` and `floatx`) of `accum_distribute_checks`,
+  `accum_missing_gradients_checks` and `accum_batchnorm_checks`, whose `test_*`
+  functions (`__all__`) the Keras 3 and tf_keras suites star-import the same way.
+  `save_resume_checks`: the save/resume plan's fixture and check of the three suites.
 - `jax_backend`: selects Keras's JAX backend for the JAX suites (their conftest.py).
 """

@@ -9,6 +9,12 @@ that suite:
 - tests/accum_tf_keras/test_family_checks_tf_keras.py (tf_keras; "legacy"
   optimizers too where they apply).
 
+`from tests.helpers.accum_family_checks import *` brings the checks of every backend
+(`__all__`); the TensorFlow-only ones (`TENSORFLOW_ONLY`) and the fixture `family`
+of the suite (`keras3_family` or `tf_keras_family`) are imported by name. The other
+accum checks written once (`accum_*_checks`) take the same fixture, with `legacy`
+(`new_style_only` or, tf_keras, `new_style_and_legacy`) and `floatx`.
+
 Numbers are compared in float32 (floatx is float32 in every suite) against a
 reference run: the same optimizer fed zeros, or `mode="buffer"`.
 """
@@ -21,6 +27,17 @@ import warnings
 
 import numpy as np
 import pytest
+
+__all__ = [
+    "test_compiling_again_with_pending_micro_steps_warns",
+    "test_rescale_at_the_largest_k_moves_the_weights_like_buffer",
+    "test_rescale_checks_the_variables_dtype_when_built",
+    "test_rescale_non_finite_micro_step_counts_as_zero_wherever_it_is",
+    "test_rescale_refuses_a_k_its_coefficients_cannot_hold_in_float32",
+    "test_rescale_refuses_a_loss_scale_optimizer_inside_and_points_outside",
+    "test_rescale_warns_about_the_last_micro_gradient_only_when_k_is_above_1",
+]
+TENSORFLOW_ONLY = ["test_momentum_flush_is_refused_and_the_window_is_carried_exactly"]  # mode="momentum"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +55,13 @@ class Family:
     def kinds(self):
         """The optimizer namespaces to try: new-style, and legacy where there is one."""
         return [False, True] if self.legacy else [False]
+
+    @property
+    def reference(self):
+        """The module of reference runs at batch k*b: tests.helpers.k3_reference or tfk_reference."""
+        from tests.helpers import k3_reference, tfk_reference
+
+        return tfk_reference if self.legacy else k3_reference
 
     @contextlib.contextmanager
     def floatx(self, dtype):
@@ -78,6 +102,30 @@ def tf_keras_family():
         holds_float64=True,
         legacy=True,
     )
+
+
+@pytest.fixture(name="legacy")
+def new_style_only():
+    """Keras 3: the optimizers of `keras.optimizers` only."""
+    return False
+
+
+@pytest.fixture(name="legacy", params=[False, True], ids=["new", "legacy"])
+def new_style_and_legacy(request):
+    """tf_keras: a check runs with `tf_keras.optimizers` and with `tf_keras.optimizers.legacy`."""
+    return request.param
+
+
+@pytest.fixture
+def floatx(family):
+    """Sets the family's floatx for one test: `floatx("float64")` returns "float64"."""
+    with contextlib.ExitStack() as stack:
+
+        def set_to(dtype):
+            stack.enter_context(family.floatx(dtype))
+            return dtype
+
+        yield set_to
 
 
 @contextlib.contextmanager
