@@ -20,15 +20,11 @@ class Keras3BatchNormalization(BatchNormalization, keras.layers.BatchNormalizati
 
     _FAMILY = KERAS3
     _ops = _OPS
+    _WINDOW_WEIGHT = dict(initializer="zeros", trainable=False, dtype="float32", autocast=False)
 
     @staticmethod
     def _value(variable):
         return variable.value
-
-    def _add_window_weight(self, name, shape):
-        return self.add_weight(
-            shape=shape, name=name, initializer="zeros", trainable=False, dtype="float32", autocast=False
-        )
 
     @staticmethod
     def _train_step_code():

@@ -30,17 +30,13 @@ class TFKerasBatchNormalization(BatchNormalization, tf_keras.layers.BatchNormali
 
     _FAMILY = TF_KERAS
     _ops = _OPS
+    _WINDOW_WEIGHT = dict(dtype=tf.float32, initializer="zeros", trainable=False,
+                          experimental_autocast=False)
 
     @staticmethod
     def _value(variable):
         # `read_value`: in the cross-replica context a replica-local sum is summed.
         return variable.read_value()
-
-    def _add_window_weight(self, name, shape):
-        return self.add_weight(
-            name=name, shape=shape, dtype=tf.float32, initializer="zeros", trainable=False,
-            experimental_autocast=False,
-        )
 
     @staticmethod
     def _train_step_code():

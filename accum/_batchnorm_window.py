@@ -103,7 +103,8 @@ class BatchNormalization:
     # `_ops`: a namespace with `sum`, `square`, `where`, `cast`, `maximum`,
     # `reshape`, `zeros_like`, `ones_like`, `logical_and`, `convert` (to a
     # tensor) and `float32`; `_value(v)`: a variable's current tensor;
-    # `_add_window_weight(name, shape)`: a float32 non-trainable zeros weight;
+    # `_WINDOW_WEIGHT`: the family's `add_weight` arguments of a float32
+    # non-trainable zeros weight, never autocast;
     # `_train_step_code()`: the code of the family's `Model.train_step`.
 
     def __init__(self, *args, family=None, **kwargs):
@@ -114,6 +115,9 @@ class BatchNormalization:
                 "renormalization corrects each batch with the moving statistics, "
                 "which move once per window here. Received: renorm=True"
             )
+
+    def _add_window_weight(self, name, shape):
+        return self.add_weight(name=name, shape=shape, **self._WINDOW_WEIGHT)
 
     def build(self, input_shape):
         """The layer's own variables, then the window's (replica-local under a strategy)."""

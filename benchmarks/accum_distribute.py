@@ -131,9 +131,10 @@ def run_workers(argv, workers=2, timeout=600.0):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.accum_distribute",
-        description="All-reduce bytes and step time of AccumOptimizer on 2 workers on loopback.")
+    parser = harness.parser(
+        "benchmarks.accum_distribute",
+        "All-reduce bytes and step time of AccumOptimizer on 2 workers on loopback.",
+    )
     parser.add_argument("--quick", action="store_true", help="small MLP, k=4, 3 effective batches")
     parser.add_argument("--k", type=harness.positive_int, default=None,
                         help="steps_per_update (default 8; --quick 4)")

@@ -162,8 +162,7 @@ def main(argv=None):
     harness.add_docs_argument(parser, TOOL)
     args = parser.parse_args(argv)
     harness.check_docs_page(parser, args.docs, TOOL)
-    if args.json:
-        harness.existing_folder(parser, "--json", args.json)
+    harness.check_json_folder(parser, args)
     progress = harness.Progress(TOOL)
 
     x_train, y_train, x_test, y_test = load()

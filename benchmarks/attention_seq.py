@@ -23,7 +23,6 @@ a crash. Limits: CPU only (the TensorFlow backend's allocator); the batches
 must be small at long sequences on a 24 GiB machine (default 1,2).
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -38,11 +37,12 @@ _progress = harness.Progress(TOOL)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {TOOL}",
-        description="Activation memory per sample of the standard Keras 3 block against the "
-                    "sequence length, per recomputation policy (each configuration in a fresh "
-                    "process, through benchmarks.recompute_memory).")
+    parser = harness.parser(
+        TOOL,
+        "Activation memory per sample of the standard Keras 3 block against the "
+        "sequence length, per recomputation policy (each configuration in a fresh "
+        "process, through benchmarks.recompute_memory).",
+    )
     parser.add_argument("--seqs", type=harness.int_list, default=[512, 1024, 2048],
                         help="comma-separated sequence lengths (default 512,1024,2048)")
     parser.add_argument("--modes", type=harness.name_list(MODES), default=list(MODES),

@@ -855,11 +855,11 @@ _abort_factor = harness.float_above(1.0)
 
 def parse_args(argv=None):
     """Parses the command line (see the module docstring); errors name what was expected."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.batchfit",
-        description="Largest micro-batch of a bert4keras BERT that trains within a "
-                    "memory budget (peak RSS), with RECOMPUTE=0 and RECOMPUTE=1; each "
-                    "candidate batch in a fresh process.",
+    parser = harness.parser(
+        "benchmarks.batchfit",
+        "Largest micro-batch of a bert4keras BERT that trains within a memory budget "
+        "(peak RSS), with RECOMPUTE=0 and RECOMPUTE=1; each candidate batch in a fresh "
+        "process.",
     )
     parser.add_argument("--models", type=_models,
                         help=f"comma-separated, from {','.join(SHAPES)} "

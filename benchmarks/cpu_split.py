@@ -199,10 +199,11 @@ def _configs(text):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {TOOL}",
-        description="User and system CPU time, page faults and peak RSS per sample of a "
-                    "bert4keras BERT training step, per mode and batch (fresh processes).")
+    parser = harness.parser(
+        TOOL,
+        "User and system CPU time, page faults and peak RSS per sample of a bert4keras "
+        "BERT training step, per mode and batch (fresh processes).",
+    )
     parser.add_argument("--shape", choices=tuple(batchfit.SHAPES), default="base",
                         help="model shape of benchmarks.batchfit (default base)")
     parser.add_argument("--layers", type=harness.positive_int,
@@ -232,8 +233,7 @@ def parse_args(argv=None):
     if args.worker and not args.paired and (not args.out or len(args.modes) != 1
                                             or len(args.batch_sizes) != 1):
         parser.error("--worker needs --out, one mode and one batch size")
-    if args.json:
-        harness.existing_folder(parser, "--json", args.json)
+    harness.check_json_folder(parser, args)
     return args
 
 

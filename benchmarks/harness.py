@@ -298,6 +298,18 @@ def add_worker_arguments(parser):
     parser.add_argument("--out", help=argparse.SUPPRESS)
 
 
+def parser(tool, description):
+    """The `argparse.ArgumentParser` of the tool `benchmarks.<name>` (its `prog` says how to
+    run it)."""
+    return argparse.ArgumentParser(prog=f"python -m {tool}", description=description)
+
+
+def check_json_folder(parser, args):
+    """`parser.error` unless the folder of `--json` (if given) exists."""
+    if args.json:
+        existing_folder(parser, "--json", args.json)
+
+
 def existing_folder(parser, flag, path):
     """`parser.error` unless the folder `path` would be written to exists."""
     folder = os.path.dirname(os.path.abspath(path))

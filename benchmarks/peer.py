@@ -582,13 +582,14 @@ def _check(parser, args):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.peer",
-        description="Activation memory per sample, step time, the batch in a budget and the "
-                    "first loss of a BERT classifier trained through the project (every "
-                    "recomputation policy) and, where torch and transformers are importable, "
-                    "through Hugging Face transformers (sdpa and eager attention, with and "
-                    "without gradient checkpointing); each configuration in a fresh process.")
+    parser = harness.parser(
+        "benchmarks.peer",
+        "Activation memory per sample, step time, the batch in a budget and the first "
+        "loss of a BERT classifier trained through the project (every recomputation "
+        "policy) and, where torch and transformers are importable, through Hugging Face "
+        "transformers (sdpa and eager attention, with and without gradient "
+        "checkpointing); each configuration in a fresh process.",
+    )
     d = DEFAULTS
     for key, what in (("layers", "encoder layers"), ("hidden", "hidden size"),
                       ("heads", "attention heads"), ("ffn", "FFN inner size"),
@@ -625,8 +626,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     _check(parser, args)
     harness.check_docs_page(parser, args.docs, TOOL)
-    if args.json:
-        harness.existing_folder(parser, "--json", args.json)
+    harness.check_json_folder(parser, args)
     if args.worker and not (args.out and args.side and args.row and args.batch):
         parser.error("--worker needs --out, --side, --row and --batch")
     return args

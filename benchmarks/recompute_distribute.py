@@ -53,7 +53,6 @@ and their all-reduce), not by activations; the per-sample slope then reads
 near zero, and the report says so.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -238,18 +237,17 @@ def print_report(cfg, strategy_name, runs, summary, ratios, out=None):
     p("")
     p(f"{'RECOMPUTE':>9} {'worker':>6} {'batch/replica':>13} {'activation MiB/replica':>23} "
       f"{'CPU s/step':>11} {'loss':>8}")
-    for mode, workers in summary.items():
-        for task, s in enumerate(workers):
-            for b, a in s["activation_bytes_per_replica"].items():
-                p(f"{mode:>9} {task:>6} {b:>13} {a / MiB:>23.1f} {s['cpu_s_per_step'][b]:>11.2f} "
-                  f"{s['loss'][b]:>8.4f}")
+    per_worker = [(mode, task, s) for mode, workers in summary.items() for task, s in enumerate(workers)]
+    for mode, task, s in per_worker:
+        for b, a in s["activation_bytes_per_replica"].items():
+            p(f"{mode:>9} {task:>6} {b:>13} {a / MiB:>23.1f} {s['cpu_s_per_step'][b]:>11.2f} "
+              f"{s['loss'][b]:>8.4f}")
     p("")
     p(f"{'RECOMPUTE':>9} {'worker':>6} {'MiB/sample/replica':>19} {'fixed MiB':>10} "
       f"{'peak RSS MiB/process':>21}")
-    for mode, workers in summary.items():
-        for task, s in enumerate(workers):
-            p(f"{mode:>9} {task:>6} {s['per_sample_bytes_per_replica'] / MiB:>19.2f} "
-              f"{s['fixed_bytes_per_replica'] / MiB:>10.1f} {s['rss_hwm_bytes_per_process'] / MiB:>21.1f}")
+    for mode, task, s in per_worker:
+        p(f"{mode:>9} {task:>6} {s['per_sample_bytes_per_replica'] / MiB:>19.2f} "
+          f"{s['fixed_bytes_per_replica'] / MiB:>10.1f} {s['rss_hwm_bytes_per_process'] / MiB:>21.1f}")
     if ratios:
         p("")
         per_sample = ratios["per_sample_off_over_on"]
@@ -268,10 +266,10 @@ def print_report(cfg, strategy_name, runs, summary, ratios, out=None):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.recompute_distribute",
-        description="Per-replica activation memory of a transformer encoder trained under "
-                    "tf.distribute with RECOMPUTE=0 vs RECOMPUTE=1 (fresh processes each).",
+    parser = harness.parser(
+        "benchmarks.recompute_distribute",
+        "Per-replica activation memory of a transformer encoder trained under "
+        "tf.distribute with RECOMPUTE=0 vs RECOMPUTE=1 (fresh processes each).",
     )
     parser.add_argument("--strategy", choices=("mwms", "mirrored"), default="mwms",
                         help="mwms: 2 MultiWorkerMirroredStrategy processes on loopback (default); "
@@ -294,8 +292,7 @@ def parse_args(argv=None):
                                    need_slope=not args.worker)
     if args.worker and not args.out:
         parser.error("--worker needs --out")
-    if args.json:
-        harness.existing_folder(parser, "--json", args.json)
+    harness.check_json_folder(parser, args)
     return args
 
 

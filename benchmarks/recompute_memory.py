@@ -53,7 +53,6 @@ step mode/0. Progress goes to stderr; `--json PATH` saves the results;
 `--docs PAGE` writes the report into a docs/ page.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -442,11 +441,11 @@ def print_report(cfg, runs, summary, ratios, out=None):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.recompute_memory",
-        description="Activation memory and CPU time of a BERT-base-shaped encoder trained "
-                    "without recomputation (mode 0) and with each recomputation policy "
-                    "(each configuration in a fresh subprocess).",
+    parser = harness.parser(
+        "benchmarks.recompute_memory",
+        "Activation memory and CPU time of a BERT-base-shaped encoder trained without "
+        "recomputation (mode 0) and with each recomputation policy (each configuration "
+        "in a fresh subprocess).",
     )
     encoder.add_shape_arguments(
         parser, FULL, steps_help="timed steps after warm-up",
@@ -498,8 +497,7 @@ def parse_args(argv=None):
         args.modes = tuple(modes)
     if args.worker and (not args.out or (len(args.batch_sizes) != 1 and not args.paired)):
         parser.error("--worker needs --out and exactly one batch size (or --paired)")
-    if args.json:
-        harness.existing_folder(parser, "--json", args.json)
+    harness.check_json_folder(parser, args)
     return args
 
 
