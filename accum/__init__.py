@@ -30,10 +30,10 @@ Where things are:
 
 One update (Keras 3 on TensorFlow, `mode="buffer"`) goes through three
 modules: `_keras3` (`apply` -> `_micro_step`) asks `_modes.Buffer` to
-accumulate, which calls back `_keras3._accumulate` -> `_window.accumulate`
-(the buffers, counters and touched flags of the `WindowState`); when the
-window is full, `_modes.Mode.end_window` -> `_window.end_window` ->
-`_keras3._apply_mean` (the inner optimizer on the mean, masked by the
+accumulate -> `_window.accumulate` (the buffers, counters and touched flags
+of the `WindowState` that `_keras3._window_state` gives); when the window is
+full, `_modes.Mode.end_window` -> `_window.end_window`, whose update is
+`Buffer`'s mean -> `_keras3._apply_inner` (the inner optimizer, masked by the
 touched flags), then zeroes the window.
 """
 

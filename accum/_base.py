@@ -164,14 +164,6 @@ class AccumOptimizer:
     # What `accum._modes` asks of the family's implementation (each family
     # class defines them; `_rescale_*` only where mode="rescale" can be built).
 
-    def _accumulate(self, grads, indices):
-        """`mode="buffer"`: adds `grads` to the buffers of the variables `indices`."""
-        raise NotImplementedError
-
-    def _apply_mean(self):
-        """`mode="buffer"`: the inner optimizer applied to the window's mean gradient."""
-        raise NotImplementedError
-
     @staticmethod
     def _momentum_rule_for(optimizer):
         """`mode="momentum"`: the family's `accum._momentum.MomentumRule` for `optimizer`."""

@@ -226,19 +226,6 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         self.inner_optimizer.step_counter.assign(0)
         scale.assign(scale * 0.5)
 
-    def _accumulate(self, grads, indices):
-        _window.accumulate(self._window_state(), indices, grads, self._loss_scale(), self._on_skip)
-
-    def _apply_mean(self):
-        scale = self._inner_loss_scale()
-        grads = _window.mean_gradients(
-            [a.value for a in self.accumulators],
-            self.window_count.value,
-            loss_scale=None if scale is None else scale.value,
-        )
-        indices = tuple(range(len(self._trainable_variables)))
-        self._apply_inner(grads, indices, _window.touched_mask([t.value for t in self.touched]))
-
     def _apply_inner(self, grads, indices, touched):
         """The inner optimizer's update of the variables `indices` with `grads`, where
         only those whose `touched` (scalar bool tensors) is true change."""

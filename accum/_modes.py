@@ -14,8 +14,9 @@ keeps `MODES[name]` as `_mode`; the families ask it instead of comparing names:
 | `tf.distribute`, `flush()` | yes | no | no |
 
 A mode calls the family's implementation through the wrapper's hooks, declared
-in `AccumOptimizer` (`_accumulate`, `_apply_mean`, `_momentum_rule_for`,
-`_rescale_spec_for`, `_rescale_check_variables`, `_rescale_micro_step`).
+in `AccumOptimizer` (`_window_state`, `_apply_inner`, `_loss_scale`, `_on_skip`,
+`_momentum_rule_for`, `_rescale_spec_for`, `_rescale_check_variables`,
+`_rescale_micro_step`).
 """
 
 from . import _distributed, _window
@@ -77,10 +78,17 @@ class Buffer(Mode):
     distributable = True
 
     def accumulate(self, wrapper, grads, indices):
-        wrapper._accumulate(grads, indices)
+        _window.accumulate(wrapper._window_state(), indices, grads, wrapper._loss_scale(),
+                           wrapper._on_skip)
 
     def window_end(self, wrapper):
-        return wrapper._apply_mean
+        def apply_mean():
+            state = wrapper._window_state()
+            grads = _window.mean_gradients(state.buffers, state.window_count, wrapper._loss_scale())
+            indices = tuple(range(len(state.variables)))
+            wrapper._apply_inner(grads, indices, _window.touched_mask(state.touched))
+
+        return apply_mean
 
     def pending(self, k):
         return (f"steps_per_update={k}",

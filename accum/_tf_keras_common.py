@@ -163,14 +163,6 @@ class TFKerasWindow:
         if on_skip is not None:
             on_skip()
 
-    def _accumulate(self, grads, indices):
-        _window.accumulate(self._window_state(), indices, grads, on_skip=self._on_skip)
-
-    def _apply_mean(self):
-        grads = _window.mean_gradients(self.accumulators, self.window_count)
-        indices = tuple(range(len(self._model_variables)))
-        self._apply_inner(grads, indices, _window.touched_mask(self.touched))
-
     def _apply_inner(self, grads, indices, touched):
         """The inner optimizer's update of the variables `indices`, where only those
         whose `touched` (scalar bool tensors) is true change."""
