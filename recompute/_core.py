@@ -454,9 +454,9 @@ class Recomputation:
         with _tf.ordered_stateful_ops() as order:
             mark = graph_mark()
             ready = after(self.inputs, first_dy)
-            tape, recomputed_losses = self._recompute(ready, variables, first_dy)
+            tape, recomputed, recomputed_losses = self._recompute(ready, variables, first_dy)
             reads = reads_since(mark)
-            targets, seeds = self._targets(recomputed_losses, dys)
+            targets, seeds = self._targets(recomputed, recomputed_losses, dys)
             # An input or weight the outputs do not depend on gets None, as
             # without recomputation (a zero would still move it under weight decay).
             grads = tape.gradient(targets, list(ready) + variables, output_gradients=seeds)
@@ -469,8 +469,8 @@ class Recomputation:
         return after(grads[:n], *grads[n:]), grads[n:]
 
     def _recompute(self, ready, variables, first_dy):
-        """The call run again on `ready` under a tape watching it and `variables`: the tape
-        and the losses the call added (its outputs go to `self.recomputed`)."""
+        """The call run again on `ready` under a tape watching it and `variables`: the tape,
+        the call's outputs and the losses it added."""
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(ready)
             tape.watch(variables)
@@ -480,7 +480,7 @@ class Recomputation:
                         self.layer, self.state, after(self.start, first_dy)) as recomputed_losses:
                 # The legacy seed is a forward-pass tensor too: gated like the state.
                 seed = after([self.legacy_seed], first_dy)[0] if self.legacy is not None else None
-                self.recomputed = self._run_call(ready, seed, replay=True)
+                recomputed = self._run_call(ready, seed, replay=True)
         self.running.check_replayed()
         if len(recomputed_losses) != len(self.losses):
             raise RuntimeError(
@@ -488,11 +488,11 @@ class Recomputation:
                 f"losses in the forward pass but {len(recomputed_losses)} "
                 "when recomputed; `call` must add the same losses each time."
             )
-        return tape, list(recomputed_losses)
+        return tape, recomputed, list(recomputed_losses)
 
-    def _targets(self, recomputed_losses, dys):
+    def _targets(self, recomputed, recomputed_losses, dys):
         """The recomputed outputs and losses that get a gradient, and those gradients."""
-        flat = tf.nest.flatten(self.recomputed)
+        flat = tf.nest.flatten(recomputed)
         flat = [flat[i] for i in self.differentiable] + recomputed_losses
         pairs = [(out, dy) for out, dy in zip(flat, dys) if dy is not None and _is_float_tensor(out)]
         return [out for out, _ in pairs], [dy for _, dy in pairs]
