@@ -1,0 +1,98 @@
+"""The interface between accumulation and the optimizer it wraps, one module per Keras family.
+
+What accumulation needs of a wrapped optimizer beyond its public API -- a
+variable's key, whether weight decay applies to it, its moment slots, the
+learning rate of the next update, the names of the per-variable update
+methods a masked update guards, how to skip the all-reduce inside its update,
+its loss scale -- is asked of the family's module: `_inner_keras3` (Keras 3,
+TensorFlow and JAX backends), `_inner_tf_keras` (tf_keras new-style) and
+`_inner_tf_keras_legacy` (tf_keras legacy `OptimizerV2`). Each defines every
+name of `InnerApi` below, as module-level functions and constants, and is the
+only place in `accum` where private names of a wrapped optimizer are touched;
+each lists those it relies on in `PRIVATE_NAMES`, pairs `(attribute, owners)`:
+an attribute (a dotted path for an attribute of an attribute) that each owner
+-- an optimizer class, built, or a module, by its import path -- must have.
+The interface tests (tests/accum_keras3/test_inner_interface.py,
+tests/accum_tf_keras/test_inner_interface_tf_keras.py) check every member and
+every private name against the installed Keras, so a Keras upgrade that
+renames one fails there. A member that does not apply to a family returns a
+value that says so (None, False, a context that does nothing); a family module
+may define a few more functions only its own wrapper uses (the legacy one's
+`compute_gradients`).
+"""
+
+from typing import Any, ContextManager, Hashable, Optional, Protocol, Sequence, Tuple
+
+from . import _families
+
+
+class InnerApi(Protocol):
+    """What accumulation needs to know about a wrapped optimizer of one Keras family."""
+
+    name: str  # the family (`accum._families`)
+    # The optimizer's per-variable update methods, each called `(gradient, variable, ...)`;
+    # a masked update guards each (`accum._window.masked_update_hooks`). The first is the
+    # one the others run (tf_keras's `_update_step_xla` runs `_update_step` under XLA).
+    UPDATE_STEPS: Tuple[str, ...]
+    # The method applying decoupled weight decay to a list of variables (None: the family
+    # has none).
+    WEIGHT_DECAY: Optional[str]
+
+    def var_key(self, optimizer: Any, variable: Any) -> Hashable:
+        """The key under which `optimizer` knows `variable` (also for a replica's component)."""
+
+    def uses_weight_decay(self, optimizer: Any, variable: Any) -> bool:
+        """Whether `optimizer`'s weight decay applies to `variable` (False without one)."""
+
+    def apply_weight_decay(self, optimizer: Any, variables: Sequence[Any]) -> None:
+        """`optimizer`'s decoupled weight decay of `variables`, at the current learning rate
+        (nothing without one)."""
+
+    def has_momentum(self, optimizer: Any) -> bool:
+        """Whether `optimizer` keeps a heavy-ball momentum slot (SGD, RMSprop with a
+        momentum that is not 0); False for other optimizers."""
+
+    def slots(self, optimizer: Any, variable: Any) -> Optional[tuple]:
+        """The moments of `variable` in a built `optimizer`, as its variables: `(momentum,)`
+        for SGD, `(m, v)` for Adam and AdamW (an element None where the slot is missing);
+        None for other optimizers."""
+
+    def current_learning_rate(self, optimizer: Any, dtype: Any = None) -> Any:
+        """The learning rate of `optimizer`'s next update (a schedule at its `iterations`),
+        cast to `dtype` (None: as the optimizer holds it; legacy: float32)."""
+
+    def step_hooks(self, optimizer: Any, iterations: Any, learning_rate: Any) -> Optional[dict]:
+        """The instance attributes (name -> value) under which `optimizer`'s update counts
+        its step in the variable `iterations`, uses `learning_rate` and applies no weight
+        decay; None where its update cannot be so steered (legacy: fused kernels)."""
+
+    def skip_all_reduce(self, optimizer: Any) -> ContextManager[None]:
+        """A context in which `optimizer`'s update does not all-reduce its gradients (does
+        nothing where its `apply_gradients` takes an argument for that)."""
+
+    def loss_scale(self, optimizer: Any) -> Optional[tuple]:
+        """`(scale, counter)`: the variables of a dynamic loss-scaling `optimizer`, its
+        current loss scale and its count of finite steps since the scale last changed;
+        None for an optimizer that scales no loss dynamically."""
+
+    def build(self, optimizer: Any, variables: Sequence[Any]) -> None:
+        """Creates `optimizer`'s slots for `variables` (legacy: those it has not seen)."""
+
+
+MEMBERS = [name for name in InnerApi.__annotations__] + [
+    name for name, value in vars(InnerApi).items() if callable(value) and not name.startswith("_")
+]
+
+_MODULES = {
+    _families.KERAS3: "_inner_keras3",
+    _families.TF_KERAS: "_inner_tf_keras",
+    _families.TF_KERAS_LEGACY: "_inner_tf_keras_legacy",
+}
+
+
+def api_for(optimizer):
+    """The `InnerApi` module of `optimizer`'s family (imported on first use, so a Keras 3
+    program never imports tf_keras)."""
+    import importlib
+
+    return importlib.import_module(f"{__package__}.{_MODULES[_families.family_of(optimizer)]}")
