@@ -21,20 +21,24 @@ Where things are:
 | the window's state and its TensorFlow ops | `_window` (`WindowState`) |
 | `"momentum"` | `_momentum` + `_momentum_keras3` / `_momentum_tf_keras` |
 | `"rescale"` (β̃ = 1 − (1 − β)/k, no buffer) | `_rescale` + `_rescale_keras3` / `_rescale_tf_keras` |
-| Keras 3 on TensorFlow / on JAX | `_keras3` / `_keras3_jax` (the window through `stateless_apply`, the inner update in a `jax.lax.cond`) |
+| Keras 3 on TensorFlow / on JAX | `_keras3` / `_keras3_jax` (each gives the conditional around the inner update: `tf.cond` in place / `jax.lax.cond` around `stateless_apply`) |
+| `"buffer"` on Keras 3, both backends (`keras.ops`, selects) | `_buffer_keras3` |
 | tf_keras / tf_keras legacy | `_tf_keras_common` + `_tf_keras` / `_tf_keras_legacy` |
 | `tf.distribute` | `_distributed` |
 | `accum.BatchNormalization` (the big batch's moving statistics) | `_batchnorm_window` + `_batchnorm_keras3` / `_batchnorm_tf_keras`; `_batchnorm` (the warnings) |
 | which family an optimizer is, which class serves it | `_families`, `_dispatch` |
+| the wrapped optimizer's private API, one interface per family (the only modules that use its private names) | `_inner` (`InnerApi`) + `_inner_keras3` / `_inner_tf_keras` / `_inner_tf_keras_legacy` |
 | argument checks; `flush_callback`; `compile` dropping micro-steps | `_validation`; `_flush`; `_recompile` |
 
-One update (Keras 3 on TensorFlow, `mode="buffer"`) goes through three
-modules: `_keras3` (`apply` -> `_micro_step`) asks `_modes.Buffer` to
-accumulate -> `_window.accumulate` (the buffers, counters and touched flags
-of the `WindowState` that `_keras3._window_state` gives); when the window is
-full, `_modes.Mode.end_window` -> `_window.end_window`, whose update is
-`Buffer`'s mean -> `_keras3._apply_inner` (the inner optimizer, masked by the
-touched flags), then zeroes the window.
+One update (Keras 3, `mode="buffer"`, TensorFlow or JAX) goes through three
+modules: `_keras3` (`apply` -> `_micro_step`) -> `_buffer_keras3.micro_step`
+(adds to the buffers and counts, by selects, in the `WindowState` of the
+wrapper's variables) -> `_buffer_keras3.end_window_when` (window full) -> the
+backend's `_update_when` (`_keras3`: `tf.cond`; `_keras3_jax`: `jax.lax.cond`)
+-> the inner optimizer on the window's mean, its writes masked by the touched
+flags (`_buffer_keras3.masked_updates`; `_window.protect_untouched`); then the
+window is zeroed. tf_keras goes `_tf_keras_common` -> `_modes.Buffer` ->
+`_window` (TensorFlow ops, `tf.cond`).
 """
 
 from ._base import AccumOptimizer

@@ -260,6 +260,10 @@ class AccumOptimizer:
             indices = tuple(range(len(self._model_variables_list())))
             self._distributed_window().flush(self._accum_strategy, indices)
             return
+        self._flush_window()
+
+    def _flush_window(self):
+        """Ends the window now if it holds a micro-step (no strategy; overridden per family)."""
         _window.flush(self._window_state().window_steps, lambda: self._mode.end_window(self))
 
     def _check_flushable(self):

@@ -5,7 +5,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from . import _batchnorm, _distributed, _families, _window
+from . import _batchnorm, _buffer_keras3, _distributed, _families, _window
 from ._base import AccumOptimizer, claim_inner
 
 _BASE_DEFAULTS = {
@@ -158,7 +158,9 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         self._micro_step(grads, indices)
 
     def _micro_step(self, grads, indices):
-        """Accumulates `grads` (of the variables `indices`) and ends the window when full."""
+        """Accumulates `grads` (of the variables `indices`) and ends the window when full:
+        `mode="buffer"` in `accum._buffer_keras3` (or, in a replica context,
+        `accum._distributed`); the other modes by their own micro-step (`accum._modes`)."""
         with keras.name_scope(self.name, caller=self):
             if self._mode.own_micro_step:
                 self._mode.micro_step(self, grads, indices)
@@ -167,11 +169,24 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
                 self._mode.check_distributable()
                 self._distributed_window().micro_step(grads, indices)
                 return
-            self._mode.accumulate(self, grads, indices)
+            if self._mode.buffered:
+                _buffer_keras3.micro_step(self, grads, indices)
+                return
+            self._mode.accumulate(self, grads, indices)  # "momentum" (TensorFlow)
             self._iterations.assign_add(1)
             _window.maybe_end_window(
                 self.steps_per_update, self.window_steps.value, lambda: self._mode.end_window(self)
             )
+
+    def _update_when(self, pred, grads_fn, touched):
+        """The inner optimizer's update of every variable with `grads_fn()`, masked by
+        `touched`, where the scalar bool `pred` holds (`accum._buffer_keras3`): in a
+        `tf.cond`, in place."""
+        indices = tuple(range(len(touched)))
+        tf.cond(pred, lambda: self._apply_inner(grads_fn(), indices, touched), lambda: None)
+
+    def _flush_window(self):
+        _buffer_keras3.end_window_when(self, self.window_steps.value > 0)
 
     # ---------------------------------------------------- tf.distribute path
 
@@ -179,15 +194,23 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         """The `accum._distributed.Window` of this optimizer (see there)."""
         return _distributed.Window(self)
 
-    def _window_state(self):
+    def _window_variables(self):
+        """The window's state as the wrapper's `keras.Variable`s (`accum._buffer_keras3`)."""
         return _window.WindowState(
-            micro_steps=self._iterations.value,
-            window_steps=self.window_steps.value,
-            window_count=self.window_count.value,
-            buffers=[a.value for a in self.accumulators],
-            touched=[t.value for t in self.touched],
-            variables=[v.value for v in self._trainable_variables],
+            micro_steps=self._iterations,
+            window_steps=self.window_steps,
+            window_count=self.window_count,
+            buffers=list(self.accumulators),
+            touched=list(self.touched),
+            variables=list(self._trainable_variables),
         )
+
+    def _window_state(self):
+        """The window's state as `tf.Variable`s (`accum._window`, `accum._distributed`)."""
+        state = self._window_variables()
+        return _window.WindowState(*(
+            [v.value for v in field] if isinstance(field, list) else field.value for field in state
+        ))
 
     def _loss_scale(self):
         scale = self._inner_loss_scale()
@@ -231,37 +254,11 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         only those whose `touched` (scalar bool tensors) is true change."""
         variables = [self._trainable_variables[i] for i in indices]
         restore = _window.protect_untouched(variables, touched)
-        with self._masked_updates(variables, touched):
+        with _buffer_keras3.masked_updates(
+            self._innermost(), variables, touched, _window.masked_weight_decay
+        ):
             self.inner_optimizer.apply(grads, variables)
         restore()
-
-    @contextlib.contextmanager
-    def _masked_updates(self, variables, touched):
-        """Guards the innermost optimizer's per-variable update (`update_step`) and its
-        weight decay with the variables' touched flags while the update is traced
-        (instance attributes, removed after), so an untouched variable and its slots
-        stay as they are, as if it had no gradient."""
-        innermost = self._innermost()
-        flags = {innermost._var_key(v): t for v, t in zip(variables, touched)}
-
-        def touched_of(variable):
-            return flags.get(innermost._var_key(variable))
-
-        update_step = innermost.update_step
-
-        def guarded_update_step(gradient, variable, learning_rate):
-            _window.guarded(
-                touched_of(variable), lambda: update_step(gradient, variable, learning_rate)
-            )
-
-        hooks = {
-            "update_step": guarded_update_step,
-            "_apply_weight_decay": lambda variables: _window.masked_weight_decay(
-                innermost, variables, touched_of
-            ),
-        }
-        with _window.instance_hooks(innermost, hooks):
-            yield
 
     def finalize_variable_values(self, var_list):
         """Called at the end of `fit`: warns once about a pending partial window, then

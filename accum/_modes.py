@@ -8,7 +8,7 @@ keeps `MODES[name]` as `_mode`; the families ask it instead of comparing names:
 |---|---|---|---|
 | needs of the optimizer (`rule`) | nothing | a `MomentumRule` (SGD/Adam/AdamW) | a `_rescale.Rescale` spec |
 | builds | a buffer and a touched flag per variable | a touched flag per variable | nothing |
-| a micro-step | adds to the buffers (`accum._window`) | folds into the moments | rescaled inner update (`accum._rescale`) |
+| a micro-step | adds to the buffers (`accum._window`; Keras 3: `accum._buffer_keras3`) | folds into the moments | rescaled inner update (`accum._rescale`) |
 | the window's end | the inner optimizer on the mean | the rule's `finish` | -- (each micro-step) |
 | `k=1` | the inner optimizer, gradients as given | as for any `k` | as for any `k` |
 | `tf.distribute`, `flush()` | yes | no | no |

@@ -142,10 +142,8 @@ def main(argv=None):
                         help="per-worker micro-batch")
     parser.add_argument("--batches", type=harness.positive_int, default=None,
                         help="effective batches timed (default 5)")
-    parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--timeout", type=harness.positive_float, default=600.0)
-    harness.add_docs_argument(parser, TOOL)
-    harness.add_worker_arguments(parser)
+    harness.add_output_arguments(parser, TOOL)
     parser.add_argument("--features", type=harness.positive_int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--hidden", type=harness.positive_int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=harness.positive_int, default=None, help=argparse.SUPPRESS)

@@ -158,8 +158,7 @@ def main(argv=None):
     parser.add_argument("--epochs", type=harness.positive_int, default=5, help="default 5")
     parser.add_argument("--optimizers", type=harness.name_list(tuple(OPTIMIZERS)), default=tuple(OPTIMIZERS),
                         help=f"comma-separated, from {','.join(OPTIMIZERS)} (default all)")
-    parser.add_argument("--json", help="also write the results to this file")
-    harness.add_docs_argument(parser, TOOL)
+    harness.add_output_arguments(parser, TOOL, workers=False)
     args = parser.parse_args(argv)
     harness.check_docs_page(parser, args.docs, TOOL)
     harness.check_json_folder(parser, args)

@@ -114,8 +114,7 @@ def main(argv=None):
     parser.add_argument("--windows", type=harness.positive_int, default=2, help="windows timed per round")
     parser.add_argument("--rounds", type=harness.positive_int, default=5)
     parser.add_argument("--jit", action="store_true", help="jit_compile the step")
-    parser.add_argument("--json", help="also write the results to this file")
-    harness.add_docs_argument(parser, TOOL)
+    harness.add_output_arguments(parser, TOOL, workers=False)
     args = parser.parse_args(argv)
     harness.check_docs_page(parser, args.docs, TOOL)
 

@@ -63,8 +63,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=harness.positive_int, default=2,
                         help="measured steps per configuration (default 2)")
     parser.add_argument("--plot", metavar="PATH", help="write the PNG to PATH")
-    parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
-    harness.add_docs_argument(parser, TOOL)
+    harness.add_output_arguments(parser, TOOL, workers=False)
     args = parser.parse_args(argv)
     if len(args.batch_sizes) < 2:
         parser.error("`--batch-sizes` must list at least 2 batch sizes (the slope). "

@@ -889,10 +889,7 @@ def parse_args(argv=None):
                              "minutes on 2 cores); explicit options override it")
     parser.add_argument("--plot", metavar="PATH", default="batchfit.png",
                         help="PNG of peak RSS vs batch (default batchfit.png)")
-    parser.add_argument("--json", metavar="PATH", help="save all measurements as JSON")
-    harness.add_malloc_argument(parser)
-    harness.add_docs_argument(parser, TOOL)
-    harness.add_worker_arguments(parser)
+    harness.add_output_arguments(parser, TOOL, malloc=True)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     harness.check_docs_page(parser, args.docs, TOOL)

@@ -292,6 +292,17 @@ def name_list(names, expected=None):
     return parse
 
 
+def add_output_arguments(parser, tool, malloc=False, workers=True):
+    """The options every tool ends with: `--json PATH`, `--malloc` (if `malloc`), `--docs PAGE`
+    and the hidden worker options (if `workers`)."""
+    parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
+    if malloc:
+        add_malloc_argument(parser)
+    add_docs_argument(parser, tool)
+    if workers:
+        add_worker_arguments(parser)
+
+
 def add_worker_arguments(parser):
     """The hidden options by which `run_workers` starts a worker: `--worker`, `--out PATH`."""
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -596,30 +596,25 @@ def parse_args(argv=None):
                       ("seq", "sequence length (its last quarter is padding)"),
                       ("vocab", "vocabulary size")):
         parser.add_argument(f"--{key}", metavar="N", help=f"{what} (default {d[key]})")
-    parser.add_argument("--dropout", metavar="RATE", help=f"dropout rate (default {d['dropout']})")
-    parser.add_argument("--batches", metavar="B1,B2",
-                        help="comma-separated batch sizes; MiB/sample is the slope between "
-                             "them (default 8,32)")
-    parser.add_argument("--steps", metavar="N",
-                        help=f"measured steps at the largest batch (default {d['steps']})")
-    parser.add_argument("--precision", metavar="fp32|tf32|bf16",
-                        help="fp32 (default: TF32 off), tf32, or bf16 (Keras mixed_bfloat16, "
-                             "torch autocast): applied to both sides")
-    parser.add_argument("--model", metavar="hub|standard",
-                        help="our side: keras-hub's BertBackbone (hub, default) or the standard "
-                             "Keras 3 block of benchmarks.encoder (standard)")
-    parser.add_argument("--policies", metavar="LIST",
-                        help="our rows: comma-separated items of 0 (RECOMPUTE=0), attention, full "
-                             "(default all)")
-    parser.add_argument("--budget-gib", metavar="GIB",
-                        help="memory budget of the estimated batch (default 16)")
+    for flag, metavar, text in (
+        ("--dropout", "RATE", f"dropout rate (default {d['dropout']})"),
+        ("--batches", "B1,B2", "comma-separated batch sizes; MiB/sample is the slope between "
+                               "them (default 8,32)"),
+        ("--steps", "N", f"measured steps at the largest batch (default {d['steps']})"),
+        ("--precision", "fp32|tf32|bf16", "fp32 (default: TF32 off), tf32, or bf16 (Keras "
+                                          "mixed_bfloat16, torch autocast): applied to both sides"),
+        ("--model", "hub|standard", "our side: keras-hub's BertBackbone (hub, default) or the "
+                                    "standard Keras 3 block of benchmarks.encoder (standard)"),
+        ("--policies", "LIST", "our rows: comma-separated items of 0 (RECOMPUTE=0), attention, "
+                               "full (default all)"),
+        ("--budget-gib", "GIB", "memory budget of the estimated batch (default 16)"),
+    ):
+        parser.add_argument(flag, metavar=metavar, help=text)
     parser.add_argument("--no-peer", action="store_true",
                         help="skip the PyTorch rows even where torch is importable")
     parser.add_argument("--timeout", type=harness.positive_float, default=None,
                         help=argparse.SUPPRESS)
-    parser.add_argument("--json", metavar="PATH", help="save every result as JSON to PATH")
-    harness.add_docs_argument(parser, TOOL)
-    harness.add_worker_arguments(parser)
+    harness.add_output_arguments(parser, TOOL)
     parser.add_argument("--side", choices=("project", "peer"), help=argparse.SUPPRESS)
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)

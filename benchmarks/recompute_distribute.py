@@ -283,9 +283,7 @@ def parse_args(argv=None):
                              "explicit options override it")
     parser.add_argument("--timeout", type=harness.positive_float, default=1800.0,
                         help="seconds per RECOMPUTE setting before the workers are killed")
-    parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
-    harness.add_docs_argument(parser, TOOL)
-    harness.add_worker_arguments(parser)
+    harness.add_output_arguments(parser, TOOL)
     args = parser.parse_args(argv)
     harness.check_docs_page(parser, args.docs, TOOL)
     encoder.finish_shape_arguments(parser, args, QUICK if args.quick else DEFAULT,

@@ -468,10 +468,7 @@ def parse_args(argv=None):
                         help="measure every configuration in one process, a step of each in "
                              "turn for --steps rounds: the CPU time ratios are the medians "
                              "of the rounds' ratios (TensorFlow backend)")
-    parser.add_argument("--json", metavar="PATH", help="save the results as JSON to PATH")
-    harness.add_malloc_argument(parser)
-    harness.add_docs_argument(parser, TOOL)
-    harness.add_worker_arguments(parser)
+    harness.add_output_arguments(parser, TOOL, malloc=True)
     args = parser.parse_args(argv)
     harness.check_docs_page(parser, args.docs, TOOL)
 
