@@ -1,9 +1,10 @@
-"""`mode="momentum"` for Keras 3: access to the slots of `keras.optimizers.SGD`, `Adam` and `AdamW`."""
+"""`mode="momentum"` for Keras 3: access to the slots of `keras.optimizers.SGD`, `Adam` and `AdamW`
+(through `accum._inner_keras3`)."""
 
 import keras
 import tensorflow as tf
 
-from . import _momentum
+from . import _inner_keras3, _momentum
 
 
 class _Keras3Slots(_momentum.SlotAdapter):
@@ -21,26 +22,20 @@ class _Keras3Slots(_momentum.SlotAdapter):
             }
 
     def slots(self, variable):
-        opt = self.optimizer
-        i = opt._get_variable_index(variable)
-        if self.kind == _momentum.SGD:
-            slots = (opt.momentums[i],)
-        else:
-            slots = (opt._momentums[i], opt._velocities[i])
-        return tuple(None if s is None else s.value for s in slots)
+        return tuple(None if s is None else s.value for s in _inner_keras3.slots(self.optimizer, variable))
 
     def learning_rate(self, dtype):
         return tf.cast(self.optimizer.learning_rate, dtype)
 
     def apply_weight_decay(self, variables):
-        self.optimizer._apply_weight_decay(variables)
+        _inner_keras3.apply_weight_decay(self.optimizer, variables)
 
 
 def rule_for(optimizer):
     """The `MomentumRule` for a Keras 3 optimizer, or a Keras-style `ValueError`."""
     _momentum.check_common(optimizer)
     if type(optimizer) is keras.optimizers.SGD:
-        if not optimizer.momentum:
+        if not _inner_keras3.has_momentum(optimizer):
             raise _momentum.unsupported(optimizer, "`momentum=0` has no moment slot")
         if optimizer.nesterov:
             raise _momentum.unsupported(optimizer, "`nesterov=True` needs the old momentum at the end")

@@ -1,76 +1,50 @@
-"""`mode="momentum"` for tf_keras: slot access for SGD, Adam and AdamW (new-style) and legacy SGD/Adam.
+"""`mode="momentum"` for tf_keras: SGD, Adam and AdamW (new-style) and legacy SGD/Adam.
 
-tf_keras has no public slot accessors for new-style optimizers (`momentums`,
-`_momentums`, `_velocities` are attributes of the optimizer classes), nor a
-public current learning rate under a schedule; tf_keras is frozen at 2.x, so
-these attributes are stable. Legacy optimizers have `get_slot`.
+The slots, the current learning rate and the weight decay are asked of the
+family's `accum._inner` module (`_inner_tf_keras`, `_inner_tf_keras_legacy`):
+new-style optimizers have no public slot accessors nor a public current
+learning rate under a schedule; legacy ones have `get_slot` and no decoupled
+weight decay.
 """
 
-import tensorflow as tf
 import tf_keras
 
-from . import _momentum
+from . import _inner_tf_keras, _inner_tf_keras_legacy, _momentum
 
 
-class _NewStyleSlots(_momentum.SlotAdapter):
-    """The `MomentumRule` adapter for a built `tf_keras.optimizers.*` optimizer."""
+class _Slots(_momentum.SlotAdapter):
+    """The `MomentumRule` adapter for a built tf_keras optimizer, new-style or legacy
+    (`api`: its `accum._inner.InnerApi`)."""
+
+    def __init__(self, optimizer, kind, api):
+        super().__init__(optimizer, kind)
+        self.api = api
 
     @property
     def hyper(self):
+        # Read at each use (a legacy optimizer's hyperparameters are variables once created).
         opt = self.optimizer
         if self.kind == _momentum.SGD:
             return {"momentum": opt.momentum}
         return {"beta_1": opt.beta_1, "beta_2": opt.beta_2, "epsilon": opt.epsilon}
 
     def slots(self, variable):
-        opt = self.optimizer
-        i = opt._index_dict[opt._var_key(variable)]
-        if self.kind == _momentum.SGD:
-            return (opt.momentums[i],)
-        return (opt._momentums[i], opt._velocities[i])
+        return self.api.slots(self.optimizer, variable)
 
     def learning_rate(self, dtype):
-        # Updates `_current_learning_rate` under a schedule, as `apply_gradients` does.
-        self.optimizer._compute_current_learning_rate()
-        return tf.cast(self.optimizer.learning_rate, dtype)
+        return self.api.current_learning_rate(self.optimizer, dtype)
 
     def apply_weight_decay(self, variables):
-        self.optimizer._compute_current_learning_rate()
-        self.optimizer._apply_weight_decay(variables)
-
-
-class _LegacySlots(_momentum.SlotAdapter):
-    """The `MomentumRule` adapter for a built `tf_keras.optimizers.legacy.*` optimizer."""
-
-    @property
-    def hyper(self):
-        opt = self.optimizer
-        if self.kind == _momentum.SGD:
-            return {"momentum": opt._get_hyper("momentum")}
-        return {
-            "beta_1": opt._get_hyper("beta_1"),
-            "beta_2": opt._get_hyper("beta_2"),
-            "epsilon": opt.epsilon,
-        }
-
-    def slots(self, variable):
-        names = ("momentum",) if self.kind == _momentum.SGD else ("m", "v")
-        return tuple(self.optimizer.get_slot(variable, name) for name in names)
-
-    def learning_rate(self, dtype):
-        return self.optimizer._decayed_lr(dtype)
-
-    def apply_weight_decay(self, variables):
-        pass  # legacy optimizers have no decoupled weight decay
+        self.api.apply_weight_decay(self.optimizer, variables)
 
 
 def rule_for(optimizer):
     """The `MomentumRule` for a tf_keras optimizer, or a Keras-style `ValueError`."""
     _momentum.check_common(optimizer)
     new, legacy = tf_keras.optimizers, tf_keras.optimizers.legacy
+    api = _inner_tf_keras_legacy if isinstance(optimizer, legacy.Optimizer) else _inner_tf_keras
     if type(optimizer) in (new.SGD, legacy.SGD):
-        momentum = optimizer.momentum if type(optimizer) is new.SGD else optimizer._momentum
-        if not momentum:
+        if not api.has_momentum(optimizer):
             raise _momentum.unsupported(optimizer, "`momentum=0` has no moment slot")
         if optimizer.nesterov:
             raise _momentum.unsupported(optimizer, "`nesterov=True` needs the old momentum at the end")
@@ -81,5 +55,4 @@ def rule_for(optimizer):
         kind = _momentum.ADAM
     else:
         raise _momentum.unsupported(optimizer, "it is not SGD, Adam or AdamW")
-    adapter = _LegacySlots if isinstance(optimizer, legacy.Optimizer) else _NewStyleSlots
-    return _momentum.MomentumRule(kind, adapter(optimizer, kind))
+    return _momentum.MomentumRule(kind, _Slots(optimizer, kind, api))

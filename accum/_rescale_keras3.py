@@ -14,7 +14,7 @@ functional `stateless_apply`.
 import keras
 from keras import ops
 
-from . import _rescale, _window
+from . import _inner_keras3, _rescale, _window
 
 
 def spec_for(optimizer, k):
@@ -72,29 +72,28 @@ def micro_step(wrapper, grads, indices):
     finite = ops.all(ops.stack([ops.all(ops.isfinite(_values(g))) for g in grads]))
     grads = [_zeroed_unless(finite, g) for g in grads]
     # The schedule at the update count (the inner optimizer's iterations count updates).
-    learning_rate = inner._get_current_learning_rate()
+    learning_rate = _inner_keras3.current_learning_rate(inner)
 
     if inner.weight_decay is not None:  # at the window's last micro-step, with the update's rate
         for v in variables:
-            if inner._use_weight_decay(v):
+            if _inner_keras3.uses_weight_decay(inner, v):
                 lr = ops.cast(learning_rate, v.dtype)
                 wd = ops.cast(inner.weight_decay, v.dtype)
                 v.assign(ops.where(last, v.value - v.value * wd * lr, v.value))
 
-    model = {inner._var_key(v) for v in variables}
+    model = {_inner_keras3.var_key(inner, v) for v in variables}
     assign = inner.assign
 
     def selected(variable, new):
         """A model variable takes its new value at the window's last micro-step only."""
-        if inner._var_key(variable) not in model:
+        if _inner_keras3.var_key(inner, variable) not in model:
             return new
         return ops.where(last, new, _current(variable))
 
     hooks = dict(spec.hooks())
+    # `apply` counts the micro-step in `micro`, with the rescaled rate, without weight decay.
+    hooks.update(_inner_keras3.step_hooks(inner, micro, spec.learning_rate(learning_rate)))
     hooks.update(
-        _iterations=micro,  # `apply` counts the micro-step in it
-        _get_current_learning_rate=lambda: spec.learning_rate(learning_rate),
-        _apply_weight_decay=lambda variables: None,
         assign=lambda variable, value: assign(
             variable, selected(variable, _dense(variable, value, assign=True))
         ),
@@ -107,7 +106,7 @@ def micro_step(wrapper, grads, indices):
     )
     with _window.instance_hooks(inner, hooks):
         inner.apply(grads, variables)
-    inner._iterations.assign(inner._iterations + ops.cast(last, inner._iterations.dtype))
+    inner.iterations.assign(inner.iterations + ops.cast(last, inner.iterations.dtype))
     steps = wrapper.window_steps
     steps.assign(ops.where(last, ops.zeros_like(steps.value), steps.value + 1))
     wrapper._finish_batch_norm(last)

@@ -3,8 +3,8 @@
 See `accum._rescale` for the recipe. The inner optimizer's own
 `apply_gradients` runs at every micro-step, with its moving-average
 coefficients, iteration counter, learning rate, weight decay and
-per-variable update (`_update_step`, `_update_step_xla`) replaced on the
-instance while it is traced. tf_keras optimizers assign to the model's
+per-variable updates (`_inner_tf_keras.step_hooks`, `UPDATE_STEPS`) replaced
+on the instance while it is traced. tf_keras optimizers assign to the model's
 variables directly (no `assign` method to hook), so at a micro-step that is
 not the window's last the per-variable update is followed by restoring the
 variable's value read before it: one variable-size temporary at a time, no
@@ -15,6 +15,7 @@ refused: use their new-style counterparts.)
 import tensorflow as tf
 import tf_keras
 
+from . import _inner_tf_keras as _api
 from . import _rescale, _window
 
 
@@ -54,34 +55,29 @@ def micro_step(wrapper, grads, indices):
     finite = _window.all_finite(grads)
     grads = [_zeroed_unless(finite, g) for g in grads]
     # The schedule at the update count (the inner optimizer's iterations count updates).
-    inner._compute_current_learning_rate()
-    learning_rate = tf.identity(inner.learning_rate)
+    learning_rate = tf.identity(_api.current_learning_rate(inner))
     # Weight decay at the window's last micro-step, with the update's rate.
-    _window.masked_weight_decay(inner, variables, lambda variable: last)
+    _window.masked_weight_decay(inner, variables, lambda variable: last, _api)
 
-    model = {inner._var_key(v) for v in variables}
-    update_step = inner._update_step
+    model = {_api.var_key(inner, v) for v in variables}
+    update_step = getattr(inner, _api.UPDATE_STEPS[0])  # the one the others (XLA) run
 
-    def guarded_update_step(gradient, variable):
+    def guarded_update_step(gradient, variable, *key):
         def slots_only():
             old = variable.read_value()
             update_step(gradient, variable)
             variable.assign(old)
 
-        if inner._var_key(variable) not in model:
+        if _api.var_key(inner, variable) not in model:
             return update_step(gradient, variable)
         _window.guarded(last, lambda: update_step(gradient, variable))
         _window.guarded(tf.logical_not(last), slots_only)
 
     hooks = dict(spec.hooks())
-    hooks.update(
-        _iterations=micro,  # `apply_gradients` counts the micro-step in it
-        _compute_current_learning_rate=lambda: None,
-        _learning_rate=spec.learning_rate(learning_rate),
-        _apply_weight_decay=lambda variables: None,
-        _update_step=guarded_update_step,
-        _update_step_xla=lambda gradient, variable, key: guarded_update_step(gradient, variable),
-    )
+    # `apply_gradients` counts the micro-step in `micro`, with the rescaled rate, without
+    # weight decay; every per-variable update is guarded.
+    hooks.update(_api.step_hooks(inner, micro, spec.learning_rate(learning_rate)))
+    hooks.update({name: guarded_update_step for name in _api.UPDATE_STEPS})
     with _window.instance_hooks(inner, hooks):
         result = inner.apply_gradients(list(zip(grads, variables)), skip_gradients_aggregation=True)
     inner.iterations.assign_add(tf.cast(last, inner.iterations.dtype))

@@ -5,37 +5,26 @@ import contextlib
 import tensorflow as tf
 import tf_keras
 
-from . import _batchnorm, _distributed, _families, _window
+from . import _batchnorm, _distributed, _families, _inner_tf_keras, _window
 from ._base import AccumOptimizer, claim_inner
 from ._tf_keras_common import TFKerasWindow
 
 
 @contextlib.contextmanager
 def masked_updates(optimizer, variables, touched):
-    """Guards the innermost new-style optimizer's per-variable update (`_update_step`,
-    `_update_step_xla`) and its weight decay with the variables' touched flags while
+    """Guards the innermost new-style optimizer's per-variable updates
+    (`_inner_tf_keras.UPDATE_STEPS`) and its weight decay with the variables' touched flags while
     the update is traced (instance attributes, removed after), so an untouched
     variable and its slots stay as they are, as if it had no gradient."""
     innermost = optimizer
     while getattr(innermost, "inner_optimizer", None) is not None:
         innermost = innermost.inner_optimizer
-    flags = {innermost._var_key(v): t for v, t in zip(variables, touched)}
+    flags = {_inner_tf_keras.var_key(innermost, v): t for v, t in zip(variables, touched)}
 
     def touched_of(variable):
-        return flags.get(innermost._var_key(variable))
+        return flags.get(_inner_tf_keras.var_key(innermost, variable))
 
-    update_step, update_step_xla = innermost._update_step, innermost._update_step_xla
-    hooks = {
-        "_update_step": lambda gradient, variable: _window.guarded(
-            touched_of(variable), lambda: update_step(gradient, variable)
-        ),
-        "_update_step_xla": lambda gradient, variable, key: _window.guarded(
-            touched_of(variable), lambda: update_step_xla(gradient, variable, key)
-        ),
-        "_apply_weight_decay": lambda variables: _window.masked_weight_decay(
-            innermost, variables, touched_of
-        ),
-    }
+    hooks = _window.masked_update_hooks(_inner_tf_keras, innermost, touched_of)
     with _window.instance_hooks(innermost, hooks):
         yield
 
@@ -46,6 +35,7 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
 
     _FAMILY = _families.TF_KERAS
     _FAMILY_DESCRIPTION = "tf_keras (new-style)"
+    _INNER_API = _inner_tf_keras  # the inner optimizer's private API (`accum._inner`)
 
     def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
         steps_per_update, mode = self._check_arguments(steps_per_update, mode)

@@ -1,7 +1,8 @@
 """What the tf_keras implementations (new-style `_tf_keras`, legacy `_tf_keras_legacy`) share.
 
 `TFKerasWindow` is a mixin placed before `AccumOptimizer` and the tf_keras
-optimizer class. A class using it provides: `build`, `_micro_steps_variable()`,
+optimizer class. A class using it provides: `_INNER_API` (its family's
+`accum._inner.InnerApi`), `build`, `_micro_steps_variable()`,
 `_config_name()`, `_variable_index(variable)`, `_aggregated(grads_and_vars)`
 (the tf_keras all-reduce), `_inner_apply(grads_and_vars)` (the inner
 optimizer's `apply_gradients` without aggregation), `_count_micro_step()`
@@ -15,30 +16,6 @@ import tf_keras
 
 from . import _distributed, _families, _window
 from ._base import AccumOptimizer
-
-
-def inner_loss_scale_state(optimizer):
-    """The dynamic loss-scale state of a tf_keras `LossScaleOptimizer`, or None.
-
-    tf_keras exposes the current scale only as a tensor (`loss_scale`); the
-    variables live in the optimizer's `_loss_scale` state object.
-    """
-    if getattr(optimizer, "dynamic", False) and hasattr(optimizer, "get_unscaled_gradients"):
-        return optimizer._loss_scale
-    return None
-
-
-def loss_scale_on_skip(optimizer):
-    """`fn()` doing what the inner LossScaleOptimizer does with a non-finite step, or None."""
-    state = inner_loss_scale_state(optimizer)
-    if state is None:
-        return None
-
-    def on_skip():
-        state.counter.assign(0)
-        state.current_loss_scale.assign(tf.maximum(state.current_loss_scale * 0.5, 1.0))
-
-    return on_skip
 
 
 class TFKerasWindow:
@@ -159,9 +136,13 @@ class TFKerasWindow:
         )
 
     def _on_skip(self):
-        on_skip = loss_scale_on_skip(self.inner_optimizer)
-        if on_skip is not None:
-            on_skip()
+        """What the inner dynamic `LossScaleOptimizer` does with a non-finite step: halves
+        its scale (not below 1) and restarts its count of finite steps (nothing without one)."""
+        scale = self._INNER_API.loss_scale(self.inner_optimizer)
+        if scale is not None:
+            scale, counter = scale
+            counter.assign(0)
+            scale.assign(tf.maximum(scale * 0.5, 1.0))
 
     def _apply_inner(self, grads, indices, touched):
         """The inner optimizer's update of the variables `indices`, where only those

@@ -4,9 +4,9 @@ import contextlib
 
 import tensorflow as tf
 import tf_keras
-from tf_keras.src.optimizers.legacy.optimizer_v2 import _var_key
 
 from . import _batchnorm, _distributed, _families, _window
+from . import _inner_tf_keras_legacy as _api
 from ._base import AccumOptimizer, claim_inner
 from ._tf_keras_common import TFKerasWindow
 
@@ -27,6 +27,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
 
     _FAMILY = _families.TF_KERAS_LEGACY
     _FAMILY_DESCRIPTION = "tf_keras legacy"
+    _INNER_API = _api  # the inner optimizer's private API (`accum._inner`)
 
     def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
         steps_per_update, mode = self._check_arguments(steps_per_update, mode)
@@ -39,7 +40,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
         self._built_accum = False
         self._model_variables = []
         self._index = {}
-        self._keys = {}  # `_var_key` (also of a replica's component) -> index
+        self._keys = {}  # `_api.var_key` (also of a replica's component) -> index
         self.accumulators = []
         self.touched = []
         claim_inner(self, optimizer)
@@ -72,9 +73,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
                 self._accum_strategy = _distributed.current_strategy()
                 if self._accum_strategy is not None:
                     self._mode.check_distributable()
-            # OptimizerV2 has no public `build`; this is what its
-            # `apply_gradients` calls first (slots of new variables only).
-            self._inner._create_all_weights(new)
+            _api.build(self._inner, new)  # slots of new variables only
             if first:
                 weight = dict(
                     shape=[], dtype=tf.int64, trainable=False,
@@ -87,7 +86,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
                     self.window_count = self.add_weight("window_count", **weight)
             for v in new:
                 self._index[v.ref()] = len(self._model_variables)
-                self._keys[_var_key(v)] = len(self._model_variables)
+                self._keys[_api.var_key(self._inner, v)] = len(self._model_variables)
                 self._model_variables.append(v)
                 # One flag per variable: did the window give it a gradient (`accum._window`).
                 # An optimizer weight, not a slot: a scalar slot is revived with its
@@ -125,7 +124,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
         return self._micro_steps
 
     def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
-        return self._inner._compute_gradients(loss, var_list, grad_loss=grad_loss, tape=tape)
+        return _api.compute_gradients(self._inner, loss, var_list, grad_loss=grad_loss, tape=tape)
 
     # --------------------------------------------------------------- updates
 
@@ -161,19 +160,18 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
     @contextlib.contextmanager
     def _masked_updates(self, variables, touched):
         """Guards the innermost optimizer's per-variable dense update
-        (`_resource_apply_dense`; the window's means are dense) with the variables'
+        (`_api.UPDATE_STEPS`; the window's means are dense) with the variables'
         touched flags while the update is traced (an instance attribute, removed
         after): an untouched variable and its slots stay as they are."""
         innermost = self._inner
         while getattr(innermost, "inner_optimizer", None) is not None:
             innermost = innermost.inner_optimizer
-        apply_dense = innermost._resource_apply_dense
 
-        def guarded_apply_dense(grad, var, **kwargs):
-            flag = touched[self._keys[_var_key(var)]] if _var_key(var) in self._keys else None
-            return _window.guarded(flag, lambda: apply_dense(grad, var, **kwargs))
+        def touched_of(var):
+            key = _api.var_key(innermost, var)
+            return touched[self._keys[key]] if key in self._keys else None
 
-        with _window.instance_hooks(innermost, {"_resource_apply_dense": guarded_apply_dense}):
+        with _window.instance_hooks(innermost, _window.masked_update_hooks(_api, innermost, touched_of)):
             yield
 
     def finalize_variable_values(self, var_list):

@@ -174,16 +174,41 @@ def protect_untouched(variables, touched):
     return restore
 
 
-def masked_weight_decay(optimizer, variables, touched_of):
+def masked_update_hooks(api, optimizer, touched_of):
+    """The instance attributes (`instance_hooks`) that guard `optimizer`'s per-variable
+    updates (`api.UPDATE_STEPS`, each called `(gradient, variable, ...)`) and its weight
+    decay (`api.WEIGHT_DECAY`, if any) with the flag `touched_of(variable)` (a scalar bool
+    tensor, or None: not guarded), so an untouched variable and its slots stay as they
+    are. `api`: the family's `accum._inner.InnerApi`."""
+
+    def guard(update):
+        return lambda gradient, variable, *args, **kwargs: guarded(
+            touched_of(variable), lambda: update(gradient, variable, *args, **kwargs)
+        )
+
+    hooks = {name: guard(getattr(optimizer, name)) for name in api.UPDATE_STEPS}
+    if api.WEIGHT_DECAY is not None:
+        hooks[api.WEIGHT_DECAY] = lambda variables: masked_weight_decay(
+            optimizer, variables, touched_of, api
+        )
+    return hooks
+
+
+def masked_weight_decay(optimizer, variables, touched_of, api=None):
     """Decoupled weight decay (`variable -= variable * weight_decay * learning_rate`, the
     Keras 3 and tf_keras formula) applied only to variables whose flag `touched_of(v)`
     is true. Written as those optimizers' distributed weight decay, with the branch
-    inside each variable's update (a `tf.cond` around a `merge_call` fails)."""
+    inside each variable's update (a `tf.cond` around a `merge_call` fails). `api`: the
+    family's `accum._inner.InnerApi` (None: `accum._inner.api_for(optimizer)`)."""
     if optimizer.weight_decay is None:
         return
+    if api is None:
+        from ._inner import api_for
+
+        api = api_for(optimizer)
 
     def decay(variable):
-        if not optimizer._use_weight_decay(variable):
+        if not api.uses_weight_decay(optimizer, variable):
             return
 
         def fn(var):
