@@ -24,7 +24,7 @@ keras-hub is an optional extra (`[hub]`; it brings tensorflow-text), imported
 by `patch()` only. Modules: `_patch`, `preset`.
 """
 
-from ._patch import is_patched, patch, unpatch
+from ._patch import covered, is_patched, patch, unpatch
 from .preset import hf_preset, minilm_preset
 
-__all__ = ["hf_preset", "is_patched", "minilm_preset", "patch", "unpatch"]
+__all__ = ["covered", "hf_preset", "is_patched", "minilm_preset", "patch", "unpatch"]

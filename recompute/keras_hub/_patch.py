@@ -1,58 +1,135 @@
-"""`patch()` / `unpatch()`: keras-hub's `TransformerEncoder` recomputes with `recompute_grad`."""
+"""`patch()` / `unpatch()` / `covered(model)`: the blocks of `_blocks.BLOCKS` recompute with `recompute_grad`."""
 
-from .. import _policies
+import inspect
+import warnings
+
+from .. import _config, _policies
 from .._decorator import recompute_grad
+from . import _blocks, _cores
 
 POLICIES = _policies.NAMES  # "full", "attention"
 _patched = {}  # class -> (its own `call` before `patch()`, the policy)
+_MARK = "__recompute_keras_hub__"  # on a patched `call`: its policy
+_warned = set()  # the block classes policy="attention" recomputed in full, warned about once
 
 
-def _encoder_class():
+def _import_keras_hub():
     try:
-        import keras_hub
+        import keras_hub  # noqa: F401
     except ImportError as e:
         raise ImportError(
             "`recompute.keras_hub.patch()` patches keras-hub, which is not installed: "
             'pip install "keras-train-memory[hub]" (or keras-hub==0.32.*).'
         ) from e
-    return keras_hub.layers.TransformerEncoder
+
+
+def _decoding(signature, cache_args, args, kwargs):
+    """True if the call passes one of `cache_args` (not None): keras-hub decoding with a cache."""
+    if not cache_args:
+        return False
+    try:
+        bound = signature.bind(None, *args, **kwargs).arguments  # `self` is not needed
+    except TypeError:
+        return True  # a call keras-hub's own `call` will refuse: let it say why
+    extra = next((bound[p.name] for p in signature.parameters.values()
+                  if p.kind == p.VAR_KEYWORD and p.name in bound), {})
+    return any(bound.get(name, extra.get(name)) is not None for name in cache_args)
+
+
+def _warn_full(cls):
+    if cls in _warned:
+        return
+    _warned.add(cls)
+    warnings.warn(
+        f"recompute.keras_hub.patch(policy='attention'): `{cls.__name__}` computes its "
+        "attention inside its layers' `call` (no attention core to recompute), so its "
+        "blocks are recomputed in full (policy='full') instead. docs/keras_hub.md lists "
+        "the blocks whose core policy='attention' reaches.",
+        stacklevel=4,
+    )
+
+
+def _patched_call(cls, row, original, policy):
+    """`cls.call` when patched: decoding as keras-hub wrote it, training recomputed."""
+    signature = inspect.signature(original)
+    keras_attention = policy == "attention" and row.core == _blocks.KERAS
+    recomputed = recompute_grad(original, policy="attention" if keras_attention else "full")
+    own_cores = _blocks.cores(row) if policy == "attention" and not keras_attention else ()
+
+    def call(self, *args, **kwargs):
+        if _decoding(signature, row.cache, args, kwargs):
+            return original(self, *args, **kwargs)
+        if policy == "attention" and not keras_attention:
+            layers = _cores.core_layers(self, own_cores)
+            if not layers:
+                _warn_full(type(self))
+            elif not _config.is_enabled():
+                return original(self, *args, **kwargs)
+            else:
+                with _cores.recomputed_cores(layers):
+                    return original(self, *args, **kwargs)
+        return recomputed(self, *args, **kwargs)
+
+    call.__name__, call.__qualname__ = "call", f"{cls.__qualname__}.call"
+    call.__module__, call.__doc__ = original.__module__, original.__doc__
+    call.__signature__ = signature  # Keras reads `training` and `mask` from it
+    call.__recompute_grad_wrapped__ = original
+    setattr(call, _MARK, policy)
+    return call
 
 
 def patch(policy="full"):
-    """Makes every keras-hub `TransformerEncoder` recompute whenever `RECOMPUTE` is on.
+    """Makes every Transformer block of keras-hub recompute its training calls whenever `RECOMPUTE` is on.
 
     ```python
     import recompute.keras_hub
     recompute.keras_hub.patch()                  # or patch(policy="attention")
-    backbone = keras_hub.models.BertBackbone.from_preset(path)
+    causal_lm = keras_hub.models.GemmaCausalLM.from_preset(path)
     ```
 
-    The class's `call` is replaced by `recompute_grad(call, policy=policy)`:
-    models built before or after `patch()` (by `from_preset` too) recompute
-    each encoder block as a unit (`"full"`: only the block's input is kept)
-    or only its attention core (`"attention"`), exactly -- the loss and
-    gradients of RECOMPUTE=0, dropout and padding masks included -- on
-    Keras's TensorFlow and JAX backends. Idempotent; calling it with another
-    policy switches policy; `unpatch()` restores keras-hub's own `call`.
-    Imports keras-hub (install the `[hub]` extra).
+    Each block class of `_blocks.BLOCKS` (docs/keras_hub.md lists them:
+    `TransformerEncoder`/`TransformerDecoder` and the models built on them,
+    the Gemma, Llama, Mistral, Mixtral, Qwen, Phi-3, GPT-NeoX, GPT-OSS,
+    SmolLM3, Bloom, Falcon, T5, DeBERTa-v3, ... blocks) gets a `call` that
+    runs a decoding call (one given a generation cache: `generate`,
+    `call_with_cache`) as keras-hub wrote it, and a training call through
+    `recompute_grad` -- exactly: the loss and gradients of RECOMPUTE=0,
+    dropout (random state replayed) and masks included, on Keras's
+    TensorFlow and JAX backends. Models built before or after `patch()` (by
+    `from_preset` too) are covered; `covered(model)` says which of a model's
+    blocks are, and warns when none is.
+
+    `policy="full"` recomputes each block as a unit (only its inputs are
+    kept). `policy="attention"` recomputes only each block's attention core:
+    Keras's `MultiHeadAttention` core as `recompute_grad(policy="attention")`
+    does, or the attention layer's own core method (Gemma's, Llama's, ...).
+    Blocks that compute attention inline (Bloom, Falcon, T5, ESM,
+    RoFormerV2, and Qwen3.5's linear-attention layers) have no core to
+    reach: they are recomputed in full, with one warning per class at its
+    first call.
+
+    Idempotent; calling it with another policy switches policy; `unpatch()`
+    restores every class. A class missing from the installed keras-hub is
+    skipped. Imports keras-hub (install the `[hub]` extra).
 
     Args:
         policy: "full" (default) or "attention" (`recompute.POLICIES`).
     """
     _policies.check_policy(policy)
-    cls = _encoder_class()
-    if cls in _patched:
-        if _patched[cls][1] == policy:
-            return
-        original = _patched[cls][0]
-    else:
-        original = cls.__dict__["call"]
-    cls.call = recompute_grad(original, policy=policy)
-    _patched[cls] = (original, policy)
+    _import_keras_hub()
+    for cls, row in _blocks.installed():
+        if cls in _patched:
+            if _patched[cls][1] == policy:
+                continue
+            original = _patched[cls][0]
+        else:
+            original = cls.__dict__["call"]
+        cls.call = _patched_call(cls, row, original, policy)
+        _patched[cls] = (original, policy)
 
 
 def unpatch():
-    """Restores keras-hub's own `TransformerEncoder.call` (nothing to do if not patched)."""
+    """Restores keras-hub's own `call` of every patched block class (nothing to do if not patched)."""
     for cls, (original, _) in list(_patched.items()):
         cls.call = original
         del _patched[cls]
@@ -63,3 +140,31 @@ def is_patched():
     for _, policy in _patched.values():
         return policy
     return None
+
+
+def covered(model):
+    """The layers of `model` (a keras-hub backbone, task or any Keras model) that `patch()`
+    recomputes: the blocks whose class's `call` is patched now.
+
+    ```python
+    recompute.keras_hub.patch()
+    blocks = recompute.keras_hub.covered(causal_lm)   # e.g. its GemmaDecoderBlock layers
+    ```
+
+    Warns (`UserWarning`) when there are none -- keras-hub not patched, or a model
+    built from blocks the registry does not list (docs/keras_hub.md): such a model
+    trains as without `patch()`, keeping every activation.
+    """
+    layers = [layer for layer in model._flatten_layers(include_self=True, recursive=True)
+              if getattr(type(layer).call, _MARK, None) is not None]
+    if not layers:
+        reason = ("keras-hub is not patched: call `recompute.keras_hub.patch()`"
+                  if not _patched else
+                  "none of its layers is a Transformer block `patch()` covers "
+                  "(docs/keras_hub.md lists them)")
+        warnings.warn(
+            f"recompute.keras_hub: model '{model.name}' has no block that recomputes: "
+            f"{reason}. It trains as without recomputation.",
+            stacklevel=2,
+        )
+    return layers

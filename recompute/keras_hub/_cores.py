@@ -1,0 +1,66 @@
+"""`recomputed_cores`: keras-hub's own attention cores recomputed, for `patch(policy="attention")`.
+
+keras-hub's language-model decoders (Gemma, Llama, Mistral, Qwen, Phi-3, ...)
+and DeBERTa-v3 compute attention in a method of their attention layer
+(`_compute_attention`; XLNet's `compute_attention`), not in Keras's
+`MultiHeadAttention` core. While `recomputed_cores` is active, that method of
+each such layer in a block keeps only its inputs and runs again in the
+backward pass: on TensorFlow through `recompute._core` (when a tape records),
+on JAX as a `jax.checkpoint` (`recompute._jax`), its dropout replayed from the
+same seed state either way -- the loss and gradients of RECOMPUTE=0. The
+method is shadowed on the layer instance and restored on exit; the class and
+other instances are untouched. A core runs as written inside a call that is
+recomputed already, and where nothing is differentiated.
+"""
+
+import contextlib
+
+from .. import _backends, _core, _jax, _tf
+
+
+def _recomputed(method, layer, args, kwargs):
+    """`method(layer, *args, **kwargs)`, recomputed for the gradient where one is taken."""
+    adapter = _backends.adapter_for(layer)
+    if _backends.on_jax(adapter):
+        if _jax.inside_recomputed_call() or _jax.in_shape_inference():
+            return method(layer, *args, **kwargs)
+        return _jax.recomputed_call(method, layer, args, kwargs)
+    if not _tf.tape_is_active() or _core.inside_recomputed_call():
+        return method(layer, *args, **kwargs)
+    return _core.recomputed_call(adapter, method, layer, args, kwargs)
+
+
+def core_layers(block, pairs):
+    """(layer, method name) for each sublayer of `block` that is an instance of one of the
+    attention classes of `pairs` ((class, method name), ...)."""
+    found = []
+    for layer in block._flatten_layers(include_self=False, recursive=True):
+        for cls, name in pairs:
+            if isinstance(layer, cls):
+                found.append((layer, name))
+                break
+    return found
+
+
+@contextlib.contextmanager
+def recomputed_cores(layers):
+    """While active, the core method of each `(layer, method name)` is recomputed.
+
+    A core shadowed already (an enclosing block's) is left as it is.
+    """
+    installed = []
+    try:
+        for layer, name in layers:
+            if name in vars(layer):
+                continue
+            method = getattr(type(layer), name)
+
+            def core(*args, _layer=layer, _method=method, **kwargs):
+                return _recomputed(_method, _layer, args, kwargs)
+
+            object.__setattr__(layer, name, core)  # a plain attribute, not tracked by Keras
+            installed.append((layer, name))
+        yield
+    finally:
+        for layer, name in installed:
+            object.__delattr__(layer, name)
