@@ -25,7 +25,7 @@ import contextlib
 import tensorflow as tf
 from keras import ops
 
-from . import _window
+from . import _inner_keras3, _window
 
 
 def micro_step(wrapper, grads, indices):
@@ -84,13 +84,15 @@ def masked_updates(innermost, variables, touched, weight_decay):
     `touched` (scalar bool tensors, one per variable) is set; its `_apply_weight_decay`
     is `weight_decay(innermost, variables, touched_of)` (the family's masked one).
     Instance attributes, removed afterwards (`accum._window.instance_hooks`)."""
-    flags = {innermost._var_key(v): t for v, t in zip(variables, touched)}
-    update_step = innermost.update_step
+    api = _inner_keras3
+    flags = {api.var_key(innermost, v): t for v, t in zip(variables, touched)}
+    (update_name,) = api.UPDATE_STEPS
+    update_step = getattr(innermost, update_name)
     assign = innermost.assign
     current = []  # the flag of the variable whose update_step runs
 
     def touched_of(variable):
-        return flags.get(innermost._var_key(variable))
+        return flags.get(api.var_key(innermost, variable))
 
     def guarded_update_step(gradient, variable, learning_rate):
         current.append(touched_of(variable))
@@ -105,8 +107,8 @@ def masked_updates(innermost, variables, touched, weight_decay):
         return value if flag is None else ops.where(flag, ops.cast(value, old.dtype), old)
 
     hooks = {
-        "update_step": guarded_update_step,
-        "_apply_weight_decay": lambda vs: weight_decay(innermost, vs, touched_of),
+        update_name: guarded_update_step,
+        api.WEIGHT_DECAY: lambda vs: weight_decay(innermost, vs, touched_of),
         "assign": lambda variable, value: assign(variable, selected(variable, value)),
         "assign_add": lambda variable, value: assign(
             variable, selected(variable, ops.convert_to_tensor(variable) + _dense(value))),

@@ -1,11 +1,9 @@
 """`AccumOptimizer` for Keras 3 optimizers (TensorFlow backend; `_keras3_jax` derives the JAX one)."""
 
-import contextlib
-
 import keras
 import tensorflow as tf
 
-from . import _batchnorm, _buffer_keras3, _distributed, _families, _window
+from . import _batchnorm, _buffer_keras3, _distributed, _families, _inner_keras3, _window
 from ._base import AccumOptimizer, claim_inner
 
 _BASE_DEFAULTS = {
@@ -216,17 +214,11 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         scale = self._inner_loss_scale()
         return None if scale is None else scale.value
 
-    @contextlib.contextmanager
     def _inner_scope(self):
         """Keras 3 optimizers all-reduce their gradients inside `apply` (TensorFlow
-        backend, `_all_reduce_sum_gradients`) and have no argument to skip it: the
-        innermost optimizer's is replaced by the identity while the update is traced."""
-        innermost = self._innermost()
-        object.__setattr__(innermost, "_all_reduce_sum_gradients", list)
-        try:
-            yield
-        finally:
-            object.__delattr__(innermost, "_all_reduce_sum_gradients")
+        backend) and have no argument to skip it: the innermost optimizer's all-reduce
+        is the identity while the update is traced (`_inner_keras3.skip_all_reduce`)."""
+        return _inner_keras3.skip_all_reduce(self._innermost())
 
     def _innermost(self):
         """The optimizer that does the update: the inner one, unwrapped from `LossScaleOptimizer`s."""

@@ -25,7 +25,7 @@ between), since `window_steps` reaches `k`.
 
 import keras
 
-from . import _buffer_keras3, _validation
+from . import _buffer_keras3, _inner_keras3, _validation
 from ._keras3 import Keras3AccumOptimizer
 
 
@@ -98,7 +98,7 @@ def _weight_decay(innermost, variables, touched_of):
     if innermost.weight_decay is None:
         return
     for variable in variables:
-        if innermost._use_weight_decay(variable):
+        if _inner_keras3.uses_weight_decay(innermost, variable):
             lr = keras.ops.cast(innermost.learning_rate, variable.dtype)
             wd = keras.ops.cast(innermost.weight_decay, variable.dtype)
             new = variable.value - variable.value * wd * lr
