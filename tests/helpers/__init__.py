@@ -10,7 +10,8 @@
   `recompute_distribute_checks`, `attention_blocks` (policies), `step_ordering`; each
   suite's thin test module star-imports their `test_*` functions (`__all__`) with its
   fixture. `recompute_runs`: runs and checks those suites share around tests that differ.
-- `keras_hub_checks`: the keras-hub tests of the TensorFlow and JAX suites, imported the same way.
+- `keras_hub_checks`: the keras-hub tests of the TensorFlow and JAX suites, imported the same way;
+  `keras_hub_decoder_checks`: every block class `recompute.keras_hub.patch()` covers, likewise.
 - `commands`: `run_module`, a module of this repository run as a command (`python -m`).
 - `mwms`: runs 2 `MultiWorkerMirroredStrategy` worker processes on loopback;
   `mwms_worker` (AccumOptimizer) and `mwms_recompute_worker` (recompute_grad)
