@@ -1,4 +1,4 @@
-"""The accumulation window (`mode="buffer"`), in TensorFlow ops shared by every backend.
+"""The accumulation window (`mode="buffer"`): its state, and its TensorFlow ops.
 
 A window is `steps_per_update` micro-steps. Each micro-step adds its gradients
 to one buffer per variable (`IndexedSlices` by scatter-add, so a sparse
@@ -24,7 +24,10 @@ Branching is `tf.cond` on variables, never Python `if` on values, so the same
 code runs eagerly, in `tf.function` and under XLA (`jit_compile=True`), and
 only the branch taken runs.
 
-All variables passed here are `tf.Variable`s (Keras 3 backends pass
+The ops here serve tf_keras, and Keras 3 under `tf.distribute`
+(`accum._distributed`); Keras 3 otherwise runs the same window in `keras.ops`
+on TensorFlow and JAX (`accum._buffer_keras3`, selects instead of branches).
+All variables passed here are `tf.Variable`s (Keras 3 passes
 `keras.Variable.value`). The window's state is one record, `WindowState`, that
 each family builds from its variables (`AccumOptimizer._window_state`) and
 every mode and the distributed path (`accum._distributed`) read.
