@@ -12,6 +12,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.14",
     packages=find_packages(include=["recompute", "recompute.*", "accum", "accum.*"]),
+    package_data={"recompute.keras_hub": ["blocks.txt"]},  # the registry of patched blocks
     # Core: what `recompute` and `accum` import. Nothing else.
     install_requires=[
         "tensorflow==2.21.*",

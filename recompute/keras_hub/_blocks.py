@@ -1,4 +1,5 @@
-"""The registry of keras-hub's Transformer blocks that `patch()` recomputes: `BLOCKS`.
+"""The registry of keras-hub's Transformer blocks that `patch()` recomputes: `BLOCKS`,
+read from the table `blocks.txt` beside this module.
 
 One row per block class of keras-hub 0.32 whose `call` is patched (a
 subclass that inherits `call` is covered by its base's row: Whisper's
@@ -28,6 +29,7 @@ audio and diffusion blocks are not listed).
 """
 
 import importlib
+import importlib.resources
 from typing import NamedTuple
 
 KERAS = "keras"  # `core` of the blocks built on Keras's `MultiHeadAttention` core
@@ -40,76 +42,31 @@ class Block(NamedTuple):
     core: object  # KERAS, ((attention class path, method), ...), or () (unreachable)
 
 
-def _core(path, method="_compute_attention"):
-    return ((_SRC + path, method),)
+# The table itself is data: recompute/keras_hub/blocks.txt (its header says how to read a row).
+_TABLE = importlib.resources.files(__package__).joinpath("blocks.txt").read_text(encoding="utf-8")
 
 
-_LLAMA_CACHE = ("self_attention_cache",)
+def _full(path):
+    return path if path.startswith("keras_hub.") else _SRC + path
 
-BLOCKS = (
-    # Keras's MultiHeadAttention core
-    Block("keras_hub.src.layers.modeling.transformer_encoder.TransformerEncoder", (), KERAS),
-    Block("keras_hub.src.layers.modeling.transformer_decoder.TransformerDecoder",
-          _LLAMA_CACHE, KERAS),
-    Block(_SRC + "edrec.edrec_layers.EdRecEncoderBlock", (), KERAS),
-    Block(_SRC + "edrec.edrec_layers.EdRecDecoderBlock", _LLAMA_CACHE, KERAS),
-    # Gemma family: own cores
-    Block(_SRC + "gemma.gemma_decoder_block.GemmaDecoderBlock", ("cache",),
-          _core("gemma.gemma_attention.CachedGemmaAttention")),
-    Block(_SRC + "pali_gemma.pali_gemma_decoder_block.PaliGemmaDecoderBlock", ("cache",),
-          _core("gemma.gemma_attention.CachedGemmaAttention")),
-    Block(_SRC + "gemma3.gemma3_decoder_block.Gemma3DecoderBlock", ("cache",),
-          _core("gemma3.gemma3_attention.CachedGemma3Attention")),
-    Block(_SRC + "gemma4.gemma4_decoder_block.Gemma4TextDecoderBlock", ("cache",),
-          _core("gemma4.gemma4_attention.Gemma4TextAttention")),
-    Block(_SRC + "t5gemma.t5gemma_encoder.T5GemmaEncoderLayer", (),
-          _core("t5gemma.t5gemma_attention.T5GemmaAttention")),
-    Block(_SRC + "t5gemma.t5gemma_decoder.T5GemmaDecoderLayer", ("cache",),
-          _core("t5gemma.t5gemma_attention.T5GemmaAttention")),
-    Block(_SRC + "t5gemma2.t5gemma2_encoder.T5Gemma2EncoderLayer", (),
-          _core("t5gemma2.t5gemma2_attention.T5Gemma2Attention")),
-    Block(_SRC + "t5gemma2.t5gemma2_decoder.T5Gemma2DecoderLayer", ("cache",),
-          _core("t5gemma2.t5gemma2_attention.T5Gemma2Attention")
-          + _core("t5gemma2.t5gemma2_attention.T5Gemma2MergedAttention")),
-    # Llama-style decoders: own cores
-    Block(_SRC + "llama.llama_decoder.LlamaTransformerDecoder", _LLAMA_CACHE,
-          _core("llama.llama_attention.LlamaAttention")),
-    Block(_SRC + "mistral.mistral_transformer_decoder.MistralTransformerDecoder", _LLAMA_CACHE,
-          _core("mistral.mistral_attention.CachedMistralAttention")),
-    Block(_SRC + "mixtral.mixtral_decoder.MixtralTransformerDecoder", _LLAMA_CACHE,
-          _core("mixtral.mixtral_attention.CachedMixtralAttention")),
-    Block(_SRC + "qwen.qwen_decoder.QwenTransformerDecoder", _LLAMA_CACHE,
-          _core("qwen.qwen_attention.QwenAttention")),
-    Block(_SRC + "qwen_moe.qwen_moe_decoder.QwenMoeTransformerDecoder", _LLAMA_CACHE,
-          _core("qwen_moe.qwen_moe_attention.QwenMoeAttention")),
-    Block(_SRC + "qwen3.qwen3_decoder.Qwen3TransformerDecoder", _LLAMA_CACHE,
-          _core("qwen3.qwen3_attention.Qwen3Attention")),
-    Block(_SRC + "qwen3_moe.qwen3_moe_decoder.Qwen3MoeTransformerDecoder", _LLAMA_CACHE,
-          _core("qwen3_moe.qwen3_moe_attention.Qwen3MoeAttention")),
-    Block(_SRC + "qwen3_5.qwen3_5_decoder.Qwen3_5TransformerDecoder", _LLAMA_CACHE,
-          _core("qwen3_5.qwen3_5_attention.Qwen3_5Attention")),
-    Block(_SRC + "qwen3_5_moe.qwen3_5_moe_decoder.Qwen3_5MoeTransformerDecoder", _LLAMA_CACHE,
-          _core("qwen3_5.qwen3_5_attention.Qwen3_5Attention")),
-    Block(_SRC + "phi3.phi3_decoder.Phi3Decoder", ("attention_cache",),
-          _core("phi3.phi3_attention.Phi3Attention")),
-    Block(_SRC + "gpt_neo_x.gpt_neo_x_decoder.GPTNeoXDecoder", _LLAMA_CACHE,
-          _core("gpt_neo_x.gpt_neo_x_attention.GPTNeoXAttention")),
-    Block(_SRC + "gpt_oss.gpt_oss_decoder.GptOssTransformerDecoder", _LLAMA_CACHE,
-          _core("gpt_oss.gpt_oss_attention.GptOssAttention")),
-    Block(_SRC + "smollm3.smollm3_layers.SmolLM3DecoderLayer", _LLAMA_CACHE,
-          _core("smollm3.smollm3_layers.SmolLM3Attention")),
-    # Encoders with own cores
-    Block(_SRC + "deberta_v3.disentangled_attention_encoder.DisentangledAttentionEncoder", (),
-          _core("deberta_v3.disentangled_self_attention.DisentangledSelfAttention")),
-    Block(_SRC + "xlnet.xlnet_encoder.XLNetEncoder", (),
-          _core("xlnet.relative_attention.TwoStreamRelativeAttention", "compute_attention")),
-    # attention computed inline: policy="attention" recomputes these in full
-    Block(_SRC + "bloom.bloom_decoder.BloomDecoder", ("cache",), ()),
-    Block(_SRC + "falcon.falcon_transformer_decoder.FalconTransformerDecoder",
-          ("attention_cache",), ()),
-    Block(_SRC + "t5.t5_transformer_layer.T5TransformerLayer", _LLAMA_CACHE, ()),
-    Block(_SRC + "esm.esm_encoder.ESMEncoder", (), ()),
-    Block(_SRC + "roformer_v2.roformer_v2_encoder.RoformerV2Encoder", (), ()),
+
+def _parse_core(text):
+    if text == KERAS:
+        return KERAS
+    if text == "-":
+        return ()
+    cores = []
+    for item in text.split():
+        path, _, method = item.partition(":")
+        cores.append((_full(path), method or "_compute_attention"))
+    return tuple(cores)
+
+
+BLOCKS = tuple(
+    Block(_full(path), () if cache == "-" else tuple(cache.split(",")), _parse_core(core))
+    for path, cache, core in (
+        line.split(None, 2) for line in _TABLE.splitlines() if line.strip() and not line.startswith("#")
+    )
 )
 
 
