@@ -287,7 +287,15 @@ def _check_same(reference, got, backbone, what):
         np.testing.assert_array_equal(a, b, err_msg=f"{what}: random state")
 
 
-@pytest.mark.parametrize("name", BLOCK_NAMES, ids=[SHORT[n] for n in BLOCK_NAMES])
+# The fast subset (KTM_FAST_TESTS=1, the other Python in CI) checks one block of each kind
+# of attention core: Keras's (GPT-2's decoder), an own core (Gemma, Llama) and inline (Bloom).
+FAST_BLOCKS = ("TransformerDecoder", "GemmaDecoderBlock", "LlamaTransformerDecoder", "BloomDecoder")
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, id=SHORT[n], marks=() if SHORT[n] in FAST_BLOCKS else pytest.mark.slow)
+    for n in BLOCK_NAMES
+])
 def test_block_recomputes_exactly(name):
     """A tiny backbone of the block: RECOMPUTE=1 under both policies gives RECOMPUTE=0's loss,
     gradients and random state (unpatched), and recomputes at least once per block."""
