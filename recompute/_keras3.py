@@ -78,11 +78,19 @@ def state_variables(layer):
 
     Returned as Keras variables, de-duplicated, in a stable order. Includes the
     global seed generator that unseeded `keras.random` calls draw from.
+
+    Chosen by each variable's own `trainable` flag, not by the layer's: a layer
+    frozen with `layer.trainable = False` lists every variable as non-trainable,
+    LoRA's trainable `lora_kernel_a`/`_b` included (`Backbone.enable_lora`
+    freezes every layer, then adds them), and a trainable variable replayed as
+    state would be a constant to the recomputation's tape: no gradient. Frozen
+    weights (flag off) stay in: reading them costs no copy (a variable's read
+    shares its buffer; measured with TensorFlow's allocator, issue 27).
     """
     from keras.src.backend.common import global_state
     from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
 
-    found = list(layer.non_trainable_variables) + list(layer.metrics_variables)
+    found = [v for v in layer.variables if not v.trainable] + list(layer.metrics_variables)
     global_gen = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
     if global_gen is not None:
         found.append(global_gen.state)
