@@ -12,6 +12,8 @@
   fixture. `recompute_runs`: runs and checks those suites share around tests that differ.
 - `keras_hub_checks`: the keras-hub tests of the TensorFlow and JAX suites, imported the same way;
   `keras_hub_decoder_checks`: every block class `recompute.keras_hub.patch()` covers, likewise.
+  `keras_hub_lora_checks`: LoRA + `patch()` + `AccumOptimizer` on a causal LM (gradients,
+  accumulation, save and resume in a fresh process), likewise.
 - `commands`: `run_module`, a module of this repository run as a command (`python -m`).
 - `mwms`: runs 2 `MultiWorkerMirroredStrategy` worker processes on loopback;
   `mwms_worker` (AccumOptimizer) and `mwms_recompute_worker` (recompute_grad)
