@@ -28,4 +28,7 @@
   functions (`__all__`) the Keras 3 and tf_keras suites star-import the same way.
   `save_resume_checks`: the save/resume plan's fixture and check of the three suites.
 - `jax_backend`: selects Keras's JAX backend for the JAX suites (their conftest.py).
+- `jax_distribution_worker`: `keras.distribution` runs on 4 virtual CPU devices, in a process
+  of its own (tests/accum_jax/test_distribution_jax.py); `hlo`: the all-reduces of a
+  compiled JAX step, read from its HLO text.
 """
