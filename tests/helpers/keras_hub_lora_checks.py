@@ -167,7 +167,7 @@ def _fit(optimizer, batch_size, on):
     return [np.array(v.numpy()) for v in lora], [np.array(v.numpy()) for v in frozen], start
 
 
-@pytest.mark.parametrize("inner", ["sgd", "adam"])
+@pytest.mark.parametrize("inner", [pytest.param("sgd", marks=pytest.mark.slow), "adam"])
 def test_lora_accumulation_equals_big_batch(inner):
     """`fit`, RECOMPUTE on: `AccumOptimizer(inner, 2)` at batch 2 ends like `inner` at batch 4
     on every LoRA weight (3 updates); every frozen weight is bit-identical to its start."""
@@ -270,6 +270,7 @@ def _load(prefix, key):
         return [f[f"arr_{i}"] for i in range(len(f.files))]
 
 
+@pytest.mark.slow  # a fresh process per backend; the full suites run it
 def test_lora_save_and_resume_in_a_fresh_process(tmp_path):
     """Patched, RECOMPUTE on, `AccumOptimizer(Adam, 2)`: saved after 3 micro-steps (one
     update, one pending), resumed in a fresh process from the `.weights.h5`, the base
