@@ -49,6 +49,24 @@ def apply_weight_decay(optimizer, variables):
     optimizer._apply_weight_decay(variables)
 
 
+def weight_decay_where(optimizer, variables, flag_of, learning_rate=None):
+    """Keras 3's decoupled weight decay (`variable -= variable * weight_decay *
+    learning_rate`, as `_apply_weight_decay`) as a select: applied to each variable it
+    applies to where `flag_of(variable)` (a scalar bool, or None: always) holds.
+    `learning_rate`: the optimizer's own if None. (Keras 3 only: the JAX masked update
+    and `mode="rescale"`.)"""
+    if optimizer.weight_decay is None:
+        return
+    for variable in variables:
+        if uses_weight_decay(optimizer, variable):
+            lr = keras.ops.cast(
+                optimizer.learning_rate if learning_rate is None else learning_rate, variable.dtype)
+            wd = keras.ops.cast(optimizer.weight_decay, variable.dtype)
+            new = variable.value - variable.value * wd * lr
+            flag = flag_of(variable)
+            variable.assign(new if flag is None else keras.ops.where(flag, new, variable.value))
+
+
 def has_momentum(optimizer):
     return bool(getattr(optimizer, "momentum", 0))
 

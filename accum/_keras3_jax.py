@@ -8,8 +8,9 @@ runs `apply` in a `keras.StatelessScope` and collects the new values of the
 variables. So the inner optimizer's update runs only on update steps, in a
 `jax.lax.cond` whose branch calls the inner optimizer's own `stateless_apply`
 on the current values and returns the new ones (`_update_when`), and the
-weight decay of an untouched variable is masked by a select (`_weight_decay`;
-TensorFlow's is distribution-aware, `accum._window.masked_weight_decay`).
+weight decay of an untouched variable is masked by a select
+(`_inner_keras3.weight_decay_where`; TensorFlow's is distribution-aware,
+`accum._window.masked_weight_decay`).
 
 `build` is the TensorFlow implementation's (without a strategy its
 replica-local scopes are no-ops); `mode="rescale"` is the TensorFlow
@@ -67,7 +68,9 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
         inner_variables = list(self.inner_optimizer.variables)
 
         def update(values, inner_values):
-            with _buffer_keras3.masked_updates(self._innermost(), variables, touched, _weight_decay):
+            with _buffer_keras3.masked_updates(
+                self._innermost(), variables, touched, _inner_keras3.weight_decay_where
+            ):
                 new_values, new_inner = self.inner_optimizer.stateless_apply(
                     inner_values, grads_fn(), values)
             restore = _protected(variables, touched, values)
@@ -90,20 +93,6 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
         the optimizer's variables (`stateless_apply`-style). Not with `mode="rescale"`.
         """
         super().flush()
-
-
-def _weight_decay(innermost, variables, touched_of):
-    """Keras 3's decoupled weight decay (`variable -= variable * weight_decay *
-    learning_rate`) of the variables whose flag `touched_of(v)` is set (a select)."""
-    if innermost.weight_decay is None:
-        return
-    for variable in variables:
-        if _inner_keras3.uses_weight_decay(innermost, variable):
-            lr = keras.ops.cast(innermost.learning_rate, variable.dtype)
-            wd = keras.ops.cast(innermost.weight_decay, variable.dtype)
-            new = variable.value - variable.value * wd * lr
-            flag = touched_of(variable)
-            variable.assign(new if flag is None else keras.ops.where(flag, new, variable.value))
 
 
 def _check_counter_range(steps_per_update):

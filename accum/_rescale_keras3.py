@@ -74,12 +74,8 @@ def micro_step(wrapper, grads, indices):
     # The schedule at the update count (the inner optimizer's iterations count updates).
     learning_rate = _inner_keras3.current_learning_rate(inner)
 
-    if inner.weight_decay is not None:  # at the window's last micro-step, with the update's rate
-        for v in variables:
-            if _inner_keras3.uses_weight_decay(inner, v):
-                lr = ops.cast(learning_rate, v.dtype)
-                wd = ops.cast(inner.weight_decay, v.dtype)
-                v.assign(ops.where(last, v.value - v.value * wd * lr, v.value))
+    # Weight decay at the window's last micro-step, with the update's rate.
+    _inner_keras3.weight_decay_where(inner, variables, lambda v: last, learning_rate)
 
     model = {_inner_keras3.var_key(inner, v) for v in variables}
     assign = inner.assign
