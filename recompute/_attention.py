@@ -64,9 +64,11 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
     itself): rank-4 inputs ([batch, seq, heads, dim]), one attention axis, dropout
     > 0 with a Python `training` flag, no flash attention of Keras's own.
 
-    The dropout's decision is drawn once, in the forward pass, by the layer's own
-    dropout layer (on ones of the probabilities' shape and dtype: the same
-    random numbers as RECOMPUTE=0's), and held as bits packed along the keys;
+    The dropout's decision is drawn once, in the forward pass: the same random
+    numbers as RECOMPUTE=0's layer draws, in chunks of rows where the engine can
+    (Keras 3's `Dropout`: `_keras3_tf_bits`, `_flash_jax.keep_bits`), else by the
+    layer's own dropout layer on ones of the probabilities' shape and dtype; held
+    as bits packed along the keys;
     inside a recomputed call it is kept from the forward pass to the
     recomputation (`_core.kept`), not drawn again. Keras 3's causal mask
     (`use_causal_mask`) is built as Keras builds it. When the caller uses the
@@ -114,6 +116,9 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
         if not training:
             return None
         bits = _keras3_tf_bits(engine, layer._dropout_layer, query, [heads, queries, keys], dtype)
+        if bits is None and engine.NAME == "jax":  # Keras 3 on JAX: block by block
+            bits = engine.keep_bits(layer._dropout_layer, query, [heads, queries, keys],
+                                    _flash.block_rows(queries, keys))
         if bits is not None:
             return bits
         dropped = layer._dropout_layer(engine.ones(query, [heads, queries, keys], dtype),
@@ -132,8 +137,8 @@ def _keras3_tf_bits(engine, dropout, batch_like, shape, dtype):
     draws it -- `uniform >= rate` on a seed of its seed generator -- but in chunks
     (`_flash_tf.stateless_keep_bits`): without the whole [batch, heads, seq, seq] uniform
     draw (nor the ones, scaled copy, cast mask and product of `dropout(ones)`). None for
-    any other dropout (tf_keras's; JAX, where XLA fuses `dropout(ones)`) and other dtypes
-    than float32. `test_blocked_attention_core.py` checks that the masks are the layer's own."""
+    any other dropout (tf_keras's; JAX's, drawn block by block by `_flash_jax.keep_bits`)
+    and other dtypes than float32. `test_blocked_attention_core.py` checks that the masks are the layer's own."""
     import sys
 
     keras = sys.modules.get("keras")

@@ -3,6 +3,14 @@
 `attention(...)` is one `jax.custom_vjp` whose forward and backward passes are
 `_flash.forward` and `_flash.backward`, their blocks a `jax.lax.scan`. Its
 residuals are the inputs, the mask and the dropout's bits.
+
+`keep_bits(...)` draws the decision of Keras's JAX `Dropout` as those bits one
+block of rows at a time (issue 25): the whole draw, [batch, heads, seq, seq]
+random uint32 with its floats, was otherwise the one [seq, seq]-sized value
+of the blocked step, left to XLA's fusion (XLA:CPU's threefry loop holds
+several uint32 tensors of that size; whether the GPU fused it is unmeasured),
+and under `"full"` it is drawn again in the recomputation (docs/attention.md,
+"On JAX").
 """
 
 from . import _flash
@@ -93,6 +101,69 @@ def ones(batch_like, shape, dtype):
     import jax.numpy as jnp
 
     return jnp.ones((batch_like.shape[0],) + tuple(shape), dtype)
+
+
+def keep_bits(dropout, batch_like, shape, rows):
+    """The decision of Keras 3's JAX `Dropout` layer `dropout` on ones of
+    `[batch of batch_like] + shape` ([heads, queries, keys]), packed as `pack` packs it,
+    drawn `rows` query rows at a time (a `jax.lax.scan`): the same numbers as the layer's
+    own draw -- `jax.random.bernoulli(seed_generator.next(), 1 - rate, shape)` -- whose
+    threefry counter for an entry is its index in the whole array (JAX's partitionable
+    threefry, its default), so that a block of rows is the draw at its own counters.
+    None where that does not hold (another dropout, a noise shape, another PRNG, 64-bit
+    floats, more than 2^32 entries): the caller draws it whole.
+    `test_blocked_attention_jax.py` checks the bits against the layer's own masks."""
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    keras = sys.modules.get("keras")
+    batch = batch_like.shape[0]
+    heads, queries, keys = (int(n) for n in shape)
+    if (keras is None or type(dropout) is not getattr(getattr(keras, "layers", None), "Dropout", None)
+            or dropout.noise_shape is not None or keras.backend.backend() != "jax"
+            or not 0.0 < dropout.rate < 1.0 or batch is None
+            or not jax.config.jax_threefry_partitionable
+            or jax.config.jax_enable_x64
+            or str(jax.config.jax_default_prng_impl) != "threefry2x32"):
+        return None
+    rows = max(1, min(int(rows), queries))
+    n = -(-queries // rows)
+    if batch * heads * n * rows * keys >= 2**32:
+        return None
+    from jax.extend.random import threefry2x32_p
+    from keras.src.random.seed_generator import draw_seed
+
+    seed = jnp.asarray(draw_seed(dropout.seed_generator))  # what Keras's dropout draws with
+    if seed.dtype != jnp.uint32 or seed.shape != (2,):
+        return None
+    keep_prob = 1.0 - dropout.rate  # as Keras's dropout computes it
+    p = jnp.asarray(keep_prob)  # (jax.random.bernoulli's dtype for it: float32)
+    one = np.array(1.0, np.float32).view(np.uint32)
+    block = (batch, heads, rows, keys)
+
+    def body(carry, i):
+        # the entry (b, h, r, c) of the whole draw has the counter ((b * heads + h) *
+        # queries + r) * keys + c (high word 0: fewer than 2^32 entries)
+        b = jax.lax.broadcasted_iota(jnp.uint32, block, 0)
+        h = jax.lax.broadcasted_iota(jnp.uint32, block, 1)
+        r = jax.lax.broadcasted_iota(jnp.uint32, block, 2) + (i * rows).astype(jnp.uint32)
+        c = jax.lax.broadcasted_iota(jnp.uint32, block, 3)
+        count = ((b * heads + h) * queries + r) * keys + c
+        bits1, bits2 = threefry2x32_p.bind(seed[0], seed[1], jnp.zeros_like(count), count)
+        bits = bits1 ^ bits2  # jax.random.bits, 32 bits
+        # jax.random.uniform's float32 in [0, 1), then bernoulli's `uniform < p`
+        floats = jax.lax.bitcast_convert_type((bits >> jnp.uint32(9)) | jnp.uint32(one),
+                                              jnp.float32) - jnp.float32(1.0)
+        keep = jnp.maximum(jnp.float32(0.0), floats) < p
+        return carry, pack(keep)
+
+    _, ys = jax.lax.scan(body, (), jnp.arange(n))  # [blocks, batch, heads, rows, keys / 8]
+    moved = jnp.moveaxis(ys, 0, 2)
+    joined = moved.reshape((batch, heads, n * rows) + moved.shape[4:])
+    return joined if n * rows == queries else joined[:, :, :queries]
 
 
 def attention(probabilities, query, key, value, mask, bits, rate, block):

@@ -113,3 +113,51 @@ def test_no_attention_matrix_is_saved(policy):
     model = build(policy, True, True)
     assert saved_attention_matrices(model, False)  # the check can fail
     assert saved_attention_matrices(model, True) == []
+
+
+@pytest.mark.parametrize("shape,rows", [((2, 3, 17, 13), 4), ((1, 2, 9, 16), 9), ((3, 1, 10, 24), 3),
+                                        ((2, 2, 12, 12), 5)])
+def test_keep_bits_are_the_layers_masks(shape, rows):
+    """`_flash_jax.keep_bits`, drawn `rows` query rows at a time, is the layer's own
+    dropout mask (a padded last block, keys not a multiple of 8), and advances its seed
+    generator as the layer does."""
+    from recompute import _flash_jax
+
+    batch, heads, queries, keys = shape
+    own, blocked = keras.layers.Dropout(0.2, seed=5), keras.layers.Dropout(0.2, seed=5)
+    for _ in range(2):  # two draws: the seed moves on alike
+        expected = _flash_jax.pack(own(jnp.ones(shape), training=True) != 0)
+        bits = _flash_jax.keep_bits(blocked, jnp.zeros((batch, queries, heads, 4)),
+                                    [heads, queries, keys], rows)
+        assert bits is not None and bits.shape == expected.shape
+        np.testing.assert_array_equal(np.asarray(bits), np.asarray(expected))
+    np.testing.assert_array_equal(np.asarray(own.seed_generator.state.value),
+                                  np.asarray(blocked.seed_generator.state.value))
+
+
+def _values(jaxpr):
+    """Every output variable of `jaxpr`'s equations, sub-jaxprs (scan, checkpoint, custom_vjp) included."""
+    for eqn in jaxpr.eqns:
+        yield from eqn.outvars
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _values(inner)
+
+
+@pytest.mark.parametrize("policy", ["full", "attention"])
+def test_step_holds_no_whole_attention_matrix(policy):
+    """With blocks of 5 of the 12 rows, no value of the jitted training step -- the dropout's
+    draw included, drawn block by block -- is a [batch, heads, seq, seq] array of any dtype."""
+    model = build(policy, True, True)
+
+    def whole(on):
+        loss_fn, trainable = loss_of(model, on)
+        with recompute.attention_block_size(5):
+            jaxpr = jax.make_jaxpr(jax.value_and_grad(loss_fn))(trainable).jaxpr
+        return {str(v.aval) for v in _values(jaxpr)
+                if getattr(v.aval, "shape", ())[-3:] == (2, SEQ, SEQ)}
+
+    assert whole(False)  # the check can fail
+    assert whole(True) == set()
