@@ -377,7 +377,11 @@ def _decode(causal_lm, ids):
     return [np.asarray(keras.ops.convert_to_numpy(t)) for t in keras.tree.flatten((out, logits, cache))]
 
 
-@pytest.mark.parametrize("name", list(CAUSAL_LMS), ids=[SHORT[n] for n in CAUSAL_LMS])
+@pytest.mark.parametrize("name", [
+    pytest.param(n, id=SHORT[n], marks=() if CAUSAL_LMS[n] in ("GPT2CausalLM", "GemmaCausalLM")
+                 else pytest.mark.slow)
+    for n in CAUSAL_LMS
+])
 def test_decoding_runs_as_written(name):
     """Patched, RECOMPUTE on and (TensorFlow) a tape recording: the prefill and a decoding
     step of a CausalLM start no recomputation and give the unpatched logits and caches."""
