@@ -14,6 +14,8 @@
   `keras_hub_decoder_checks`: every block class `recompute.keras_hub.patch()` covers, likewise.
   `keras_hub_lora_checks`: LoRA + `patch()` + `AccumOptimizer` on a causal LM (gradients,
   accumulation, save and resume in a fresh process), likewise.
+- `protocol_checks`: whether a module implements a `Protocol` interface (recompute's
+  adapters, accum's inner-optimizer APIs).
 - `commands`: `run_module`, a module of this repository run as a command (`python -m`).
 - `mwms`: runs 2 `MultiWorkerMirroredStrategy` worker processes on loopback;
   `mwms_worker` (AccumOptimizer) and `mwms_recompute_worker` (recompute_grad)

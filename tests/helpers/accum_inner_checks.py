@@ -9,12 +9,12 @@ fails `test_private_names_exist_on_the_installed_optimizers`, naming it.
 """
 
 import importlib
-import inspect
 
 import numpy as np
 import pytest
 
 from accum import _families, _inner
+from tests.helpers import protocol_checks
 
 __all__ = [
     "test_every_member_is_defined",
@@ -38,27 +38,21 @@ def tf_keras_apis(request):
 
 
 def test_every_member_is_defined(api):
-    missing = [name for name in _inner.MEMBERS if not hasattr(api, name)]
+    missing = protocol_checks.missing_members(api, _inner.MEMBERS)
     assert not missing, f"{api.__name__} lacks {missing}"
 
 
 def test_signatures_match_the_protocol(api):
-    for name in _inner.MEMBERS:
-        spec = getattr(_inner.InnerApi, name, None)
-        if not callable(spec):
-            continue
-        expected = list(inspect.signature(spec).parameters)[1:]  # without `self`
-        assert list(inspect.signature(getattr(api, name)).parameters) == expected, name
+    mismatched = protocol_checks.mismatched_signatures(api, _inner.InnerApi, _inner.MEMBERS)
+    assert not mismatched, mismatched
 
 
 def test_no_member_is_a_placeholder(api):
     # A member that does not apply to a family says so through a value (None, False,
     # a context that does nothing), never by raising.
-    for name in _inner.MEMBERS:
-        member = getattr(api, name)
-        if callable(member):
-            source = inspect.getsource(member)
-            assert "AssertionError" not in source and "NotImplementedError" not in source, name
+    found = protocol_checks.placeholders(
+        api, _inner.MEMBERS, ("AssertionError", "NotImplementedError"))
+    assert not found, found
 
 
 def test_constants_have_the_protocol_types(api):
