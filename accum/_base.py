@@ -247,7 +247,9 @@ class AccumOptimizer:
 
         Does nothing if the window is empty or the optimizer is not built. The
         variables updated are those that got a gradient in some micro-step of
-        the window. Works eagerly and inside `tf.function`. `mode="buffer"`
+        the window. Works eagerly and inside `tf.function` (JAX: eagerly between
+        `fit` calls, or inside a traced function that maps the optimizer's variables,
+        `stateless_apply`-style). `mode="buffer"`
         only (a `ValueError` otherwise): with `mode="momentum"` the pending
         micro-gradients are already folded into the moments, scaled by `1/k`,
         and cannot be normalized by their count; with `mode="rescale"` they are

@@ -33,7 +33,7 @@ def micro_step(wrapper, grads, indices):
     their touched flags unless one is non-finite (then the inner `LossScaleOptimizer`, if
     any, halves its scale), counts the micro-step, and ends the window when it is full."""
     state = wrapper._window_variables()
-    scale = wrapper._inner_loss_scale()
+    scale, counter = _inner_keras3.loss_scale(wrapper.inner_optimizer) or (None, None)
     finite = _all_finite(grads)
     for i, g in zip(indices, grads):
         if scale is not None:
@@ -45,7 +45,6 @@ def micro_step(wrapper, grads, indices):
     count.assign(count.value + ops.cast(finite, count.dtype))
     state.window_steps.assign(state.window_steps.value + 1)
     if scale is not None:  # what the inner LossScaleOptimizer does with a non-finite step
-        counter = wrapper.inner_optimizer.step_counter
         counter.assign(ops.where(finite, counter.value, ops.zeros_like(counter.value)))
         scale.assign(ops.where(finite, scale.value, scale.value * 0.5))
     state.micro_steps.assign(state.micro_steps.value + 1)
@@ -58,7 +57,7 @@ def end_window_when(wrapper, full):
     layers end theirs."""
     state = wrapper._window_variables()
     count = state.window_count.value
-    scale = wrapper._inner_loss_scale()
+    scale, _ = _inner_keras3.loss_scale(wrapper.inner_optimizer) or (None, None)
 
     def means():
         result = []

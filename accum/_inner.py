@@ -23,7 +23,6 @@ may define a few more functions only its own wrapper uses (the legacy one's
 
 from typing import Any, ContextManager, Hashable, Optional, Protocol, Sequence, Tuple
 
-from . import _families
 
 
 class InnerApi(Protocol):
@@ -82,17 +81,3 @@ class InnerApi(Protocol):
 MEMBERS = [name for name in InnerApi.__annotations__] + [
     name for name, value in vars(InnerApi).items() if callable(value) and not name.startswith("_")
 ]
-
-_MODULES = {
-    _families.KERAS3: "_inner_keras3",
-    _families.TF_KERAS: "_inner_tf_keras",
-    _families.TF_KERAS_LEGACY: "_inner_tf_keras_legacy",
-}
-
-
-def api_for(optimizer):
-    """The `InnerApi` module of `optimizer`'s family (imported on first use, so a Keras 3
-    program never imports tf_keras)."""
-    import importlib
-
-    return importlib.import_module(f"{__package__}.{_MODULES[_families.family_of(optimizer)]}")

@@ -211,8 +211,8 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         ))
 
     def _loss_scale(self):
-        scale = self._inner_loss_scale()
-        return None if scale is None else scale.value
+        loss_scale = _inner_keras3.loss_scale(self.inner_optimizer)
+        return None if loss_scale is None else loss_scale[0].value
 
     def _inner_scope(self):
         """Keras 3 optimizers all-reduce their gradients inside `apply` (TensorFlow
@@ -227,18 +227,13 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             innermost = innermost.inner_optimizer
         return innermost
 
-    def _inner_loss_scale(self):
-        """The inner `LossScaleOptimizer`'s dynamic scale variable, or None."""
-        if isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer):
-            return self.inner_optimizer.dynamic_scale
-        return None
-
     def _on_skip(self):
         """What the inner LossScaleOptimizer does with a non-finite step (None without one)."""
-        scale = self._inner_loss_scale()
-        if scale is None:
+        loss_scale = _inner_keras3.loss_scale(self.inner_optimizer)
+        if loss_scale is None:
             return None
-        self.inner_optimizer.step_counter.assign(0)
+        scale, counter = loss_scale
+        counter.assign(0)
         scale.assign(scale * 0.5)
 
     def _apply_inner(self, grads, indices, touched):
@@ -246,9 +241,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         only those whose `touched` (scalar bool tensors) is true change."""
         variables = [self._trainable_variables[i] for i in indices]
         restore = _window.protect_untouched(variables, touched)
-        with _buffer_keras3.masked_updates(
-            self._innermost(), variables, touched, _window.masked_weight_decay
-        ):
+        with _buffer_keras3.masked_updates(self._innermost(), variables, touched, _weight_decay):
             self.inner_optimizer.apply(grads, variables)
         restore()
 
@@ -266,3 +259,9 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
 
     def _serialize_inner(self):
         return keras.saving.serialize_keras_object(self.inner_optimizer)
+
+
+def _weight_decay(optimizer, variables, touched_of):
+    """The weight decay of a masked update on TensorFlow: distribution-aware, each variable's
+    decay guarded by its flag (`accum._window.masked_weight_decay`)."""
+    _window.masked_weight_decay(optimizer, variables, touched_of, _inner_keras3)

@@ -85,15 +85,6 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
         for variable, value in zip(variables + inner_variables, new_values + new_inner):
             variable.assign(value)
 
-    def flush(self):
-        """Applies the pending partial window now, normalized by the micro-batches it holds.
-
-        Does nothing if the window is empty or the optimizer is not built. Eagerly
-        (between `fit` calls, in a callback) or inside a traced function that maps
-        the optimizer's variables (`stateless_apply`-style). Not with `mode="rescale"`.
-        """
-        super().flush()
-
 
 def _check_counter_range(steps_per_update):
     """A Keras-style `ValueError` if int64 counters hold int32 (`jax_enable_x64` off)

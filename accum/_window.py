@@ -197,18 +197,14 @@ def masked_update_hooks(api, optimizer, touched_of):
     return hooks
 
 
-def masked_weight_decay(optimizer, variables, touched_of, api=None):
+def masked_weight_decay(optimizer, variables, touched_of, api):
     """Decoupled weight decay (`variable -= variable * weight_decay * learning_rate`, the
     Keras 3 and tf_keras formula) applied only to variables whose flag `touched_of(v)`
     is true. Written as those optimizers' distributed weight decay, with the branch
     inside each variable's update (a `tf.cond` around a `merge_call` fails). `api`: the
-    family's `accum._inner.InnerApi` (None: `accum._inner.api_for(optimizer)`)."""
+    family's `accum._inner.InnerApi`."""
     if optimizer.weight_decay is None:
         return
-    if api is None:
-        from ._inner import api_for
-
-        api = api_for(optimizer)
 
     def decay(variable):
         if not api.uses_weight_decay(optimizer, variable):
