@@ -11,6 +11,8 @@ Under `tf.distribute.MirroredStrategy` or `MultiWorkerMirroredStrategy`, build
 the model and the optimizer in `strategy.scope()`; each replica accumulates
 locally and the replicas all-reduce once per update, not once per micro-batch
 (`accum._distributed`; `python -m benchmarks.accum_distribute` measures it).
+On JAX under `keras.distribution`, `accum.local_gradients(model)` does the same
+(`accum._local_jax`; `python -m benchmarks.accum_local_jax`).
 
 Where things are:
 
@@ -25,6 +27,7 @@ Where things are:
 | `"buffer"` on Keras 3, both backends (`keras.ops`, selects) | `_buffer_keras3` |
 | tf_keras / tf_keras legacy | `_tf_keras_common` + `_tf_keras` / `_tf_keras_legacy` |
 | `tf.distribute` | `_distributed` |
+| `keras.distribution` on JAX, one all-reduce per update: `local_gradients(model)` (its train step under `jax.shard_map`; the buffers' rows, one per shard) | `_local_jax` |
 | `accum.BatchNormalization` (the big batch's moving statistics) | `_batchnorm_window` + `_batchnorm_keras3` / `_batchnorm_tf_keras`; `_batchnorm` (the warnings) |
 | which family an optimizer is, which class serves it | `_families`, `_dispatch` |
 | the wrapped optimizer's private API, one interface per family (the only modules that use its private names) | `_inner` (`InnerApi`) + `_inner_keras3` / `_inner_tf_keras` / `_inner_tf_keras_legacy` |
@@ -45,8 +48,10 @@ from ._base import AccumOptimizer
 from ._dispatch import register_serializable_classes as _register
 from ._batchnorm import has_batch_normalization, warn_if_batch_normalization
 from ._batchnorm_window import BatchNormalization
+from ._local_jax import local_gradients
 
-__all__ = ["AccumOptimizer", "BatchNormalization", "has_batch_normalization", "warn_if_batch_normalization"]
+__all__ = ["AccumOptimizer", "BatchNormalization", "has_batch_normalization", "local_gradients",
+           "warn_if_batch_normalization"]
 __version__ = "0.1.0"
 
 # `load_model` of a model compiled with `AccumOptimizer` needs only `import accum`.

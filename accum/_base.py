@@ -314,13 +314,18 @@ class AccumOptimizer:
         """Whether the window counters and buffers exist yet (overridden per family)."""
         return True
 
+    def _checkpoint_buffers(self):
+        """The buffers as checkpoints hold them: each with `shape`, `dtype`, `numpy()` and
+        `assign(value)` (overridden where a buffer has one row per device)."""
+        return self.accumulators
+
     def _own_state(self):
         """(key, variable) pairs of the wrapper's counters, then its buffers (`accumulator:<i>`)."""
         pairs = [("micro_steps", self._micro_steps_variable())]
         if not self._has_window_state():
             return pairs
         pairs += [("window_steps", self.window_steps), ("window_count", self.window_count)]
-        pairs += [(f"accumulator:{i}", acc) for i, acc in enumerate(self.accumulators)]
+        pairs += [(f"accumulator:{i}", acc) for i, acc in enumerate(self._checkpoint_buffers())]
         # The touched flags (`accum._window`), by the position of their variable too.
         pairs += [(f"touched:{i}", flag) for i, flag in enumerate(getattr(self, "touched", []))]
         return pairs
@@ -358,7 +363,7 @@ class AccumOptimizer:
         values = self._saved_buffers(store, keys)
         state["window_steps"].assign(store["window_steps"])
         state["window_count"].assign(store["window_count"])
-        for acc, value in zip(self.accumulators, values):
+        for acc, value in zip(self._checkpoint_buffers(), values):
             acc.assign(value)
         flags = getattr(self, "touched", [])
         saved_flags = [store[f"touched:{i}"] for i in range(len(flags)) if f"touched:{i}" in keys]
@@ -370,7 +375,7 @@ class AccumOptimizer:
         else:
             # No flags saved (or not matching): a variable with buffered gradient
             # counts as touched; with no window pending, none is.
-            for flag, acc in zip(flags, self.accumulators):
+            for flag, acc in zip(flags, self._checkpoint_buffers()):
                 flag.assign(tf.cast(tf.reduce_any(tf.not_equal(acc, 0)), flag.dtype))
 
     def _saved_buffers(self, store, keys):
@@ -383,14 +388,14 @@ class AccumOptimizer:
         )
         values = [store[f"accumulator:{i}"] for i in saved]
         received = [tuple(np.shape(v)) for v in values]
-        expected = [tuple(acc.shape) for acc in self.accumulators]
+        expected = [tuple(acc.shape) for acc in self._checkpoint_buffers()]
         if saved != list(range(len(saved))) or received != expected:
             if int(np.asarray(store["window_steps"])) == 0:
                 # No micro-step pending (saved buffers are zero): nothing is lost,
                 # e.g. saved with mode="buffer" between windows, loaded with "momentum".
                 values = [
                     np.zeros(shape, getattr(acc.dtype, "as_numpy_dtype", acc.dtype))
-                    for shape, acc in zip(expected, self.accumulators)
+                    for shape, acc in zip(expected, self._checkpoint_buffers())
                 ]
             else:
                 by_name = sorted(

@@ -18,6 +18,11 @@ TensorFlow-only, where TensorFlow is the point: a sparse gradient
 (`tf.IndexedSlices`) is scatter-added into its buffer (`accum._window.add_to`,
 in a `tf.cond`) so it never becomes a dense tensor, and under `tf.distribute`
 the window is `accum._distributed`'s.
+
+A buffer may hold one row per shard of the batch (`accum.local_gradients` on
+JAX, `accum._local_jax`): a micro-step's gradients stacked per shard are added
+row by row, and the window's mean is of the rows' sum (`add_to_rows`,
+`rows_total`; a buffer without rows is the same code with equal ranks).
 """
 
 import contextlib
@@ -61,8 +66,9 @@ def end_window_when(wrapper, full):
 
     def means():
         result = []
-        for buffer in state.buffers:
-            mean = buffer.value / ops.cast(ops.maximum(count, 1), buffer.dtype)
+        for buffer, variable in zip(state.buffers, state.variables):
+            total = rows_total(buffer.value, len(variable.shape))
+            mean = total / ops.cast(ops.maximum(count, 1), buffer.dtype)
             if scale is not None:
                 mean = mean * ops.cast(scale.value, buffer.dtype)
             result.append(mean)
@@ -118,6 +124,23 @@ def masked_updates(innermost, variables, touched, weight_decay):
         yield
 
 
+def rows_total(value, weight_rank):
+    """A buffer's value as one device would hold it: its rows summed when it has them."""
+    if len(value.shape) == weight_rank + 1:
+        return ops.sum(value, axis=0)
+    return value
+
+
+def add_to_rows(buffer_value, g):
+    """`buffer_value + g` for a buffer with rows: `g` stacked per shard is added row by
+    row; a reduced `g` (the weight's shape) goes to row 0."""
+    if len(g.shape) == len(buffer_value.shape):
+        return buffer_value + g
+    row = ops.arange(buffer_value.shape[0])
+    first = ops.reshape(row == 0, (-1,) + (1,) * len(g.shape))
+    return buffer_value + ops.where(first, g[None], ops.zeros_like(g)[None])
+
+
 def _all_finite(grads):
     return ops.all(ops.stack([ops.all(ops.isfinite(_values(g))) for g in grads]))
 
@@ -138,7 +161,8 @@ def _add(buffer, g, finite):
     if isinstance(g, tf.IndexedSlices):
         tf.cond(finite, lambda: _window.add_to(buffer.value, g), lambda: None)
         return
-    buffer.assign(ops.where(finite, buffer.value + ops.cast(g, buffer.dtype), buffer.value))
+    total = add_to_rows(buffer.value, ops.cast(g, buffer.dtype))
+    buffer.assign(ops.where(finite, total, buffer.value))
 
 
 def _dense(value):

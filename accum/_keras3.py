@@ -121,6 +121,15 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     def _has_window_state(self):
         return self.built
 
+    def _pending_micro_steps(self):
+        """As `AccumOptimizer`'s; 0 while the counter holds no value: Keras's JAX `fit`
+        empties the variables while it runs and finalizes the optimizer in a `finally`,
+        so after a step that failed to trace they are still empty there (the error
+        raised is the step's, not this one's)."""
+        if self.built and self.window_steps._value is None:
+            return 0
+        return super()._pending_micro_steps()
+
     # --------------------------------------------------------------- updates
 
     def apply(self, grads, trainable_variables=None):
@@ -149,7 +158,9 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         if self.steps_per_update == 1 and self._mode.buffered:
             # k=1: every micro-step is an update; the inner optimizer sees the
             # gradients exactly as given (sparse ones stay sparse).
-            self.inner_optimizer.apply(grads, [self._trainable_variables[i] for i in indices])
+            variables = [self._trainable_variables[i] for i in indices]
+            grads = [_buffer_keras3.rows_total(g, len(v.shape)) for g, v in zip(grads, variables)]
+            self.inner_optimizer.apply(grads, variables)
             self._iterations.assign_add(1)
             self._finish_batch_norm()
             return

@@ -54,6 +54,36 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
         _check_counter_range(self.steps_per_update)
         super().build(var_list)
 
+    # ------------------------------------------- one row per device (`local_gradients`)
+
+    def _use_device_rows(self, mesh, axis, shards):
+        """Gives each buffer one row per shard of the batch axis (`accum._local_jax`),
+        the current buffer in row 0; True if the buffers changed."""
+        from . import _local_jax
+
+        rows = _local_jax.DeviceRows(mesh, axis, shards)
+        if getattr(self, "_device_rows", None) is not None and (
+                self._device_rows.shards, self._device_rows.axis) == (shards, axis):
+            return False
+        saved = [b.numpy() for b in self._checkpoint_buffers()]
+        with keras.name_scope(self.name, caller=self):
+            new = [rows.buffer_for(v, "accumulator") for v in self._trainable_variables]
+        for old, buffer, value in zip(self.accumulators, new, saved):
+            self._variables[next(i for i, v in enumerate(self._variables) if v is old)] = buffer
+            _local_jax.SavedRows(buffer).assign(value)
+        # Not through Keras's tracker, which would add them to the variables a second time.
+        object.__setattr__(self, "accumulators", new)
+        self._device_rows = rows
+        return True
+
+    def _checkpoint_buffers(self):
+        """The buffers, those with one row per device as their rows' sum (`accum._local_jax`)."""
+        if getattr(self, "_device_rows", None) is None:
+            return self.accumulators
+        from . import _local_jax
+
+        return [_local_jax.SavedRows(b) for b in self.accumulators]
+
     # --------------------------------------------------------------- updates
     # The micro-step and the window's end are `accum._buffer_keras3`'s, as on TensorFlow.
 

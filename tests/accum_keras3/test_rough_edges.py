@@ -1,5 +1,6 @@
 """Keras 3: refusals at the earliest point (k bound, read-only `steps_per_update`, an
-inner optimizer that accumulates itself or is shared) and unfreezing."""
+inner optimizer that accumulates itself or is shared, `local_gradients` off JAX) and
+unfreezing."""
 
 import keras
 import numpy as np
@@ -84,3 +85,13 @@ def test_unfreeze_refused_like_plain():
             model.fit(x, y, batch_size=2, verbose=0)
         messages.append(str(info.value).split(".")[1])
     assert messages[0] == messages[1]
+
+
+def test_local_gradients_refused_on_tensorflow():
+    """`accum.local_gradients` is JAX's; TensorFlow reduces once per update already."""
+    import accum
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(AccumOptimizer(keras.optimizers.SGD(), 2), "mse")
+    with pytest.raises(ValueError, match=r"needs the JAX backend.*Received: backend='tensorflow'"):
+        accum.local_gradients(model)

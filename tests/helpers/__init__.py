@@ -31,6 +31,7 @@
   `save_resume_checks`: the save/resume plan's fixture and check of the three suites.
 - `jax_backend`: selects Keras's JAX backend for the JAX suites (their conftest.py).
 - `jax_distribution_worker`: `keras.distribution` runs on 4 virtual CPU devices, in a process
-  of its own (tests/accum_jax/test_distribution_jax.py); `hlo`: the all-reduces of a
-  compiled JAX step, read from its HLO text.
+  of its own (tests/accum_jax/test_distribution_jax.py), `accum.local_gradients` included;
+  `jax_multiprocess_worker`: one of 2 JAX processes on localhost (`jax.distributed`);
+  `hlo`: the all-reduces of a compiled JAX step, read from its HLO text.
 """

@@ -40,6 +40,11 @@ class AllReduce:
     conditional: bool  # only inside a conditional's branch
 
     @property
+    def floats(self):
+        """Whether it reduces floating-point values (not only flags such as "all finite")."""
+        return any(dtype.startswith(("f", "bf")) for dtype, _ in self.shapes)
+
+    @property
     def elements(self):
         return sum(math.prod(dims) for _, dims in self.shapes)
 
@@ -90,6 +95,7 @@ def compiled_train_step_text(model, x, y):
 
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
+    model.make_train_function()  # what `fit` does before it reads the state
     state = tuple([v.value for v in variables] for variables in (
         model.trainable_variables, model.non_trainable_variables,
         model.optimizer.variables, model.metrics_variables))

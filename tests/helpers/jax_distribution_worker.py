@@ -52,11 +52,12 @@ import os
 import sys
 
 DEVICES = 4
-_FLAG = f"--xla_force_host_platform_device_count={DEVICES}"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ["KERAS_BACKEND"] = "jax"
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if __name__ == "__main__":  # not when a test imports the module for its constants
+    _FLAG = f"--xla_force_host_platform_device_count={DEVICES}"
+    if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import jax  # noqa: E402
 import keras  # noqa: E402
@@ -301,6 +302,139 @@ def keras_hub_scenario(kind):
     return {"ref": ref, "got": got}, names, layout
 
 
+# ------------------------------------------------ accum.local_gradients (one all-reduce per update)
+
+def local_fit(micro_steps=MICRO_STEPS, model_fn=None, on=False, data_steps=MICRO_STEPS):
+    """`AccumOptimizer(Adam, K)` under `accum.local_gradients`, `fit` over the first
+    `micro_steps` global batches of B of the data of `data_steps` batches (the MLP's, or
+    `model_fn()` on the blocks' data with RECOMPUTE `on`)."""
+    import accum
+
+    model = (model_fn or mlp)()
+    model.compile(accum_optimizer("buffer"), "mse")
+    accum.local_gradients(model)
+    x, y = (block_data if model_fn else mlp_data)(data_steps * B)
+    with recompute_scope(on):
+        model.fit(x[:micro_steps * B], y[:micro_steps * B], batch_size=B, shuffle=False, verbose=0)
+    return model, model.optimizer
+
+
+def rows_summed(model_and_optimizer):
+    """`accum_result`, each buffer with one row per device summed over its rows (what one
+    device holds), and the layouts of the buffers (their sharding specs)."""
+    model, optimizer = model_and_optimizer
+    arrays, names = accum_result((model, optimizer))
+    rows = {id(b): len(w.shape) for b, w in zip(optimizer.accumulators, model.trainable_variables)}
+    arrays = [a.sum(0) if len(a.shape) == rows.get(id(v), -1) + 1 else a
+              for a, v in zip(arrays, list(model.weights) + list(optimizer.variables))]
+    specs = [str(tuple(b.value.sharding.spec)) for b in optimizer.accumulators]
+    return arrays, names, specs
+
+
+def local_scenario(kind):
+    """One device's `accum_fit("buffer")` against `local_fit` under the distribution."""
+    ref, names = one_device(accum_run, accum_fit, "buffer")
+    got, _, specs = in_scope(kind, lambda: rows_summed(local_fit()))
+    return {"ref": ref, "got": got}, names, specs
+
+
+def local_resume_scenario():
+    """`local_fit` on 4 devices (7 micro-steps: one pending), saved as `.keras`, loaded with
+    no distribution, 2 more micro-steps; against one device's 9 micro-steps."""
+    import tempfile
+
+    def one():
+        model = mlp()
+        model.compile(accum_optimizer("buffer"), "mse")
+        x, y = mlp_data((MICRO_STEPS + 2) * B)
+        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+        return accum_result((model, model.optimizer))
+
+    ref, names = one_device(one)
+    model, _ = in_scope("dp", lambda: local_fit(data_steps=MICRO_STEPS + 2))
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+    x, y = mlp_data((MICRO_STEPS + 2) * B)
+    loaded.fit(x[MICRO_STEPS * B:], y[MICRO_STEPS * B:], batch_size=B, shuffle=False, verbose=0)
+    got, _ = accum_result((loaded, loaded.optimizer))
+    return {"ref": ref, "got": got}, names, []
+
+
+def local_mixed_scenario():
+    """4 micro-steps of `fit` under `local_gradients`, then 3 of a jitted `stateless_call`
+    step that hands `stateless_apply` gradients already reduced (they go to row 0);
+    against one device's 7 micro-steps."""
+    ref, names = one_device(accum_run, accum_fit, "buffer")
+
+    def run():
+        model, optimizer = local_fit(4)
+        x, y = mlp_data()
+
+        @jax.jit
+        def step(trainable, non_trainable, optimizer_values, xb, yb):
+            def loss_fn(trainable):
+                out, _ = model.stateless_call(trainable, non_trainable, xb, training=True)
+                return keras.ops.mean((out - yb) ** 2)
+
+            grads = jax.grad(loss_fn)(trainable)
+            return optimizer.stateless_apply(optimizer_values, grads, trainable)
+
+        trainable = [v.value for v in model.trainable_variables]
+        optimizer_values = [v.value for v in optimizer.variables]
+        non_trainable = [v.value for v in model.non_trainable_variables]
+        for i in range(4, MICRO_STEPS):
+            trainable, optimizer_values = step(
+                trainable, non_trainable, optimizer_values,
+                *shard_batch([x[i * B:(i + 1) * B], y[i * B:(i + 1) * B]]))
+        for variable, value in zip(list(model.trainable_variables) + list(optimizer.variables),
+                                   list(trainable) + list(optimizer_values)):
+            variable.assign(value)
+        return rows_summed((model, optimizer))
+
+    got, _, specs = in_scope("dp", run)
+    return {"ref": ref, "got": got}, names, specs
+
+
+def local_dropout_scenario():
+    """The recomputed dropout blocks under `local_gradients` (DataParallel): RECOMPUTE=1
+    (`got`) against RECOMPUTE=0 (`same`), 3 micro-steps; `rows`: each device's row of the
+    first block's kernel buffer after one micro-step whose four shards hold the same
+    samples (the rows differ only through the devices' dropout masks); `seeds`: the seed
+    states after the 3 micro-steps, and (`ref`) one device's after 3 steps of `fit`."""
+    def arrays(on):
+        model, optimizer = local_fit(3, blocks, on, data_steps=3)
+        result, names, _ = rows_summed((model, optimizer))
+        return result, names
+
+    got, names = in_scope("dp", lambda: arrays(True))
+    same, _ = in_scope("dp", lambda: arrays(False))
+
+    def one_shard_repeated():
+        import accum
+
+        model = blocks()
+        model.compile(accum_optimizer("buffer"), "mse")
+        accum.local_gradients(model)
+        x, y = block_data(B // DEVICES)
+        model.fit(np.tile(x, (DEVICES, 1)), np.tile(y, (DEVICES, 1)), batch_size=B, verbose=0)
+        return np.asarray(model.optimizer.accumulators[0].numpy())
+
+    rows = in_scope("dp", one_shard_repeated)
+    seeds_local = [np.asarray(v.numpy()) for v in in_scope("dp", lambda: local_fit(3, blocks, data_steps=3))[0].non_trainable_variables]
+
+    def seeds_one_device():
+        model = blocks()
+        model.compile(accum_optimizer("buffer"), "mse")
+        x, y = block_data(3 * B)
+        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+        return [np.asarray(v.numpy()) for v in model.non_trainable_variables]
+
+    runs = {"got": got, "same": same, "rows": [rows], "seeds": seeds_local, "ref": seeds_one_device()}
+    return runs, names, []
+
+
 _ONE_DEVICE = {}
 
 
@@ -315,19 +449,32 @@ def one_device(run, *args):
 # -------------------------------------------------------------- all-reduce counts
 
 def allreduce_counts():
-    """{configuration: [all-reduce ops every step, ops only on update steps,
-    float32 elements all-reduced every step]} of the compiled train step under DataParallel."""
+    """{configuration: [all-reduce ops every step, ops only on update steps, float32
+    elements all-reduced every step, elements all-reduced only on update steps]} of the
+    compiled train step: under DataParallel plain Adam and `AccumOptimizer(Adam, k)`,
+    k = 1, 4, 8 (`accum_k<k>`), and the same under `accum.local_gradients`
+    (`local_dp_k<k>`; `local_mp_k<k>` under ModelParallel)."""
+    import accum
+
     x, y = mlp_data(B)
+    configurations = [("adam", "dp", lambda: keras.optimizers.Adam(1e-2), False)]
+    for k in (1, 4, 8):
+        make = lambda k=k: AccumOptimizer(keras.optimizers.Adam(1e-2), k)  # noqa: E731
+        configurations += [(f"accum_k{k}", "dp", make, False), (f"local_dp_k{k}", "dp", make, True),
+                           (f"local_mp_k{k}", "mp", make, True)]
     counts = {}
-    for label, make in [("adam", lambda: keras.optimizers.Adam(1e-2))] + [
-            (f"accum_k{k}", lambda k=k: AccumOptimizer(keras.optimizers.Adam(1e-2), k)) for k in (1, 4, 8)]:
-        with distribution("dp").scope():
+    for label, kind, make, local in configurations:
+        with distribution(kind).scope():
             model = mlp()
             model.compile(make(), "mse")
+            if local:
+                accum.local_gradients(model)
             text = hlo.compiled_train_step_text(model, x, y)
         ops = hlo.all_reduces(text)
         every = [op for op in ops if not op.conditional]
-        counts[label] = [len(every), len(ops) - len(every), sum(op.elements for op in every)]
+        updates = [op for op in ops if op.conditional]
+        counts[label] = [len(every), len(updates), sum(op.elements for op in every if op.floats),
+                         sum(op.elements for op in updates)]
     return counts
 
 
@@ -343,6 +490,10 @@ for _kind in ("dp", "mp"):
         SCENARIOS[f"recompute_{_kind}_{_how}"] = lambda d=_kind, h=_how: recompute_scenario(d, h)
     SCENARIOS[f"recompute_batch_norm_{_kind}"] = lambda d=_kind: recompute_batch_norm_scenario(d)
     SCENARIOS[f"keras_hub_{_kind}"] = lambda d=_kind: keras_hub_scenario(d)
+    SCENARIOS[f"local_{_kind}_fit"] = lambda d=_kind: local_scenario(d)
+SCENARIOS["local_dp_resume"] = local_resume_scenario
+SCENARIOS["local_dp_mixed"] = local_mixed_scenario
+SCENARIOS["local_dp_dropout"] = local_dropout_scenario
 
 
 def main(out_dir, names):
