@@ -99,9 +99,7 @@ def _check_model(model):
         )
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a `keras.Model`. Received: model={model!r}")
-    from keras.src.backend.config import is_nnx_enabled
-
-    if is_nnx_enabled():
+    if keras.config.is_nnx_enabled():
         raise ValueError(
             "`accum.local_gradients` does not support Flax NNX models (Keras's trainer "
             "calls the class's `train_step` then). Received: nnx enabled"
@@ -174,10 +172,9 @@ def _train_step(self, state, data):
     """Keras's JAX `train_step`, with each device's gradients of its shard kept local."""
     import jax
     from jax.sharding import PartitionSpec as P
-    from keras.src.trainers.data_adapters import data_adapter_utils
 
     trainable, non_trainable, optimizer_values, metrics = state
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     mesh, axis, shards = _mesh_and_axis()
     seeds = [i for i, v in enumerate(self.non_trainable_variables) if _is_seed_state(v)]
 
@@ -224,7 +221,7 @@ def _is_seed_state(variable):
 
 
 def _check_unmasked(y_pred):
-    from keras.src import backend
+    from keras.src import backend  # its `get_keras_mask` (Keras's losses read it) is not public
 
     for leaf in keras.tree.flatten(y_pred):
         if backend.get_keras_mask(leaf) is not None:

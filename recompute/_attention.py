@@ -66,7 +66,7 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
 
     The dropout's decision is drawn once, in the forward pass: the same random
     numbers as RECOMPUTE=0's layer draws, in chunks of rows where the engine can
-    (Keras 3's `Dropout`: `_keras3_tf_bits`, `_flash_jax.keep_bits`), else by the
+    (Keras 3's `Dropout`: the engine's `dropout_bits`), else by the
     layer's own dropout layer on ones of the probabilities' shape and dtype; held
     as bits packed along the keys;
     inside a recomputed call it is kept from the forward pass to the
@@ -115,10 +115,8 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
     def decide():
         if not training:
             return None
-        bits = _keras3_tf_bits(engine, layer._dropout_layer, query, [heads, queries, keys], dtype)
-        if bits is None and engine.NAME == "jax":  # Keras 3 on JAX: block by block
-            bits = engine.keep_bits(layer._dropout_layer, query, [heads, queries, keys],
-                                    _flash.block_rows(queries, keys))
+        bits = engine.dropout_bits(layer._dropout_layer, query, [heads, queries, keys], dtype,
+                                   _flash.block_rows(queries, keys))
         if bits is not None:
             return bits
         dropped = layer._dropout_layer(engine.ones(query, [heads, queries, keys], dtype),
@@ -130,28 +128,3 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
                               _flash.block_rows(queries, keys))
     scores = probabilities(query, key, mask) if scores_asked else None
     return output, scores
-
-
-def _keras3_tf_bits(engine, dropout, batch_like, shape, dtype):
-    """The decision of Keras 3's `Dropout` on the TensorFlow backend, as bits, drawn as it
-    draws it -- `uniform >= rate` on a seed of its seed generator -- but in chunks
-    (`_flash_tf.stateless_keep_bits`): without the whole [batch, heads, seq, seq] uniform
-    draw (nor the ones, scaled copy, cast mask and product of `dropout(ones)`). None for
-    any other dropout (tf_keras's; JAX's, drawn block by block by `_flash_jax.keep_bits`)
-    and other dtypes than float32. `test_blocked_attention_core.py` checks that the masks are the layer's own."""
-    import sys
-
-    keras = sys.modules.get("keras")
-    if (engine.NAME != "tensorflow" or keras is None or type(dropout) is not getattr(
-            getattr(keras, "layers", None), "Dropout", None)
-            or dropout.noise_shape is not None or keras.backend.backend() != "tensorflow"
-            or keras.backend.standardize_dtype(dtype) != "float32"):
-        return None
-    import tensorflow as tf
-
-    # The seed Keras's TensorFlow dropout draws: the generator's next seed, as int32.
-    seed = dropout.seed_generator.next()
-    if seed.dtype != tf.int32:
-        seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
-    rows = tf.concat([tf.shape(batch_like)[:1], shape[:-1]], 0)
-    return engine.stateless_keep_bits(seed, rows, shape[-1], dropout.rate)

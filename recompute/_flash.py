@@ -29,6 +29,12 @@ rounding (the sums over keys are the same; dK and dV add the blocks' parts).
 Block size: `block_rows(queries, keys)`, by default the rows that make a block
 of at most `DEFAULT_BLOCK_ELEMENTS` (query, key) pairs; `attention_block_size`
 overrides it.
+
+Besides its `ENGINE`, each engine module gives `_attention` the same four
+functions: `attention(...)` (the core with its gradient), `pack(mask)` (bits),
+`ones(batch_like, shape, dtype)` and `dropout_bits(dropout, batch_like, shape,
+dtype, rows)` (the decision of Keras 3's `Dropout` drawn without the whole
+uniform tensor, or None where the engine cannot).
 """
 
 DEFAULT_BLOCK_ELEMENTS = 64 * 1024  # rows x keys of one block: 128 rows at seq 512

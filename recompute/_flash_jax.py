@@ -93,7 +93,6 @@ class _Engine(_flash.Engine):
 
 
 ENGINE = _Engine()
-NAME = "jax"
 
 
 def ones(batch_like, shape, dtype):
@@ -101,6 +100,13 @@ def ones(batch_like, shape, dtype):
     import jax.numpy as jnp
 
     return jnp.ones((batch_like.shape[0],) + tuple(shape), dtype)
+
+
+def dropout_bits(dropout, batch_like, shape, dtype, rows):
+    """The decision of Keras 3's JAX `Dropout` as bits, drawn `rows` query rows at a time
+    (`keep_bits`; `dtype` is not used: the draw does not depend on it), or None where
+    that cannot be done exactly: the caller draws it whole."""
+    return keep_bits(dropout, batch_like, shape, rows)
 
 
 def keep_bits(dropout, batch_like, shape, rows):

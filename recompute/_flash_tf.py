@@ -112,7 +112,6 @@ class _Engine(_flash.Engine):
 
 
 ENGINE = _Engine()
-NAME = "tensorflow"
 
 DRAW_ELEMENTS = 1 << 20  # random numbers per chunk of `stateless_keep_bits`: 4 MiB of float32
 
@@ -160,6 +159,29 @@ def stateless_keep_bits(seed, rows_shape, keys, rate):
                              parallel_iterations=1)
     bits = array.concat()[:rows]
     return tf.reshape(bits, tf.concat([rows_shape, [-(-keys // 8)]], 0))
+
+
+def dropout_bits(dropout, batch_like, shape, dtype, rows):
+    """The decision of Keras 3's `Dropout` on the TensorFlow backend, as bits, drawn as it
+    draws it -- `uniform >= rate` on a seed of its seed generator -- but in chunks
+    (`stateless_keep_bits`): without the whole [batch, heads, seq, seq] uniform draw (nor
+    the ones, scaled copy, cast mask and product of `dropout(ones)`). `rows` is not used
+    (the chunks are sized by `DRAW_ELEMENTS`). None for any other dropout (tf_keras's) and
+    other dtypes than float32: the caller draws it whole. `test_blocked_attention_core.py`
+    checks that the masks are the layer's own."""
+    import sys
+
+    keras = sys.modules.get("keras")
+    if (keras is None or type(dropout) is not getattr(getattr(keras, "layers", None), "Dropout", None)
+            or dropout.noise_shape is not None or keras.backend.backend() != "tensorflow"
+            or keras.backend.standardize_dtype(dtype) != "float32"):
+        return None
+    # The seed Keras's TensorFlow dropout draws: the generator's next seed, as int32.
+    seed = dropout.seed_generator.next()
+    if seed.dtype != tf.int32:
+        seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
+    rows_shape = tf.concat([tf.shape(batch_like)[:1], shape[:-1]], 0)
+    return stateless_keep_bits(seed, rows_shape, shape[-1], dropout.rate)
 
 
 def ones(batch_like, shape, dtype):

@@ -152,7 +152,7 @@ def test_keras3_tf_decision_is_the_dropout_layers_own(mode, keys, monkeypatch):
     import keras
     import tensorflow as tf
 
-    from recompute import _attention, _flash_tf
+    from recompute import _flash_tf
 
     monkeypatch.setattr(_flash_tf, "DRAW_ELEMENTS", 96)  # several chunks here
     dropout = keras.layers.Dropout(0.3, seed=5)
@@ -160,7 +160,7 @@ def test_keras3_tf_decision_is_the_dropout_layers_own(mode, keys, monkeypatch):
     shape = [3, 7, keys]
 
     def ours():
-        bits = _attention._keras3_tf_bits(_flash_tf, dropout, batch_like, shape, "float32")
+        bits = _flash_tf.dropout_bits(dropout, batch_like, shape, "float32", None)
         return _flash_tf.ENGINE.unpack(bits, keys)
 
     def own():
@@ -177,5 +177,5 @@ def test_keras3_tf_decision_is_the_dropout_layers_own(mode, keys, monkeypatch):
     assert 0.5 < keep.mean() < 0.9
     # Not for another dropout (a noise shape) or dtype.
     noisy = keras.layers.Dropout(0.3, noise_shape=(1,))
-    assert _attention._keras3_tf_bits(_flash_tf, noisy, batch_like, shape, "float32") is None
-    assert _attention._keras3_tf_bits(_flash_tf, dropout, batch_like, shape, "float16") is None
+    assert _flash_tf.dropout_bits(noisy, batch_like, shape, "float32", None) is None
+    assert _flash_tf.dropout_bits(dropout, batch_like, shape, "float16", None) is None
