@@ -358,23 +358,27 @@ def add_docs_argument(parser, tool):
              f"replacing what is between its lines `{begin}` and `{end}`")
 
 
-def check_docs_page(parser, page, tool):
-    """`parser.error` unless `page` exists and has one block for `tool` (checked
-    before a long run, not after it)."""
+def check_docs_page(parser, page, tool, block=None):
+    """`parser.error` unless `page` exists and has one block for `tool` (or the named
+    `block`: see `report_to_docs`), checked before a long run, not after it."""
     if page is None:
         return
     try:
         with open(page, encoding="utf-8") as f:
-            _docs_block(f.read(), tool)
+            _docs_block(f.read(), block or tool)
     except (OSError, ValueError) as e:
         parser.error(f"--docs {page}: {e}")
 
 
 @contextlib.contextmanager
-def report_to_docs(page, tool, argv=None):
+def report_to_docs(page, tool, argv=None, block=None):
     """Prints what the `with` body prints and, if `page` is not None, writes it
     into the page's block for `tool` as a code block, headed by the command
-    line (`argv`, default `sys.argv[1:]`), the date and the machine."""
+    line (`argv`, default `sys.argv[1:]`), the date and the machine.
+
+    `block` names the block instead of `tool` (markers `<!-- block -->` and
+    `<!-- /block -->`), for a tool whose runs of several kinds each have
+    their block on one page."""
     buffer, stdout = io.StringIO(), sys.stdout
 
     class _Tee(io.TextIOBase):
@@ -391,7 +395,7 @@ def report_to_docs(page, tool, argv=None):
         return
     argv = sys.argv[1:] if argv is None else list(argv)
     with open(page, encoding="utf-8") as f:
-        before, after = _docs_block(f.read(), tool)
+        before, after = _docs_block(f.read(), block or tool)
     command = " ".join(["python -m", tool] + [shlex.quote(a) for a in argv])
     machine = f"{os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()}"
     body = [f"`{command}`, run {datetime.date.today().isoformat()} ({machine}):", "",

@@ -183,15 +183,24 @@ def _jax_worker(cfg, policy, batch, steps):
     return fields, text
 
 
-def run_worker(cfg, model_name, mode, batch, steps, out_path, backend="tensorflow"):
+def run_worker(cfg, model_name, mode, batch, steps, out_path, backend="tensorflow",
+               build=None, progress=None):
+    """One configuration in this (worker) process; writes its result to `out_path`.
+
+    `build(cfg, model_name, mode)` gives (step, parameter count, batches) as
+    `_model` does (default `_model`); `progress` prints the progress lines
+    (default this tool's): `benchmarks.lm_memory` measures keras-hub models
+    with them (TensorFlow backend)."""
     import recompute
+
+    build, say = build or _model, progress or _progress
 
     if backend == "jax":
         policy = MODELS[model_name][0] if mode == "0" else mode
         tag = f"jax {model_name} mode={mode} batch={batch}"
-        _progress(f"{tag}: building, tracing and running the model")
+        say(f"{tag}: building, tracing and running the model")
         fields, text = _jax_worker(cfg, policy, batch, steps)
-        _progress(f"{tag}: {text}")
+        say(f"{tag}: {text}")
         harness.write_result(out_path, dict(
             fields, model=model_name, mode=mode, backend="jax", batch=batch,
             recompute=os.environ.get(recompute.ENV_VAR, ""), recompute_enabled=recompute.is_enabled(),
@@ -199,15 +208,15 @@ def run_worker(cfg, model_name, mode, batch, steps, out_path, backend="tensorflo
         return
 
     tag = f"{model_name} mode={mode} batch={batch}"
-    _progress(f"{tag}: building the model")
-    step, n_params, make_batches = _model(cfg, model_name, mode)
+    say(f"{tag}: building the model")
+    step, n_params, make_batches = build(cfg, model_name, mode)
     batches = make_batches(batch, steps + 2)
     t0 = time.process_time()
     step(batches[0])  # trace + first step (creates the buffers)
-    _progress(f"{tag}: traced and ran the first step in "
-              f"{time.process_time() - t0:.1f} CPU s; warming up")
+    say(f"{tag}: traced and ran the first step in "
+        f"{time.process_time() - t0:.1f} CPU s; warming up")
     step(batches[1])
-    _progress(f"{tag}: measuring {steps} step(s)")
+    say(f"{tag}: measuring {steps} step(s)")
 
     # Each measured step: allocator stats reset just before it; its activation
     # memory is the allocator's peak during the step minus what was in use
@@ -218,7 +227,7 @@ def run_worker(cfg, model_name, mode, batch, steps, out_path, backend="tensorflo
     result = _result(model_name, mode, batch, n_params, measured,
                      recompute=os.environ.get(recompute.ENV_VAR, ""),
                      recompute_enabled=recompute.is_enabled())
-    _progress(f"{tag}: {_measured_text(result)}")
+    say(f"{tag}: {_measured_text(result)}")
     harness.write_result(out_path, result)
 
 
@@ -254,21 +263,24 @@ def _measured_text(r):
             f"{r['cpu_s_per_step']:.2f} CPU s/step ({r['wall_s_per_step']:.2f} s wall)")
 
 
-def run_paired_worker(cfg, model_name, modes, batch_sizes, steps, out_path):
+def run_paired_worker(cfg, model_name, modes, batch_sizes, steps, out_path, build=None,
+                      progress=None):
     """Every mode at every batch size in this one process (`--paired`): a model per mode,
     its step traced at each batch size under `recompute_scope(mode != "0")`, then a
     warm-up round and `steps` measured rounds of one step per configuration (batch by
     batch, the modes in turn). Writes the results of `run_worker`, one per configuration, with
     `paired=True`: the i-th entries of the configurations' `cpu_s_per_step_each`
-    are round i."""
+    are round i. `build`, `progress`: as for `run_worker`."""
     import recompute
+
+    build, say = build or _model, progress or _progress
 
     configurations = {}  # (mode, batch) -> (step, its batches)
     params = {}
     for mode in modes:
-        _progress(f"{model_name} mode={mode}: building the model and tracing its step "
-                  f"at batch {', '.join(map(str, batch_sizes))}")
-        step, params[mode], make_batches = _model(cfg, model_name, mode)
+        say(f"{model_name} mode={mode}: building the model and tracing its step "
+            f"at batch {', '.join(map(str, batch_sizes))}")
+        step, params[mode], make_batches = build(cfg, model_name, mode)
         for batch in batch_sizes:
             batches = make_batches(batch, steps + 2)
             with recompute.recompute_scope(mode != "0"):  # baked into the traced step
@@ -289,12 +301,12 @@ def run_paired_worker(cfg, model_name, modes, batch_sizes, steps, out_path):
     # A warm-up round in the measured order first: the first step of a configuration
     # after the others have run has measured several times the next one's CPU time.
     run_round(0)
-    _progress(f"warm-up round done; measuring {steps} round(s)")
+    say(f"warm-up round done; measuring {steps} round(s)")
     measured = {key: [] for key in configurations}
     for i in range(1, steps + 1):
         for key, step_figures in run_round(i).items():
             measured[key].append(step_figures)
-        _progress(f"round {i} of {steps}: CPU s/step " + "; ".join(
+        say(f"round {i} of {steps}: CPU s/step " + "; ".join(
             f"batch {b}: " + ", ".join(f"{m} {measured[m, b][-1][2]:.2f}" for m in modes)
             for b in batch_sizes))
     # The process's peak RSS, read once: building the results allocates, and a peak read
@@ -305,7 +317,7 @@ def run_paired_worker(cfg, model_name, modes, batch_sizes, steps, out_path):
                        recompute_enabled=mode != "0", paired=True)
                for (mode, batch) in configurations]
     for r in results:
-        _progress(f"{model_name} mode={r['mode']} batch={r['batch']}: {_measured_text(r)}")
+        say(f"{model_name} mode={r['mode']} batch={r['batch']}: {_measured_text(r)}")
     harness.write_result(out_path, dict(runs=results))
 
 
