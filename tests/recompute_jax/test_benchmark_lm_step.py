@@ -1,0 +1,38 @@
+"""benchmarks.lm_step runs end to end on a tiny Gemma (every mode compiled and stepped in
+one fresh process) and its losses are equal across the modes (learning rate 0: every step
+sees the same weights, and recomputation is exact); other backends are refused."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(args, backend="jax"):
+    env = dict(os.environ, KERAS_BACKEND=backend)
+    return subprocess.run([sys.executable, "-m", "benchmarks.lm_step", *args],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+
+
+def test_tiny_step_every_mode(tmp_path):
+    out = tmp_path / "step.json"
+    proc = _run(["--model", "tiny", "--seq", "32", "--vocab", "500", "--layers", "2",
+                 "--modes", "0,attention,full", "--steps", "2", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["config"]["layers"] == 2 and result["config"]["dtype"] == "bfloat16"
+    modes = result["modes"]
+    assert set(modes) == {"0", "attention", "full"}
+    losses = {mode: r["losses"] for mode, r in modes.items()}
+    assert all(len(v) == 2 for v in losses.values()), losses
+    assert len({loss for v in losses.values() for loss in v}) == 1, losses
+    assert all(r["plan_bytes"] > result["weights_bytes"] for r in modes.values())
+    assert '| `"full"` |' in proc.stdout and "| RECOMPUTE=0 |" in proc.stdout
+
+
+def test_refuses_other_backends():
+    proc = _run(["--model", "tiny"], backend="tensorflow")
+    assert proc.returncode == 2
+    assert "KERAS_BACKEND=jax" in proc.stderr and "Received: KERAS_BACKEND=tensorflow" in proc.stderr
