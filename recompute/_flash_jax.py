@@ -1,8 +1,10 @@
 """The blocked attention core (`_flash`) on Keras 3's JAX backend.
 
 `attention(...)` is one `jax.custom_vjp` whose forward and backward passes are
-`_flash.forward` and `_flash.backward`, their blocks a `jax.lax.scan`. Its
-residuals are the inputs, the mask and the dropout's bits.
+`_flash.forward` and `_flash.backward`, their blocks a loop (`scan_peeled`:
+block 0 first, then a `jax.lax.fori_loop`, so that no buffer of the loop
+exists before the data it holds). Its residuals are the inputs, the mask and
+the dropout's bits.
 
 `keep_bits(...)` draws the decision of Keras's JAX `Dropout` as those bits one
 block of rows at a time (issue 25): the whole draw, [batch, heads, seq, seq]
@@ -42,10 +44,7 @@ class _Engine(_flash.Engine):
         return jnp.pad(x, widths, constant_values=jnp.asarray(value, x.dtype))
 
     def scan(self, body, carry, n, y_dtype):
-        import jax
-        import jax.numpy as jnp
-
-        return jax.lax.scan(body, carry, jnp.arange(n))
+        return scan_peeled(body, carry, n)
 
     def vjp(self, fn, *primals):
         import jax
@@ -95,6 +94,36 @@ class _Engine(_flash.Engine):
 ENGINE = _Engine()
 
 
+def scan_peeled(body, carry, n):
+    """`jax.lax.scan(body, carry, jnp.arange(n))`, with no buffer that exists before the data.
+
+    `jax.lax.scan` stacks its ys into a buffer of zeros, and `_flash.backward`
+    starts dK and dV from zeros: values that depend on nothing. XLA's GPU
+    pipeline fused those zero buffers of every layer's loops into one
+    operation at the start of the step, so all of them were alive at once
+    (BERT-base on an H100: 63 MiB per sample more than without the blocked
+    core; docs/attention.md, "On JAX"). Here block 0 runs before the loop:
+    the carry it returns (zeros plus its results) and the ys buffer (its y,
+    padded to n blocks) are computed from this call's own data, when it runs.
+    Blocks 1..n-1 follow in a `jax.lax.fori_loop`, each y written in place.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    carry, y = body(carry, jnp.asarray(0, jnp.int32))
+    ys = y[None]
+    if n == 1:
+        return carry, ys
+    ys = jnp.pad(ys, [(0, n - 1)] + [(0, 0)] * y.ndim)
+
+    def step(i, state):
+        carry, ys = state
+        carry, y = body(carry, i)
+        return carry, jax.lax.dynamic_update_index_in_dim(ys, y, i, 0)
+
+    return jax.lax.fori_loop(1, n, step, (carry, ys))
+
+
 def ones(batch_like, shape, dtype):
     """Ones of `[batch of batch_like] + shape` (what the dropout's decision is drawn on)."""
     import jax.numpy as jnp
@@ -112,7 +141,7 @@ def dropout_bits(dropout, batch_like, shape, dtype, rows):
 def keep_bits(dropout, batch_like, shape, rows):
     """The decision of Keras 3's JAX `Dropout` layer `dropout` on ones of
     `[batch of batch_like] + shape` ([heads, queries, keys]), packed as `pack` packs it,
-    drawn `rows` query rows at a time (a `jax.lax.scan`): the same numbers as the layer's
+    drawn `rows` query rows at a time (`scan_peeled`): the same numbers as the layer's
     own draw -- `jax.random.bernoulli(seed_generator.next(), 1 - rate, shape)` -- whose
     threefry counter for an entry is its index in the whole array (JAX's partitionable
     threefry, its default), so that a block of rows is the draw at its own counters.
@@ -166,7 +195,7 @@ def keep_bits(dropout, batch_like, shape, rows):
         keep = jnp.maximum(jnp.float32(0.0), floats) < p
         return carry, pack(keep)
 
-    _, ys = jax.lax.scan(body, (), jnp.arange(n))  # [blocks, batch, heads, rows, keys / 8]
+    _, ys = scan_peeled(body, (), n)  # [blocks, batch, heads, rows, keys / 8]
     moved = jnp.moveaxis(ys, 0, 2)
     joined = moved.reshape((batch, heads, n * rows) + moved.shape[4:])
     return joined if n * rows == queries else joined[:, :, :queries]

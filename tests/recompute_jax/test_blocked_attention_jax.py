@@ -161,3 +161,65 @@ def test_step_holds_no_whole_attention_matrix(policy):
 
     assert whole(False)  # the check can fail
     assert whole(True) == set()
+
+
+def _loops_from_nothing(jaxpr):
+    """The loops of `jaxpr` (sub-jaxprs included) that start from a buffer that depends on no
+    data: a `scan` that stacks ys (its lowering starts them from zeros), or a loop whose
+    carried array (rank >= 3) starts as a broadcast constant. XLA's GPU pipeline fused such
+    buffers of every layer into one operation at the start of the step
+    (`_flash_jax.scan_peeled`)."""
+    from jax.extend.core import Literal
+
+    found = []
+    producers = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            producers[v] = eqn
+        name = eqn.primitive.name
+        if name in ("scan", "while"):
+            if name == "scan":
+                first, count = eqn.params["num_consts"], eqn.params["num_carry"]
+                if len(eqn.outvars) > count:
+                    found.append("scan stacking ys")
+            else:
+                first = eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]
+                count = len(eqn.invars) - first
+            for v in eqn.invars[first:first + count]:
+                source = None if isinstance(v, Literal) else producers.get(v)
+                if (len(getattr(v.aval, "shape", ())) >= 3 and source is not None
+                        and source.primitive.name == "broadcast_in_dim"
+                        and isinstance(source.invars[0], Literal)):
+                    found.append(f"{name} carrying a broadcast {v.aval}")
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _loops_from_nothing(inner)
+    return found
+
+
+@pytest.mark.parametrize("policy", ["full", "attention"])
+def test_loops_start_from_the_data(policy):
+    """Every loop of the blocked cores (forward, backward, the dropout's draw) in the jitted
+    training step starts from buffers computed from its own data, none from constants."""
+    def zeros_first(x):  # a zero carry and stacked ys: the check can fail
+        return jax.lax.scan(lambda c, i: (c + x[i], c), jnp.zeros(x.shape[1:]), jnp.arange(3))
+
+    assert len(_loops_from_nothing(jax.make_jaxpr(zeros_first)(jnp.ones((3, 2, 2, 2))).jaxpr)) == 2
+    model = build(policy, True, True)
+    loss_fn, trainable = loss_of(model, True)
+    with recompute.attention_block_size(5):
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(loss_fn))(trainable).jaxpr
+    assert any(e.primitive.name in ("scan", "while") for e in _all_eqns(jaxpr))  # blocked
+    assert _loops_from_nothing(jaxpr) == []
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
