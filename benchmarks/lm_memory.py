@@ -378,8 +378,17 @@ def print_prediction(args, results, fits):
           f"{', '.join(f'{s}: {v * 1024:.1f}' for s, v in points)}); {shape['blocks']} x {seq} x "
           f"that / 2 = {kept / GiB:.2f} GiB; weights + kept = {(weights + kept) / GiB:.1f} GiB"
           + ("" if once is None else f"; + once per sample / 2 = {(weights + kept) / GiB + once / 2048:.1f} GiB"))
-    p("  not counted: the working set of the one block being recomputed or differentiated (in "
-      "'once' where measured at this seq), and the "
+    # JAX's saved residuals hold no transient buffer: there "once" lacks the working set of the
+    # block being recomputed: about what that block keeps without recomputation (its recomputed
+    # activations), plus the backward pass's temporaries.
+    where = ("never in 'once' on JAX" if args.backend == "jax" else
+             "in 'once' where measured at this seq")
+    off = fits.get(seq, {}).get("0", {}).get("kept") if args.backend == "jax" else None
+    if off is not None:
+        where += (f"; about mode 0's kept per block at seq {seq} / 2 = {off / 2048:.1f} GiB "
+                  "per sample, plus the backward's temporaries")
+    p(f"  not counted: the working set of the one block being recomputed or differentiated "
+      f"({where}), and the "
       f"logits of the {shape['vocab']}-token vocabulary ({seq} x {shape['vocab']} x 4 bytes = "
       f"{seq * shape['vocab'] * 4 / GiB:.1f} GiB in float32 unless the loss is chunked)")
 
