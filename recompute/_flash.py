@@ -107,9 +107,10 @@ class Engine:
     def pad(self, x, axis, amount, value):
         """`x` with `amount` entries of `value` appended along `axis`."""
 
-    def scan(self, body, carry, n, y_dtype):
+    def scan(self, body, carry, n, y_dtype, anchor):
         """`body(carry, i) -> (carry, y)` for i in 0..n-1, one at a time:
-        `(carry, ys)`, the ys stacked on a new axis 0."""
+        `(carry, ys)`, the ys stacked on a new axis 0. `anchor` is an input of
+        the core: the loop's buffers need not exist before it (`_flash_jax`)."""
 
     def vjp(self, fn, *primals):
         """`(fn(*primals), pullback)`: `pullback(cotangent)` is the tuple of gradients."""
@@ -129,8 +130,8 @@ class Engine:
     def join(self, ys, rows):
         """[blocks, batch, block, ...] stacked by `scan` -> [batch, rows, ...] (the first `rows`)."""
 
-    def zeros_like(self, x):
-        """Zeros of `x`'s shape and dtype."""
+    def zeros_like(self, x, after=None):
+        """Zeros of `x`'s shape and dtype, which need not exist before `after` (`_flash_jax`)."""
 
     def length(self, x, axis):
         """The size of `x` along `axis` when it is known only when run (a tensor)."""
@@ -205,7 +206,7 @@ def forward(E, probabilities, q, k, v, mask, bits, rate, block):
             p = E.drop(p, keep_j, rate)
         return carry, E.einsum(COMBINE, p, v)
 
-    _, ys = E.scan(body, (), n, v.dtype)
+    _, ys = E.scan(body, (), n, v.dtype, q)
     return E.join(ys, queries)
 
 
@@ -225,5 +226,6 @@ def backward(E, probabilities, q, k, v, mask, bits, rate, block, d_out):
         d_q_j, d_k_j = pullback(d_p)
         return (d_k + d_k_j, d_v), d_q_j
 
-    (d_k, d_v), d_qs = E.scan(body, (E.zeros_like(k), E.zeros_like(v)), n, q.dtype)
+    zeros = (E.zeros_like(k, d_out), E.zeros_like(v, d_out))
+    (d_k, d_v), d_qs = E.scan(body, zeros, n, q.dtype, d_out)
     return E.join(d_qs, queries), d_k, d_v

@@ -1,10 +1,10 @@
 """The blocked attention core (`_flash`) on Keras 3's JAX backend.
 
 `attention(...)` is one `jax.custom_vjp` whose forward and backward passes are
-`_flash.forward` and `_flash.backward`, their blocks a loop (`scan_peeled`:
-block 0 first, then a `jax.lax.fori_loop`, so that no buffer of the loop
-exists before the data it holds). Its residuals are the inputs, the mask and
-the dropout's bits.
+`_flash.forward` and `_flash.backward`, their blocks a loop (`scan_after`: a
+`jax.lax.fori_loop` whose buffers are made after the call's inputs, so that
+XLA cannot make every layer's at the start of the step). Its residuals are
+the inputs, the mask and the dropout's bits.
 
 `keep_bits(...)` draws the decision of Keras's JAX `Dropout` as those bits one
 block of rows at a time (issue 25): the whole draw, [batch, heads, seq, seq]
@@ -43,8 +43,8 @@ class _Engine(_flash.Engine):
         widths[axis] = (0, amount)
         return jnp.pad(x, widths, constant_values=jnp.asarray(value, x.dtype))
 
-    def scan(self, body, carry, n, y_dtype):
-        return scan_peeled(body, carry, n)
+    def scan(self, body, carry, n, y_dtype, anchor):
+        return scan_after(body, carry, n, anchor)
 
     def vjp(self, fn, *primals):
         import jax
@@ -82,10 +82,11 @@ class _Engine(_flash.Engine):
         joined = moved.reshape((moved.shape[0], -1) + moved.shape[3:])
         return joined if joined.shape[1] == rows else joined[:, :rows]
 
-    def zeros_like(self, x):
+    def zeros_like(self, x, after=None):
         import jax.numpy as jnp
 
-        return jnp.zeros_like(x)
+        # made after `after` (else `x`), not at the start of the step: `scan_after`
+        return jnp.broadcast_to(zero_after(x if after is None else after, x.dtype), x.shape)
 
     def length(self, x, axis):
         return x.shape[axis]  # (static under JAX)
@@ -94,34 +95,41 @@ class _Engine(_flash.Engine):
 ENGINE = _Engine()
 
 
-def scan_peeled(body, carry, n):
-    """`jax.lax.scan(body, carry, jnp.arange(n))`, with no buffer that exists before the data.
+def zero_after(x, dtype):
+    """A scalar zero of `dtype` that exists only once `x` does: it passes through an
+    optimization barrier with `x`, so XLA can neither fold it into a constant nor make it
+    before `x` (see `scan_after`)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.optimization_barrier((x, jnp.zeros((), dtype)))[1]
+
+
+def scan_after(body, carry, n, anchor):
+    """`jax.lax.scan(body, carry, jnp.arange(n))` whose buffers are made after `anchor`.
 
     `jax.lax.scan` stacks its ys into a buffer of zeros, and `_flash.backward`
     starts dK and dV from zeros: values that depend on nothing. XLA's GPU
     pipeline fused those zero buffers of every layer's loops into one
     operation at the start of the step, so all of them were alive at once
     (BERT-base on an H100: 63 MiB per sample more than without the blocked
-    core; docs/attention.md, "On JAX"). Here block 0 runs before the loop:
-    the carry it returns (zeros plus its results) and the ys buffer (its y,
-    padded to n blocks) are computed from this call's own data, when it runs.
-    Blocks 1..n-1 follow in a `jax.lax.fori_loop`, each y written in place.
+    core; docs/attention.md, "On JAX"). Here the ys buffer is zeros made
+    after `anchor` (an input of this call: `zero_after`), as are the zero
+    carries (`_Engine.zeros_like`), and the blocks run in a
+    `jax.lax.fori_loop`, each y written in place.
     """
     import jax
     import jax.numpy as jnp
 
-    carry, y = body(carry, jnp.asarray(0, jnp.int32))
-    ys = y[None]
-    if n == 1:
-        return carry, ys
-    ys = jnp.pad(ys, [(0, n - 1)] + [(0, 0)] * y.ndim)
+    y = jax.eval_shape(lambda c: body(c, jnp.asarray(0, jnp.int32))[1], carry)
+    ys = jnp.broadcast_to(zero_after(anchor, y.dtype), (n,) + tuple(y.shape))
 
     def step(i, state):
         carry, ys = state
         carry, y = body(carry, i)
         return carry, jax.lax.dynamic_update_index_in_dim(ys, y, i, 0)
 
-    return jax.lax.fori_loop(1, n, step, (carry, ys))
+    return jax.lax.fori_loop(0, n, step, (carry, ys))
 
 
 def ones(batch_like, shape, dtype):
@@ -141,7 +149,7 @@ def dropout_bits(dropout, batch_like, shape, dtype, rows):
 def keep_bits(dropout, batch_like, shape, rows):
     """The decision of Keras 3's JAX `Dropout` layer `dropout` on ones of
     `[batch of batch_like] + shape` ([heads, queries, keys]), packed as `pack` packs it,
-    drawn `rows` query rows at a time (`scan_peeled`): the same numbers as the layer's
+    drawn `rows` query rows at a time (`scan_after`): the same numbers as the layer's
     own draw -- `jax.random.bernoulli(seed_generator.next(), 1 - rate, shape)` -- whose
     threefry counter for an entry is its index in the whole array (JAX's partitionable
     threefry, its default), so that a block of rows is the draw at its own counters.
@@ -195,7 +203,7 @@ def keep_bits(dropout, batch_like, shape, rows):
         keep = jnp.maximum(jnp.float32(0.0), floats) < p
         return carry, pack(keep)
 
-    _, ys = scan_peeled(body, (), n)  # [blocks, batch, heads, rows, keys / 8]
+    _, ys = scan_after(body, (), n, batch_like)  # [blocks, batch, heads, rows, keys / 8]
     moved = jnp.moveaxis(ys, 0, 2)
     joined = moved.reshape((batch, heads, n * rows) + moved.shape[4:])
     return joined if n * rows == queries else joined[:, :, :queries]

@@ -46,7 +46,7 @@ class _Engine(_flash.Engine):
         paddings[axis] = [0, amount]
         return tf.pad(x, paddings, constant_values=tf.cast(value, x.dtype))
 
-    def scan(self, body, carry, n, y_dtype):
+    def scan(self, body, carry, n, y_dtype, anchor):
         if n == 1 or tf.executing_eagerly():
             ys = []
             for i in range(n):
@@ -104,7 +104,7 @@ class _Engine(_flash.Engine):
         joined = tf.reshape(moved, shape)
         return joined if joined.shape[1] == rows else joined[:, :rows]
 
-    def zeros_like(self, x):
+    def zeros_like(self, x, after=None):
         return tf.zeros_like(x)
 
     def length(self, x, axis):

@@ -168,7 +168,7 @@ def _loops_from_nothing(jaxpr):
     data: a `scan` that stacks ys (its lowering starts them from zeros), or a loop whose
     carried array (rank >= 3) starts as a broadcast constant. XLA's GPU pipeline fused such
     buffers of every layer into one operation at the start of the step
-    (`_flash_jax.scan_peeled`)."""
+    (`_flash_jax.scan_after`)."""
     from jax.extend.core import Literal
 
     found = []
