@@ -21,6 +21,18 @@ saves the figures):
 - `python -m benchmarks.attention_seq`: activation memory per sample of the
   standard Keras 3 block against the sequence length, per policy (through
   `recompute_memory`); a table and a PNG (docs/attention.md).
+- `python -m benchmarks.lm_memory`: activation memory and time of a keras-hub
+  causal LM at real widths (Gemma-2B, Gemma-7B, Llama-7B) with LoRA, per
+  policy, over a few blocks and projected to the real model
+  (docs/keras_hub.md); `--backend jax`: JAX's saved residuals; `--paired`:
+  time ratios in one process.
+- `KERAS_BACKEND=jax python -m benchmarks.lm_step`: one whole LoRA training
+  step of the real model (every block, the real vocabulary, bfloat16) per
+  policy on JAX: XLA's plan and the accelerator allocator's peak (the GPU
+  question of docs/keras_hub.md).
+- `python -m benchmarks.accum_local_jax`: floats all-reduced and time per
+  update of Keras's JAX step against `accum.local_gradients` on virtual
+  devices (docs/distribution.md).
 - `python -m benchmarks.xla_remat_temp`: whether XLA's compiled temp buffer
   shrinks when blocks are recomputed (`jax.checkpoint`, and a recomputation
   that waits for the cotangent); JAX only.

@@ -22,7 +22,7 @@ per entry, packed along the key axis). The query axis is cut into blocks of
   mask's, as autodiff takes them for the layer's own ops.
 
 One block's [batch, heads, block, seq] tensors are alive at a time (a loop of
-the engine's: `tf.while_loop`, `jax.lax.scan`), in the forward pass and in the
+the engine's: `tf.while_loop`, `jax.lax.fori_loop`), in the forward pass and in the
 backward pass. The blocks' results equal the unblocked core's to float
 rounding (the sums over keys are the same; dK and dV add the blocks' parts).
 
