@@ -11,7 +11,8 @@ benchmarks stay light); `allocator_step` imports it when called.
   `hold_then_exit`, `RssWatchdog`.
 - Memory: `peak_rss_kib` (VmHWM of this process), `proc_status_kib`,
   `mem_available_bytes`, `allocator_step` (TensorFlow's allocator peak of one
-  step, `tf.config.experimental.get_memory_info`; workers need `allocator_env`).
+  step, `tf.config.experimental.get_memory_info`; workers need `allocator_env`),
+  `is_oom` (an error that says a framework ran out of memory).
 - Allocation: `add_malloc_argument` (`--malloc default|hugepages|tf-bfc`)
   and `malloc_env`, how the workers allocate CPU tensors (see there).
 - Command lines: `positive_int`, `positive_float`, `float_above`,
@@ -205,6 +206,14 @@ def allocator_step(fn, device=None):
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     peak = tf.config.experimental.get_memory_info(device)["peak"]
     return value, peak - before, cpu, wall
+
+
+def is_oom(error):
+    """True if `error` says that TensorFlow, JAX/XLA or torch ran out of memory (a result of a
+    measurement, not a failure)."""
+    text = f"{type(error).__name__}: {error}"
+    return any(s in text for s in ("RESOURCE_EXHAUSTED", "ResourceExhausted", "OutOfMemory",
+                                   "out of memory", "Out of memory"))
 
 
 # --------------------------------------------------------------------------

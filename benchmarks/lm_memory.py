@@ -140,14 +140,30 @@ def build(cfg, model_name, mode):
     return (lambda ids: float(train_step(ids).numpy())), n_params, batches
 
 
+def jax_batch(batch, seq, vocab, seed):
+    """Random next-token data for a causal LM on JAX: (inputs, targets) of `batch` x `seq`
+    token ids drawn with NumPy's generator of `seed`, no padding."""
+    import numpy as np
+
+    ids = np.random.default_rng(seed).integers(0, vocab, (batch, seq + 1)).astype("int32")
+    return {"token_ids": ids[:, :-1], "padding_mask": np.ones((batch, seq), bool)}, ids[:, 1:]
+
+
+def jax_loss(lm, trainable, non_trainable, x, y):
+    """`lm`'s mean next-token cross-entropy on (`x`, `y`) through `stateless_call` (Keras 3
+    on JAX), and its non-trainable state after the call."""
+    import keras
+
+    logits, non_trainable = lm.stateless_call(trainable, non_trainable, x, training=True)
+    loss = keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+    return loss, non_trainable
+
+
 def jax_residuals(args, seq, out_path):
     """Keras 3 on JAX: the bytes JAX keeps for the backward pass of the loss over the LoRA
     factors (`recompute_memory.saved_residual_bytes`: shapes only, nothing allocated), every
     mode, block count and batch size at `seq` in this one process (RECOMPUTE by
     `recompute_scope` while tracing). The frozen weights among them cancel in the slopes."""
-    import keras
-    import numpy as np
-
     from recompute import recompute_scope
 
     runs = []
@@ -157,13 +173,10 @@ def jax_residuals(args, seq, out_path):
             trainable = [v.value for v in lm.trainable_variables]
             non_trainable = [v.value for v in lm.non_trainable_variables]
             for batch in args.batch_sizes:
-                ids = np.random.default_rng(batch).integers(0, args.vocab, (batch, seq + 1)).astype("int32")
-                x = {"token_ids": ids[:, :-1], "padding_mask": np.ones((batch, seq), bool)}
+                x, y = jax_batch(batch, seq, args.vocab, batch)
 
                 def loss(t):
-                    logits, _ = lm.stateless_call(t, non_trainable, x, training=True)
-                    return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
-                        ids[:, 1:], logits, from_logits=True))
+                    return jax_loss(lm, t, non_trainable, x, y)[0]
 
                 with recompute_scope(mode != "0"):
                     kept = recompute_memory.saved_residual_bytes(loss, trainable)

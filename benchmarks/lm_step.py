@@ -66,11 +66,6 @@ def _stats(device):
     return stats.get("peak_bytes_in_use"), stats.get("bytes_in_use")
 
 
-def _is_oom(error):
-    text = str(error)
-    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
-
-
 def measure(args):
     """{config, weights, modes: {mode: {plan_bytes, temp_bytes, compile_s, peak_bytes,
     step_s, losses | oom}}} of `args`' model, every mode in this process."""
@@ -101,17 +96,12 @@ def measure(args):
     lora = sum(int(np.prod(v.shape)) for v in lm.trainable_variables)
     _progress(f"built in {time.perf_counter() - t0:.0f} s: {n_params / 1e9:.2f}B parameters, "
               f"{lora} LoRA; state {weights / GiB:.2f} GiB")
-    ids = np.random.default_rng(0).integers(0, vocab, (1, args.seq + 1)).astype("int32")
-    x = {"token_ids": jnp.asarray(ids[:, :-1]), "padding_mask": jnp.ones((1, args.seq), bool)}
-    y = jnp.asarray(ids[:, 1:])
+    x, y = jax.tree.map(jnp.asarray, lm_memory.jax_batch(1, args.seq, vocab, 0))
+
+    def loss_fn(trainable, non_trainable, x, y):
+        return lm_memory.jax_loss(lm, trainable, non_trainable, x, y)
 
     def make_step():  # one function per mode: jax.jit's trace cache does not see RECOMPUTE
-        def loss_fn(trainable, non_trainable, x, y):
-            logits, non_trainable = lm.stateless_call(trainable, non_trainable, x, training=True)
-            loss = keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
-                y, logits, from_logits=True))
-            return loss, non_trainable
-
         def step(state, x, y):
             trainable, non_trainable, slots = state
             (loss, non_trainable), grads = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -146,7 +136,7 @@ def measure(args):
                 losses.append(float(loss))
                 times.append(time.perf_counter() - t1)
         except Exception as e:  # noqa: BLE001 -- running out of memory is a result
-            if not _is_oom(e):
+            if not harness.is_oom(e):
                 raise
             modes[mode].update(oom=str(e).splitlines()[0][:300])
             _progress(f"mode {mode}: out of memory ({modes[mode]['oom']}); the modes after it "

@@ -137,12 +137,6 @@ def _batches(cfg, batch, n):
     return [make_batch(batch, cfg["seq"], cfg["vocab"], seed=1000 * batch + i) for i in range(n)]
 
 
-def _is_oom(error):
-    text = f"{type(error).__name__}: {error}"
-    return any(s in text for s in ("RESOURCE_EXHAUSTED", "ResourceExhausted", "OutOfMemory",
-                                   "out of memory", "Out of memory"))
-
-
 # --------------------------------------------------------------------------
 # Worker: the project's side (Keras 3, the backend at hand).
 
@@ -395,7 +389,7 @@ def run_worker(args):
         else:
             run_keras_worker(cfg, args.model, args.row, args.batch, steps, args.precision, args.out)
     except Exception as e:  # noqa: BLE001 -- an OOM is a result; anything else a failure
-        if not _is_oom(e):
+        if not harness.is_oom(e):
             raise
         _progress(f"{args.side} row={args.row} batch={args.batch}: out of memory")
         harness.write_result(args.out, dict(side=args.side, row=args.row, batch=args.batch,

@@ -130,7 +130,7 @@ class Engine:
     def join(self, ys, rows):
         """[blocks, batch, block, ...] stacked by `scan` -> [batch, rows, ...] (the first `rows`)."""
 
-    def zeros_like(self, x, after=None):
+    def zeros_like(self, x, after):
         """Zeros of `x`'s shape and dtype, which need not exist before `after` (`_flash_jax`)."""
 
     def length(self, x, axis):

@@ -82,11 +82,11 @@ class _Engine(_flash.Engine):
         joined = moved.reshape((moved.shape[0], -1) + moved.shape[3:])
         return joined if joined.shape[1] == rows else joined[:, :rows]
 
-    def zeros_like(self, x, after=None):
+    def zeros_like(self, x, after):
         import jax.numpy as jnp
 
-        # made after `after` (else `x`), not at the start of the step: `scan_after`
-        return jnp.broadcast_to(zero_after(x if after is None else after, x.dtype), x.shape)
+        # made after `after`, not at the start of the step: `scan_after`
+        return jnp.broadcast_to(zero_after(after, x.dtype), x.shape)
 
     def length(self, x, axis):
         return x.shape[axis]  # (static under JAX)

@@ -104,7 +104,7 @@ class _Engine(_flash.Engine):
         joined = tf.reshape(moved, shape)
         return joined if joined.shape[1] == rows else joined[:, :rows]
 
-    def zeros_like(self, x, after=None):
+    def zeros_like(self, x, after):
         return tf.zeros_like(x)
 
     def length(self, x, axis):
