@@ -11,7 +11,7 @@ dropout 0.1, random token ids with padding), trained with `train_on_batch`
 at each mode (`0`: RECOMPUTE=0; a policy of `recompute.bert4keras.patch`)
 and batch, each configuration in a fresh process. After one untimed step it
 times `--steps` steps and reports per sample: user and system CPU seconds
-(`os.times`, all threads), minor page faults (`getrusage`) and wall
+(`getrusage`, microseconds, all threads), minor page faults (`getrusage`) and wall
 seconds, the mean over the steps, and the process's peak RSS.
 
 `--paired 0:6,block:43` times several configurations in one process
@@ -41,6 +41,7 @@ import json
 import os
 import resource
 import sys
+import time
 
 from . import batchfit, harness
 
@@ -77,11 +78,13 @@ def run_worker(args):
 
 def _timed_step(model, x, y, batch):
     """One `train_on_batch`: user, system, wall seconds and minor faults per sample."""
-    t0, r0 = os.times(), resource.getrusage(resource.RUSAGE_SELF)
+    # getrusage, not os.times: os.times counts in clock ticks (10 ms), and a tiny
+    # step can take less than one, which read as 0 CPU seconds (and a ratio to 0).
+    w0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     model.train_on_batch(x, y)
-    t1, r1 = os.times(), resource.getrusage(resource.RUSAGE_SELF)
-    return dict(user=(t1.user - t0.user) / batch, sys=(t1.system - t0.system) / batch,
-                wall=(t1.elapsed - t0.elapsed) / batch,
+    w1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    return dict(user=(r1.ru_utime - r0.ru_utime) / batch, sys=(r1.ru_stime - r0.ru_stime) / batch,
+                wall=(w1 - w0) / batch,
                 minflt=(r1.ru_minflt - r0.ru_minflt) / batch)
 
 
@@ -122,6 +125,11 @@ def paired_summary(result):
     rounds = result["rounds"]
     cpu = [[s["user"] + s["sys"] for s in r] for r in rounds]
     rows = []
+    if any(r[0] <= 0 for r in cpu):
+        raise RuntimeError(
+            f"{TOOL}: the first configuration ({result['paired'][0][0]}) measured 0 CPU seconds "
+            "in a round, so no ratio to it exists; time a larger step (--seq-len, --layers or "
+            f"its batch). Received: rounds' CPU seconds per sample {cpu}")
     for j, (mode, batch) in enumerate(result["paired"]):
         ratios = [r[j] / r[0] for r in cpu]
         rows.append(dict(mode=mode, batch=batch, layers=result["layers"],
