@@ -11,7 +11,11 @@ gradients are bit for bit those of the plain GELU.
 `kept_input(layers)` installs it on the layers among `layers` whose `activation`
 is the exact GELU of Keras 3 or tf_keras (shadowed on the instances while a
 decorated call runs, then restored). `recompute_grad(policy="attention")`
-uses it: every block keeps one [seq, ffn] tensor instead of four.
+uses it: every block keeps one [seq, ffn] tensor instead of four. On Keras 3's
+JAX backend the same policy installs `checkpointed(gelu)` instead
+(`kept_input(layers, checkpointed)`): `jax.checkpoint` of the GELU, which keeps
+its input and replays its own jaxpr for the gradient (autodiff keeps four
+[seq, ffn] values there too: the input, the erfc, the exp and 0.5 x).
 
 Bit for bit holds op for op (eager, and `tf.function` on its own), not under
 every graph rewrite: in `fit` and with oneDNN's rewrites, TensorFlow's
@@ -69,17 +73,37 @@ def keeping_input(gelu):
     return activation
 
 
+def checkpointed(gelu):
+    """`gelu` (an exact Keras GELU) under `jax.checkpoint`, for Keras 3's JAX backend:
+    its gradient keeps only its input and recomputes the rest from the same jaxpr.
+    Symbolic tensors (Keras's shape inference) and other than float32/float64 inputs
+    (as `keeping_input`) run the GELU as it is."""
+    import jax
+    import jax.numpy as jnp
+
+    kept = jax.checkpoint(gelu)
+
+    def activation(x):
+        floating = isinstance(x, jax.Array) and x.dtype in (jnp.float32, jnp.float64)
+        return kept(x) if floating else gelu(x)
+
+    setattr(activation, _MARK, True)
+    return activation
+
+
 @contextlib.contextmanager
-def kept_input(layers):
+def kept_input(layers, keep=None):
     """While active, each of `layers` whose `activation` is an exact Keras GELU uses
-    `keeping_input(activation)` (an instance attribute, restored on exit)."""
+    `keep(activation)` (an instance attribute, restored on exit): by default
+    `keeping_input` (TensorFlow), `checkpointed` on JAX."""
+    keep = keep or keeping_input
     installed = []
     try:
         for layer in layers:
             own = getattr(layer, "activation", None)
             if own is None or getattr(own, _MARK, False) or not is_exact_gelu(own):
                 continue
-            object.__setattr__(layer, "activation", keeping_input(own))
+            object.__setattr__(layer, "activation", keep(own))
             installed.append((layer, own))
         yield
     finally:

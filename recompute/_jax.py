@@ -202,11 +202,14 @@ def attention(fn, layer, args, kwargs):
     """Only the attention core (`MultiHeadAttention._compute_attention`) of each multi-head
     attention layer in the call keeps less: blocked (`_flash_jax`: it keeps its inputs and
     the dropout's bits), or, where the core is not the standard case, a `jax.checkpoint`
-    (its dropout replayed from the seed state); everything else is kept."""
+    (its dropout replayed from the seed state); and the exact GELUs of its `Dense`
+    sublayers keep only their input (`_gelu.checkpointed`); everything else is kept."""
+    from . import _gelu
     from ._attention import attention_layers  # the check and its message, shared
 
     layers = attention_layers(_keras3, layer)
-    with _cores_blocked(layers, _keras3.attention_core, checkpoint_others=True):
+    with _cores_blocked(layers, _keras3.attention_core, checkpoint_others=True), \
+            _gelu.kept_input(_keras3.sublayers(layer), _gelu.checkpointed):
         return fn(layer, *args, **kwargs)
 
 

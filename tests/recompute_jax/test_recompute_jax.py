@@ -372,6 +372,32 @@ def test_residuals_of_an_8_block_encoder_fall_3x():
     assert full < attention < off, (off, full, attention)
 
 
+def test_attention_policy_gelus_keep_their_input():
+    """Under "attention" the exact GELU of `ffn_up` keeps only its input (`_gelu.checkpointed`):
+    per block two [batch, seq, 128] residuals (the GELU's input, and its output, which
+    `ffn_down` keeps for its weight gradient), where autodiff keeps four."""
+    x = np.random.default_rng(0).normal(size=(2, 16, 32)).astype("float32")
+    model = encoder_model("attention", blocks=2, seq=16)
+
+    def ffn_wide(on):
+        trainable = [v.value for v in model.trainable_variables]
+        non_trainable = [v.value for v in model.non_trainable_variables]
+
+        def loss_fn(trainable):
+            with recompute_scope(on):
+                out, _ = model.stateless_call(trainable, non_trainable, x, training=True)
+            return jnp.sum(out**2)
+
+        _, vjp = jax.vjp(loss_fn, trainable)
+        return [leaf for leaf in jax.tree_util.tree_leaves(vjp)
+                if getattr(leaf, "shape", None) == (2, 16, 128)]
+
+    assert len(ffn_wide(False)) == 4 * 2
+    assert len(ffn_wide(True)) == 2 * 2
+    gelus = [lyr.ffn_up.activation for lyr in model.layers if isinstance(lyr, Encoder)]
+    assert gelus and all(fn is keras.activations.gelu for fn in gelus)  # restored after the call
+
+
 def test_torch_and_other_backends_are_refused(monkeypatch):
     monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
     layer = keras.layers.Dense(2)
