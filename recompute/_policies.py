@@ -20,8 +20,9 @@ picks one.
   dropout, probabilities × values), which keeps only its inputs and the
   dropout's decision as bits and runs again in the backward pass: the
   selective recomputation of Megatron-LM (Korthikanti et al., 2022). Exact
-  GELUs of `Dense` sublayers keep only their input (`_gelu`): one [seq, ffn]
-  tensor per block instead of four.
+  GELUs of `Dense` sublayers keep only their input (`_gelu`: a custom gradient
+  on TensorFlow, `jax.checkpoint` on JAX): one [seq, ffn] tensor per GELU
+  instead of four.
 
 Under both, Keras's own cores run as the blocked attention core
 (`_attention.keras_blocked`, `_flash`): one block of query rows alive at a time,
