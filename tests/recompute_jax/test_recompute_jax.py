@@ -311,9 +311,9 @@ def encoder_model(policy, blocks=8, seq=64):
     return keras.Model(inputs, h)
 
 
-def residual_bytes(model, on, x):
-    """Bytes JAX keeps for the backward pass of `sum(model(x)**2)` (the leaves of its VJP),
-    not counting the weights."""
+def residual_leaves(model, on, x):
+    """The arrays JAX keeps for the backward pass of `sum(model(x)**2)` (the leaves of its
+    VJP), each once, the weights left out."""
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
 
@@ -323,13 +323,18 @@ def residual_bytes(model, on, x):
         return jnp.sum(out**2)
 
     _, vjp = jax.vjp(loss_fn, trainable)
-    weights = {id(w) for w in trainable}
-    seen, total = set(), 0
+    seen = {id(w) for w in trainable}
+    leaves = []
     for leaf in jax.tree_util.tree_leaves(vjp):
-        if hasattr(leaf, "nbytes") and id(leaf) not in seen and id(leaf) not in weights:
+        if hasattr(leaf, "nbytes") and id(leaf) not in seen:
             seen.add(id(leaf))
-            total += leaf.nbytes
-    return total
+            leaves.append(leaf)
+    return leaves
+
+
+def residual_bytes(model, on, x):
+    """Bytes of `residual_leaves`."""
+    return sum(leaf.nbytes for leaf in residual_leaves(model, on, x))
 
 
 @pytest.mark.parametrize("policy", ["full", "attention"])
@@ -380,17 +385,7 @@ def test_attention_policy_gelus_keep_their_input():
     model = encoder_model("attention", blocks=2, seq=16)
 
     def ffn_wide(on):
-        trainable = [v.value for v in model.trainable_variables]
-        non_trainable = [v.value for v in model.non_trainable_variables]
-
-        def loss_fn(trainable):
-            with recompute_scope(on):
-                out, _ = model.stateless_call(trainable, non_trainable, x, training=True)
-            return jnp.sum(out**2)
-
-        _, vjp = jax.vjp(loss_fn, trainable)
-        return [leaf for leaf in jax.tree_util.tree_leaves(vjp)
-                if getattr(leaf, "shape", None) == (2, 16, 128)]
+        return [leaf for leaf in residual_leaves(model, on, x) if leaf.shape == (2, 16, 128)]
 
     assert len(ffn_wide(False)) == 4 * 2
     assert len(ffn_wide(True)) == 2 * 2
