@@ -21,7 +21,8 @@ registry, `POLICIES`, of each policy's TensorFlow and JAX functions), `_core`
 `tf.custom_gradient`), `_flash` (the blocked attention algorithm, once) with
 its engines `_flash_tf` and `_flash_jax`, `_attention` (Keras's attention core
 as the blocked core, its dropout drawn once and kept as bits), `_gelu` (a GELU
-that keeps only its input: a custom gradient, or `jax.checkpoint` on JAX), `_adapter` (the interface to a Keras family) with
+that keeps only its input: a custom gradient, or `jax.checkpoint` on JAX),
+`_adapter` (the interface to a Keras family) with
 `_keras3` and `_tf_keras` (its two implementations, the only users of private
 Keras API) chosen by `_backends`, `_tf` (TensorFlow internals), `_config` (the
 switch), `_errors`, `_precision` (`exact_float32`: float32 products on GPUs,
