@@ -15,3 +15,15 @@ def use_jax():
             "tests/recompute_jax tests/accum_jax`. Received: Keras on the "
             f"{keras.backend.backend()!r} backend."
         )
+
+
+def jaxprs(jaxpr):
+    """`jaxpr` and every jaxpr nested in its equations' parameters (scan and loop bodies,
+    `jax.checkpoint`, `custom_vjp`, ...), depth first."""
+    yield jaxpr
+    for eqn in jaxpr.eqns:
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from jaxprs(inner)

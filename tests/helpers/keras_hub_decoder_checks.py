@@ -233,15 +233,9 @@ def _tf_step(backbone, x, on):
 def _jax_primitives(jaxpr, names):
     """The number of equations of `jaxpr` (nested ones included) whose primitive is in `names`
     or starts with one of them."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name.startswith(names)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    count += _jax_primitives(inner, names)
-    return count
+    from tests.helpers.jax_backend import jaxprs
+
+    return sum(eqn.primitive.name.startswith(names) for inner in jaxprs(jaxpr) for eqn in inner.eqns)
 
 
 def _jax_step(backbone, x, on):

@@ -10,6 +10,7 @@ import pytest
 
 import recompute
 from recompute import recompute_grad, recompute_scope
+from tests.helpers.jax_backend import jaxprs
 from tests.helpers.numerics import assert_all_close
 
 SEQ, WIDTH = 12, 16
@@ -137,13 +138,9 @@ def test_keep_bits_are_the_layers_masks(shape, rows):
 
 def _values(jaxpr):
     """Every output variable of `jaxpr`'s equations, sub-jaxprs (scan, checkpoint, custom_vjp) included."""
-    for eqn in jaxpr.eqns:
-        yield from eqn.outvars
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _values(inner)
+    for inner in jaxprs(jaxpr):
+        for eqn in inner.eqns:
+            yield from eqn.outvars
 
 
 @pytest.mark.parametrize("policy", ["full", "attention"])
@@ -172,12 +169,14 @@ def _loops_from_nothing(jaxpr):
     from jax.extend.core import Literal
 
     found = []
-    producers = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            producers[v] = eqn
-        name = eqn.primitive.name
-        if name in ("scan", "while"):
+    for inner in jaxprs(jaxpr):
+        producers = {}
+        for eqn in inner.eqns:
+            for v in eqn.outvars:
+                producers[v] = eqn
+            name = eqn.primitive.name
+            if name not in ("scan", "while"):
+                continue
             if name == "scan":
                 first, count = eqn.params["num_consts"], eqn.params["num_carry"]
                 if len(eqn.outvars) > count:
@@ -191,11 +190,6 @@ def _loops_from_nothing(jaxpr):
                         and source.primitive.name == "broadcast_in_dim"
                         and isinstance(source.invars[0], Literal)):
                     found.append(f"{name} carrying a broadcast {v.aval}")
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _loops_from_nothing(inner)
     return found
 
 
@@ -211,15 +205,7 @@ def test_loops_start_from_the_data(policy):
     loss_fn, trainable = loss_of(model, True)
     with recompute.attention_block_size(5):
         jaxpr = jax.make_jaxpr(jax.value_and_grad(loss_fn))(trainable).jaxpr
-    assert any(e.primitive.name in ("scan", "while") for e in _all_eqns(jaxpr))  # blocked
+    assert any(e.primitive.name in ("scan", "while")
+               for inner in jaxprs(jaxpr) for e in inner.eqns)  # blocked
     assert _loops_from_nothing(jaxpr) == []
 
-
-def _all_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _all_eqns(inner)
