@@ -15,7 +15,7 @@ benchmarks stay light); `allocator_step` imports it when called.
   `is_oom` (an error that says a framework ran out of memory).
 - Allocation: `add_malloc_argument` (`--malloc default|hugepages|tf-bfc`)
   and `malloc_env`, how the workers allocate CPU tensors (see there).
-- Command lines: `positive_int`, `positive_float`, `float_above`,
+- Command lines: `positive_int`, `positive_float`, `non_negative_float`, `float_above`,
   `fraction`, `int_list`, `name_list` (argparse types whose errors say what
   was expected and what was received).
 - Figures: `MiB`, `GiB`, `slope` (least squares), `lower_median`.
@@ -256,6 +256,11 @@ def positive_int(text):
 def positive_float(text):
     # `v > 0` also rejects nan.
     return _number(text, float, lambda v: v > 0 and v != float("inf"), "a positive number")
+
+
+def non_negative_float(text):
+    """Type: a number >= 0 (a learning rate that may be 0)."""
+    return _number(text, float, lambda v: v >= 0, "a number >= 0")
 
 
 def float_above(bound):

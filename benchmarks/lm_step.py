@@ -196,17 +196,6 @@ def format_report(result, budget_gib):
     return "\n".join(lines)
 
 
-def _non_negative(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not value >= 0:
-        raise harness.argparse.ArgumentTypeError(
-            f"expected a number >= 0. Received: {text!r}")
-    return value
-
-
 def parse_args(argv=None):
     parser = harness.parser(
         TOOL, "Peak memory of one whole LoRA training step of a keras-hub causal LM on JAX, "
@@ -222,7 +211,7 @@ def parse_args(argv=None):
             ("--rank", harness.positive_int, 8, "LoRA rank"),
             ("--steps", harness.positive_int, 3, "steps per mode"),
             ("--dropout", harness.fraction, 0.0, "dropout rate (Gemma's presets: 0)"),
-            ("--learning-rate", _non_negative, 0.0,
+            ("--learning-rate", harness.non_negative_float, 0.0,
              "Adam's learning rate (0: the weights stay, so the losses of all modes are equal)"),
             ("--budget-gib", harness.positive_float, 24.0, "the card whose fit is reported, GiB")):
         parser.add_argument(flag, type=kind, default=default,
