@@ -20,13 +20,18 @@ ln(vocab) as the LoRA factors learn to copy.
    batch of k*b. `fit` trains `--updates` weight updates with RECOMPUTE on, printing the
    loss as it goes down.
 
+`fit` runs in up to five rounds of whole updates (`--updates 12` in rounds of 3, 3, 2, 2, 2);
+each progress line shows the optimizer's own count of weight updates. The exit status is 0
+only when exactly `--updates` updates were applied and the frozen weights are unchanged.
+
 Limits: a random model on a toy task (the point is the mechanics, memory and time, not the
-model); the frozen weights are checked unchanged at the end. To resume a LoRA fine-tune
+model). To resume a LoRA fine-tune
 exactly, save `.weights.h5` and `backbone.save_lora_weights(...)` (Keras merges the factors
 into the kernels when it saves a LoRA layer; see tests/helpers/keras_hub_lora_checks.py).
 """
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -57,10 +62,18 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1. Received: {getattr(args, name)}")
     if args.hidden % args.heads:
         p.error(f"--hidden must be a multiple of --heads. Received: {args.hidden} and {args.heads}")
+    if args.rank > args.hidden // args.heads:
+        p.error(f"--rank must be <= the head size --hidden / --heads = {args.hidden // args.heads} "
+                "(LoRA factors each projection per head; a higher rank adds weights, not rank). "
+                f"Received: {args.rank}")
     if args.seq < 4 or args.seq % 2:
         p.error(f"--seq must be an even number >= 4. Received: {args.seq}")
     if args.vocab < 4:
         p.error(f"--vocab must be >= 4. Received: {args.vocab}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        p.error(f"--lr must be a finite number > 0. Received: {args.lr}")
+    if args.seed < 0:
+        p.error(f"--seed must be an integer >= 0. Received: {args.seed}")
     return args
 
 
@@ -77,6 +90,11 @@ def copy_task(n, seq, vocab, seed):
     weight = np.zeros((n, seq), "float32")
     weight[:, half + 1:2 * half + 1] = 1.0  # predicting the copied tokens
     return x, ids[:, 1:], weight
+
+
+def rounds(updates, n):
+    """`n` whole numbers of updates, as equal as can be, that add up to `updates`."""
+    return [updates // n + (i < updates % n) for i in range(n)]
 
 
 def build(args):
@@ -180,33 +198,33 @@ def run(args):
     (mib0, s0), (mib1, s1) = measured[False], measured[True]
     print(f"  recomputation: {mib0 / max(mib1, 1e-9):.1f}x less memory, {s1 / s0:.2f}x the time")
 
-    micro = args.updates * args.accum_steps
-    x, y, weight = copy_task(micro * args.batch_size, args.seq, args.vocab, args.seed + 2)
+    x, y, weight = copy_task(args.updates * args.accum_steps * args.batch_size, args.seq,
+                             args.vocab, args.seed + 2)
     lm.compile(AccumOptimizer(keras.optimizers.Adam(args.lr), args.accum_steps),
                keras.losses.SparseCategoricalCrossentropy(from_logits=True), weighted_metrics=[])
-    losses = []
-    rounds = min(5, args.updates)
-
-    class Report(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            losses.append(float(logs["loss"]))
-            done = (epoch + 1) * args.updates // rounds
-            print(f"  updates {done:4d}/{args.updates}: loss {losses[-1]:.4f}", flush=True)
-
-    per_round = micro // rounds
     print(f"training with RECOMPUTE=1 (policy {args.policy!r}), AccumOptimizer(Adam({args.lr:g}), "
           f"{args.accum_steps}); loss = cross-entropy on the copied half (ln {args.vocab} = "
           f"{np.log(args.vocab):.2f} at chance)", flush=True)
+    losses = []
     t0 = time.perf_counter()
     with recompute_scope(True):
-        lm.fit(x, y, sample_weight=weight, batch_size=args.batch_size, epochs=rounds,
-               steps_per_epoch=per_round, shuffle=False, verbose=0, callbacks=[Report()])
+        offset = 0
+        for size in rounds(args.updates, min(5, args.updates)):
+            part = slice(offset, offset + size * args.accum_steps * args.batch_size)
+            offset = part.stop
+            history = lm.fit({name: v[part] for name, v in x.items()}, y[part],
+                             sample_weight=weight[part], batch_size=args.batch_size, epochs=1,
+                             shuffle=False, verbose=0)
+            losses.append(float(history.history["loss"][-1]))
+            print(f"  updates {int(lm.optimizer.iterations.numpy()):4d}/{args.updates}: "  # counted
+                  f"loss {losses[-1]:.4f}", flush=True)
     seconds = time.perf_counter() - t0
     unchanged = all(np.array_equal(v.numpy(), start) for v, start in frozen)
+    updates = int(lm.optimizer.iterations.numpy())
     print(f"trained in {seconds:.1f} s; loss {losses[0]:.4f} -> {losses[-1]:.4f}; frozen weights "
-          f"unchanged: {unchanged}; weight updates: {int(lm.optimizer.iterations.numpy())}")
+          f"unchanged: {unchanged}; weight updates: {updates} of {args.updates}")
     return {"losses": losses, "mib": [mib0, mib1], "seconds": [s0, s1], "unchanged": unchanged,
-            "updates": int(lm.optimizer.iterations.numpy())}
+            "updates": updates}
 
 
 def main(argv=None):
@@ -218,7 +236,7 @@ def main(argv=None):
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # TensorFlow's CPU allocator statistics
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout
     result = run(args)
-    return 0 if result["unchanged"] else 1
+    return 0 if result["unchanged"] and result["updates"] == args.updates else 1
 
 
 if __name__ == "__main__":
