@@ -26,7 +26,9 @@ that keeps only its input: a custom gradient, or `jax.checkpoint` on JAX),
 `_keras3` and `_tf_keras` (its two implementations, the only users of private
 Keras API) chosen by `_backends`, `_tf` (TensorFlow internals), `_config` (the
 switch), `_errors`, `_precision` (`exact_float32`: float32 products on GPUs,
-where TF32 is the default); `_jax` (Keras 3's JAX backend: the call as a
+where TF32 is the default), `_setting` (what `exact_float32` and
+`attention_block_size` share: a statement or a context manager that
+restores, on exit, what its entry found); `_jax` (Keras 3's JAX backend: the call as a
 `jax.checkpoint`, state threaded through, and its policies' functions);
 `_hf_checkpoint` (a Hugging Face BERT's files, read by both integrations);
 `recompute.bert4keras` (bert4keras integration and checkpoint converter);

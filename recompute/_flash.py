@@ -37,6 +37,8 @@ dtype, rows)` (the decision of Keras 3's `Dropout` drawn without the whole
 uniform tensor, or None where the engine cannot).
 """
 
+from ._setting import Setting
+
 DEFAULT_BLOCK_ELEMENTS = 64 * 1024  # rows x keys of one block: 128 rows at seq 512
 
 SCORES = "btnh,bsnh->bnts"  # queries x keys -> [batch, heads, queries, keys]
@@ -47,7 +49,7 @@ D_PROBS = "btnh,bsnh->bnts"
 _block_size = [None]  # the override of `attention_block_size`, or None
 
 
-class attention_block_size:
+class attention_block_size(Setting):
     """Sets how many query rows one block of the blocked attention core holds.
 
     The blocked core (docs/recompute.md, "Blocked attention") serves the
@@ -55,9 +57,10 @@ class attention_block_size:
     under every policy. By default a block holds at most 65,536 (query, key)
     pairs per batch entry and head: 128 rows at seq 512, 32 at seq 2048.
     Smaller blocks keep less, larger ones loop less. As a statement it holds
-    for the rest of the process; as a context manager, until the block ends.
-    The size is read when a core is traced (in `tf.function`, `jax.jit`, `fit`:
-    at the first step).
+    for the rest of the process; as a context manager, inside the block
+    (applied again at each entry), and on exit the size in force when the
+    block was entered comes back. The size is read when a core is traced (in
+    `tf.function`, `jax.jit`, `fit`: at the first step).
 
     ```python
     import recompute
@@ -74,18 +77,20 @@ class attention_block_size:
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
             raise ValueError(
                 f"`rows` must be an integer >= 1 or None. Received: rows={rows!r}")
-        self._previous = _block_size[0]
-        _block_size[0] = rows
+        self._rows = rows
+        super().__init__()
 
-    def __enter__(self):
-        return self
+    def _read(self):
+        return _block_size[0]
 
-    def __exit__(self, *exc_info):
-        _block_size[0] = self._previous
-        return False
+    def _write(self, state):
+        _block_size[0] = state
+
+    def _wanted(self):
+        return self._rows
 
     def __repr__(self):
-        return f"attention_block_size({_block_size[0]!r})"
+        return f"attention_block_size({self._rows!r})"
 
 
 def block_rows(queries, keys):

@@ -9,27 +9,36 @@ their products differently. With float32 pinned, they equal it to the
 tolerances this project documents and tests (docs/exactness.md).
 """
 
-import sys
+import importlib.util
 
 import tensorflow as tf
+
+from ._setting import Setting
 
 _JAX_OPTION = "jax_default_matmul_precision"
 
 
 def _jax():
-    """JAX's module if this process has imported it (Keras's JAX backend does), else None."""
-    return sys.modules.get("jax")
+    """JAX's module if it is installed (TensorFlow 2.21 imports it already), else None."""
+    if importlib.util.find_spec("jax") is None:
+        return None
+    import jax
+
+    return jax
 
 
-class exact_float32:
+class exact_float32(Setting):
     """Pins float32 matrix products and convolutions to full float32 precision.
 
     Turns TF32 off in TensorFlow
     (`tf.config.experimental.enable_tensor_float_32_execution(False)`) and,
-    when JAX is imported (Keras on the JAX backend imports it), sets JAX's
-    default matmul precision to `"highest"` (float32). As a statement it holds
-    for the rest of the process; as a context manager, until the block ends,
-    when both settings return to what they were.
+    where JAX is installed, sets JAX's default matmul precision to
+    `"highest"` (float32). As a statement it holds for the rest of the
+    process. As a context manager it holds inside the block and applies
+    again at each entry (one object can serve several blocks); on exit both
+    settings return to what they were when the block was entered (for
+    `with exact_float32():`, before it was made), so a scope never undoes a
+    later `exact_float32()` statement.
 
     ```python
     import recompute
@@ -43,28 +52,23 @@ class exact_float32:
     for large matrices). Limits: JAX reads its setting when a function is
     traced (it is part of `jax.jit`'s cache key, so jitted functions retrace);
     an explicit `precision=` argument or a `jax.default_matmul_precision`
-    scope inside the code wins. JAX imported only after this call keeps its
-    default: call it after `import keras` (or `import jax`). Reduced-precision
-    dtypes (float16, bfloat16) are not affected.
+    scope inside the code wins. Reduced-precision dtypes (float16, bfloat16)
+    are not affected.
     """
 
-    def __init__(self):
-        self._previous_tf = tf.config.experimental.tensor_float_32_execution_enabled()
-        tf.config.experimental.enable_tensor_float_32_execution(False)
+    def _read(self):
         jax = _jax()
-        self._previous_jax = None
+        return (tf.config.experimental.tensor_float_32_execution_enabled(),
+                None if jax is None else getattr(jax.config, _JAX_OPTION))
+
+    def _write(self, state):
+        tf.config.experimental.enable_tensor_float_32_execution(state[0])
+        jax = _jax()
         if jax is not None:
-            self._previous_jax = (getattr(jax.config, _JAX_OPTION),)
-            jax.config.update(_JAX_OPTION, "highest")
+            jax.config.update(_JAX_OPTION, state[1])
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        tf.config.experimental.enable_tensor_float_32_execution(self._previous_tf)
-        if self._previous_jax is not None:
-            _jax().config.update(_JAX_OPTION, self._previous_jax[0])
-        return False
+    def _wanted(self):
+        return (False, None if _jax() is None else "highest")
 
     def __repr__(self):
         return "exact_float32()"

@@ -132,7 +132,9 @@ def assert_grouped_close(reference, actual, tol, names, group_of, floor_fraction
 
 def check_exact_float32():
     """`recompute.exact_float32()` turns TF32 off in TensorFlow and sets JAX's default matmul
-    precision to "highest" when JAX is imported; as a context manager it restores both."""
+    precision to "highest"; as a context manager it applies at each entry and restores, on
+    exit, what was in force when its block was entered (one object serves two blocks; an
+    object made earlier never undoes a later statement)."""
     import sys
 
     import tensorflow as tf
@@ -140,20 +142,43 @@ def check_exact_float32():
     import recompute
 
     jax = sys.modules.get("jax")
+    assert jax is not None  # TensorFlow imports JAX: there is no "JAX imported later"
 
     def settings():
         return (tf.config.experimental.tensor_float_32_execution_enabled(),
-                jax.config.jax_default_matmul_precision if jax is not None else None)
+                jax.config.jax_default_matmul_precision)
 
-    pinned = (False, "highest" if jax is not None else None)
-    tf.config.experimental.enable_tensor_float_32_execution(True)  # TensorFlow's default
-    if jax is not None:
+    def defaults():
+        tf.config.experimental.enable_tensor_float_32_execution(True)  # TensorFlow's default
         jax.config.update("jax_default_matmul_precision", None)  # JAX's default
+
+    pinned = (False, "highest")
+    defaults()
     try:
         default = settings()
         with recompute.exact_float32() as scope:
             assert settings() == pinned
             assert repr(scope) == "exact_float32()"
+        assert settings() == default
+        # one object, two blocks: the second runs pinned too, and both restore the default
+        for _ in range(2):
+            with scope:
+                assert settings() == pinned
+            assert settings() == default
+        # made earlier, entered after a later statement: exit keeps the statement's setting
+        earlier = recompute.exact_float32()
+        defaults()
+        recompute.exact_float32()  # a statement: for the rest of the process
+        with earlier:
+            assert settings() == pinned
+        assert settings() == pinned
+        # nested entries of one object restore in reverse order
+        defaults()
+        with scope:
+            defaults()
+            with scope:
+                assert settings() == pinned
+            assert settings() == default
         assert settings() == default
         recompute.exact_float32()  # a statement: for the rest of the process
         assert settings() == pinned

@@ -136,6 +136,21 @@ def test_block_rows_default_and_override():
             assert _flash.block_rows(512, 512) == 128
         assert _flash.block_rows(3, 512) == 3
     assert _flash.block_rows(512, 512) == 128
+    # one object, two blocks: set at each entry; restored to what each entry found
+    four = recompute.attention_block_size(4)
+    recompute.attention_block_size(None)
+    for _ in range(2):
+        with four:
+            assert _flash.block_rows(512, 512) == 4
+        assert _flash.block_rows(512, 512) == 128
+    # made earlier, entered after a later statement: exit keeps the statement's size
+    eight = recompute.attention_block_size(8)
+    recompute.attention_block_size(16)
+    with eight:
+        assert _flash.block_rows(512, 512) == 8
+    assert _flash.block_rows(512, 512) == 16
+    recompute.attention_block_size(None)
+    assert repr(eight) == "attention_block_size(8)"
     for bad in (0, -1, 2.5, True, "8"):
         with pytest.raises(ValueError, match=r"`rows` must be an integer >= 1 or None\. Received: rows="):
             recompute.attention_block_size(bad)
