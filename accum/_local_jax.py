@@ -9,9 +9,11 @@ computed them and all-reduces once per update:
 
 - the forward and backward pass run under `jax.shard_map`, manual over the
   batch axis only (a `ModelParallel` model axis stays XLA's): each device
-  computes the loss of its shard of the batch and its gradients, divided by
-  the number of shards n, and stacks them on a leading axis of length n
-  (sharded over the batch axis: nothing moves);
+  computes the loss of its shard of the batch, divided by the number of
+  shards n, and its gradients (its part of the batch's: under
+  `mixed_float16`'s loss scaling the float16 gradients are those of Keras's
+  step), and stacks them on a leading axis of length n (sharded over the
+  batch axis: nothing moves);
 - the `AccumOptimizer`'s buffers hold one row per shard (`DeviceRows`:
   shape `(n, *weight.shape)`, laid out over the batch axis and then as the
   weight is), so a micro-step adds each device's gradients to its own row;
@@ -43,8 +45,15 @@ advance as one device's would. RECOMPUTE=1 replays the same draws.
 Limits: the JAX backend with `jit_compile` (Keras's default there), Flax
 NNX off; `AccumOptimizer` in `mode="buffer"` (`"rescale"` folds every
 micro-step into the inner optimizer's moments, which needs the reduced
-gradient each time); the model's own `train_step` is replaced (a subclass
-that overrides it keeps Keras's per-micro-step reduction).
+gradient each time), or Keras's `LossScaleOptimizer` around one
+(`mixed_float16`); the model's own `train_step` is replaced (a subclass
+that overrides it keeps Keras's per-micro-step reduction); every batch
+splits evenly over the shards (`fit` on arrays checks `batch_size` and an
+epoch's last partial batch before training; a dataset's partial batch is
+refused when it comes, in Keras's terms instead of JAX's). `local_gradients`
+and `fit` run in the distribution's scope. Compiling the model with an
+optimizer that is not, or does not wrap, a buffered `AccumOptimizer` gives
+it back Keras's own step (so does `local_gradients(model, enabled=False)`).
 """
 
 import types
