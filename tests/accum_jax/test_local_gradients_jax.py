@@ -115,12 +115,3 @@ def test_refuses_masked_predictions():
         y = np.zeros((B, 6, 2), "float32")
         with pytest.raises(ValueError, match="with a mask"):
             model.fit(x, y, batch_size=B, verbose=0)
-
-
-def test_compiled_again_with_another_optimizer_is_refused_at_fit():
-    x, y = data()
-    with data_parallel().scope():
-        model = accum.local_gradients(compiled(mlp()))
-        model.compile(keras.optimizers.Adam(), "mse")
-        with pytest.raises(ValueError, match="needs a model compiled with"):
-            model.fit(x, y, batch_size=B, verbose=0)
