@@ -9,8 +9,6 @@ their products differently. With float32 pinned, they equal it to the
 tolerances this project documents and tests (docs/exactness.md).
 """
 
-import importlib.util
-
 import tensorflow as tf
 
 from ._setting import Setting
@@ -20,10 +18,10 @@ _JAX_OPTION = "jax_default_matmul_precision"
 
 def _jax():
     """JAX's module if it is installed (TensorFlow 2.21 imports it already), else None."""
-    if importlib.util.find_spec("jax") is None:
+    try:
+        import jax
+    except ImportError:
         return None
-    import jax
-
     return jax
 
 
