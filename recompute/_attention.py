@@ -62,7 +62,9 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
     -- as the blocked core of `engine` (`_flash_tf` or `_flash_jax`), or None if
     the call is not the standard case (then the caller runs or recomputes `core`
     itself): rank-4 inputs ([batch, seq, heads, dim]), one attention axis, dropout
-    > 0 with a Python `training` flag, no flash attention of Keras's own.
+    > 0 with a Python `training` flag, no flash attention of Keras's own; and
+    only where `_flash.runs_blocked` says so (not in half precision: there
+    Keras's own core runs, and gives RECOMPUTE=0's numbers).
 
     The dropout's decision is drawn once, in the forward pass: the same random
     numbers as RECOMPUTE=0's layer draws, in chunks of rows where the engine can
@@ -94,6 +96,7 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
         or len(query.shape) != 4 or len(key.shape) != 4 or len(value.shape) != 4
         or None in (query.shape[1], key.shape[1], query.shape[2])
         or tuple(getattr(layer, "_attention_axes", (1,)) or (1,)) != (1,)
+        or not _flash.runs_blocked(engine.ENGINE, query.dtype, query.shape[1], key.shape[1])
     ):
         return None
     mask = a["attention_mask"]

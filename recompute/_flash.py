@@ -103,8 +103,44 @@ def block_rows(queries, keys):
     return max(1, min(rows, queries))
 
 
+HALF_PRECISION = ("float16", "bfloat16")
+
+
+def runs_blocked(engine, dtype, queries, keys):
+    """Whether an attention core that is the standard case runs as the blocked core
+    (True) or as the layer's own code (False: Keras's `_compute_attention`,
+    bert4keras's `pay_attention_to`), for one call: the one rule, which
+    `_attention.keras_blocked` and `recompute.bert4keras._attention.lean_applies`
+    both consult.
+
+    The rule: the blocked core runs in float32 (and float64), where its values
+    equal the layer's own to float rounding (<= 1e-5 relative); in half precision
+    (float16, bfloat16) the layer's own core runs. The blocked core computes the
+    same sums in another order (its scores' einsum takes its operands in another
+    order than Keras's; its backward takes dV, dP, dQ and dK by its own einsums,
+    not as autodiff of the layer's ops rounds them), so in half precision its
+    values are a half-precision ulp or more from RECOMPUTE=0's (Keras 3 on
+    TensorFlow's CPU kernels, seq 37, eager: 5e-3 relative in the gradients,
+    bfloat16 and float16); the layer's own core, recomputed, gives RECOMPUTE=0's
+    numbers wherever recomputation itself does (docs/limitations.md).
+
+    Args:
+        engine: the `Engine` of the call (`_flash_tf.ENGINE`, `_flash_jax.ENGINE`;
+            its `name`).
+        dtype: the core's compute dtype (the projected queries' dtype: a
+            TensorFlow, NumPy or JAX dtype, or its name).
+        queries, keys: the lengths of the query and key axes (None where known
+            only when the core runs).
+    """
+    del engine, queries, keys  # not used by the rule yet
+    name = getattr(dtype, "name", None) or str(dtype)
+    return name not in HALF_PRECISION
+
+
 class Engine:
     """What the algorithm asks of a framework (`_flash_tf.ENGINE`, `_flash_jax.ENGINE`)."""
+
+    name = None  # "tensorflow" or "jax"
 
     def rows(self, x, start, size, axis):
         """`x[..., start:start + size, ...]` along `axis` (`start` may be traced)."""

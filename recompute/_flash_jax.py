@@ -31,6 +31,8 @@ def pack(mask):
 
 
 class _Engine(_flash.Engine):
+    name = "jax"
+
     def rows(self, x, start, size, axis):
         import jax
 

@@ -36,6 +36,8 @@ def pack(mask):
 
 
 class _Engine(_flash.Engine):
+    name = "tensorflow"
+
     def rows(self, x, start, size, axis):
         index = [slice(None)] * x.shape.rank
         index[axis] = slice(start, start + size)

@@ -24,9 +24,10 @@ backward (docs/attention.md):
   kept as bits (1 bit per entry); under "layer" and "block" it is kept through
   the recomputation of the layer or block (`recompute._core.kept`), not redrawn.
 
-Only the standard case is blocked: softmax normalization, no position bias.
-`lean_applies` says whether a call is; every other call runs bert4keras's own
-code (recomputed all the same).
+Only the standard case is blocked: softmax normalization, no position bias,
+and not in half precision (`recompute._flash.runs_blocked`, the rule Keras's
+cores follow too). `lean_applies` says whether a call is; every other call runs
+bert4keras's own code (recomputed all the same).
 """
 
 import tensorflow as tf
@@ -40,11 +41,15 @@ P_EINSUM = "bhjk,bkhd->bjhd"  # probabilities x values, as bert4keras writes it
 def lean_applies(layer, inputs, kwargs):
     """True if `layer.pay_attention_to(inputs, mask, **kwargs)` is the standard case:
     softmax, no position bias; an attention bias (`a_bias`: the language model's
-    causal mask, UniLM's) is supported."""
+    causal mask, UniLM's) is supported; and `recompute._flash.runs_blocked` says
+    the blocked core runs (not in half precision: there bert4keras's own code
+    runs, recomputed, as for Keras's core)."""
     return (
         getattr(layer, "normalization", None) == "softmax"
         and not kwargs.get("p_bias")
         and len(inputs) == (4 if kwargs.get("a_bias") else 3)
+        and _flash.runs_blocked(_flash_tf.ENGINE, inputs[0].dtype, inputs[0].shape[1],
+                                inputs[1].shape[1])
     )
 
 

@@ -227,6 +227,41 @@ def test_mixed_precision_eager_exact():
     assert r[True][1] == 2 * r[False][1]
 
 
+class DropoutAttentionBlock(K.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.mha = K.layers.MultiHeadAttention(num_heads=2, key_dim=8, dropout=0.1)
+
+    @recompute_grad
+    def call(self, x, training=None):
+        return self.mha(x, x, training=training)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_attention_with_dropout_eager_exact(policy):
+    """Half precision, eager ("full"): a `MultiHeadAttention` with dropout gives
+    RECOMPUTE=0's output and gradients (the layer's own core runs: `_flash.runs_blocked`)."""
+    x = inputs((2, 37, 16))
+    results = []
+    K.mixed_precision.set_global_policy(policy)
+    try:
+        for on in (False, True):
+            K.utils.set_random_seed(0)
+            tf.random.set_seed(0)
+            layer = DropoutAttentionBlock()
+            layer(x)
+            with recompute.recompute_scope(on), tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer(x, training=True)
+                loss = tf.reduce_sum(tf.cast(y, tf.float32) ** 2)
+            assert y.dtype == policy.split("_")[1]
+            results.append([tf.cast(y, tf.float32)] + to_numpy(
+                tape.gradient(loss, [x] + layer.trainable_weights)))
+    finally:
+        K.mixed_precision.set_global_policy("float32")
+    assert_all_close(results[0], results[1])
+
+
 class LazyBlock(K.layers.Layer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
