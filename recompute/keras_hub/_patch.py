@@ -1,9 +1,20 @@
-"""`patch()` / `unpatch()` / `covered(model)`: the blocks of `_blocks.BLOCKS` recompute with `recompute_grad`."""
+"""`patch()` / `unpatch()` / `covered(model)`: the blocks of `_blocks.BLOCKS` recompute with `recompute_grad`.
 
+A change of the patch (`patch()`, a policy switch, `unpatch()`) reaches the steps Keras
+compiled before it: a `fit`, `evaluate`, `predict` or `train_on_batch` traces its step once
+and reuses it, without running any block's `call` again, so a model fitted before `patch()`
+would go on training unpatched. `_retrace` drops the traced steps (`train_function`,
+`test_function`, `predict_function`, as `compile()` does) of every live Keras model with a
+block of a changed class, found by walking Python's heap (`gc.get_objects`): `patch()`
+cannot see models otherwise, and nothing of a model traced before the first `patch()` runs
+code of this package. Their next step is traced anew, with the classes' `call` of now.
+"""
+
+import gc
 import inspect
 import warnings
 
-from .. import _config, _policies
+from .. import _config, _keras3, _policies
 from .._decorator import recompute_grad
 from . import _blocks, _cores
 
@@ -117,6 +128,7 @@ def patch(policy="full"):
     """
     _policies.check_policy(policy)
     _import_keras_hub()
+    changed = []
     for cls, row in _blocks.installed():
         if cls in _patched:
             if _patched[cls][1] == policy:
@@ -126,13 +138,51 @@ def patch(policy="full"):
             original = cls.__dict__["call"]
         cls.call = _patched_call(cls, row, original, policy)
         _patched[cls] = (original, policy)
+        changed.append(cls)
+    _retrace(changed)
 
 
 def unpatch():
-    """Restores keras-hub's own `call` of every patched block class (nothing to do if not patched)."""
+    """Restores keras-hub's own `call` of every patched block class (nothing to do if not patched).
+
+    Like `patch()`, makes the models compiled while patched trace their steps anew at their
+    next `fit`, `evaluate`, `predict` or `train_on_batch`.
+    """
+    changed = []
     for cls, (original, _) in list(_patched.items()):
         cls.call = original
         del _patched[cls]
+        changed.append(cls)
+    _retrace(changed)
+
+
+# What Keras's `compile()` resets: the steps `fit`/`train_on_batch`, `evaluate`/`test_on_batch`
+# and `predict`/`predict_on_batch` trace once (a `tf.function`; on JAX a `jax.jit` of the step,
+# made anew with the step) and reuse until then.
+_STEPS = ("train_function", "test_function", "predict_function")
+
+
+def _retrace(classes):
+    """Drops the traced steps of every live Keras model that has a layer of one of `classes`
+    (block classes whose `call` just changed), so that its next step is traced anew.
+    Returns those models."""
+    if not classes:
+        return []
+    import keras
+
+    classes = tuple(classes)
+    retraced = []
+    for obj in gc.get_objects():
+        # `type`, not `isinstance`: no `__class__` of an arbitrary object (a lazy module) is read
+        if not issubclass(type(obj), keras.Model):
+            continue
+        if all(getattr(obj, name, None) is None for name in _STEPS):
+            continue
+        if any(isinstance(layer, classes) for layer in _keras3.sublayers(obj)):
+            for name in _STEPS:
+                setattr(obj, name, None)
+            retraced.append(obj)
+    return retraced
 
 
 def is_patched():
