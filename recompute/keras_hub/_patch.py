@@ -204,8 +204,21 @@ def covered(model):
     Warns (`UserWarning`) when there are none -- keras-hub not patched, or a model
     built from blocks the registry does not list (docs/keras_hub.md): such a model
     trains as without `patch()`, keeping every activation.
+
+    Args:
+        model: a Keras model or layer (a block itself lists itself).
+
+    Raises:
+        TypeError: `model` is not a Keras layer (None, a string, a class).
     """
-    layers = [layer for layer in model._flatten_layers(include_self=True, recursive=True)
+    import keras
+
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            "`model` must be a Keras model or layer (a keras-hub backbone or task, any "
+            f"`keras.Model`). Received: model={model!r} of type {type(model).__name__}"
+        )
+    layers = [layer for layer in _keras3.sublayers(model)
               if getattr(type(layer).call, _MARK, None) is not None]
     if not layers:
         reason = ("keras-hub is not patched: call `recompute.keras_hub.patch()`"

@@ -12,6 +12,7 @@ tests/recompute_jax/test_keras_hub_jax.py import them (`__all__`).
 
 import contextlib
 import functools
+import re
 
 import keras
 import numpy as np
@@ -207,6 +208,33 @@ def test_patch_switch_and_unpatch_retrace_the_compiled_steps(monkeypatch):
             hub.unpatch()
         calls, recomputed = _fit(model, x, y, True, seen, count)
         assert calls > 0 and recomputed == 0, (calls, recomputed)
+
+
+@pytest.mark.parametrize("model", [None, "bert", keras.Model], ids=["None", "str", "class"])
+def test_covered_refuses_what_is_not_a_keras_layer(model):
+    """`covered(None)` (a string, a model class) says what it takes (issue 35 item 7: it
+    raised `AttributeError: 'NoneType' object has no attribute '_flatten_layers'`)."""
+    import recompute.keras_hub as hub
+
+    with pytest.raises(TypeError, match=r"`model` must be a Keras model or layer.*Received: model="
+                                        + re.escape(repr(model))):
+        hub.covered(model)
+
+
+def test_covered_takes_any_keras_layer():
+    """`covered` of a plain Keras layer lists nothing and warns; of a block itself, the block."""
+    import keras_hub
+
+    import recompute.keras_hub as hub
+
+    block = keras_hub.layers.TransformerEncoder(intermediate_dim=8, num_heads=1)
+    hub.patch()
+    try:
+        with pytest.warns(UserWarning, match="'plain' has no block"):
+            assert hub.covered(keras.layers.Dense(2, name="plain")) == []
+        assert hub.covered(block) == [block]
+    finally:
+        hub.unpatch()
 
 
 def numpy_reference():
