@@ -3,16 +3,19 @@
 A change of the patch (`patch()`, a policy switch, `unpatch()`) reaches the steps Keras
 compiled before it: a `fit`, `evaluate`, `predict` or `train_on_batch` traces its step once
 and reuses it, without running any block's `call` again, so a model fitted before `patch()`
-would go on training unpatched. `_retrace` drops the traced steps (`train_function`,
-`test_function`, `predict_function`, as `compile()` does) of every live Keras model with a
-block of a changed class, found by walking Python's heap (`gc.get_objects`): `patch()`
-cannot see models otherwise, and nothing of a model traced before the first `patch()` runs
-code of this package. Their next step is traced anew, with the classes' `call` of now.
+would go on training unpatched. `_retrace` replaces the traced steps (`train_function`,
+`test_function`, `predict_function`, which `compile()` resets) of every live Keras model
+with a block of a changed class by a `_Retraced`, which has Keras trace the step anew when
+it is next run (between steps: a `fit` running then goes on with the new step). The models
+are found by walking Python's heap (`gc.get_objects`): `patch()` cannot see models
+otherwise, and nothing of a model traced before the first `patch()` runs code of this
+package.
 """
 
 import gc
 import inspect
 import warnings
+import weakref
 
 from .. import _config, _keras3, _policies
 from .._decorator import recompute_grad
@@ -110,6 +113,16 @@ def patch(policy="full"):
     `from_preset` too) are covered; `covered(model)` says which of a model's
     blocks are, and warns when none is.
 
+    Models compiled and trained before too: Keras traces a model's
+    `fit`/`train_on_batch`, `evaluate` and `predict` steps once and reuses them,
+    so `patch()` (a policy switch, `unpatch()` likewise) marks the traced steps
+    of every live Keras model that has a block of a changed class stale: its
+    next step is traced anew, with the `call` of now (a `fit` running when a
+    callback calls `patch()` goes on with a new step). A `tf.function` or
+    `jax.jit` of your own traced before keeps what it traced: trace it again.
+    `RECOMPUTE` is read when a step is traced (`compile()` again to switch it
+    for a model trained already).
+
     `policy="full"` recomputes each block as a unit (only its inputs are
     kept). `policy="attention"` recomputes only each block's attention core:
     Keras's `MultiHeadAttention` core as `recompute_grad(policy="attention")`
@@ -156,16 +169,40 @@ def unpatch():
     _retrace(changed)
 
 
-# What Keras's `compile()` resets: the steps `fit`/`train_on_batch`, `evaluate`/`test_on_batch`
-# and `predict`/`predict_on_batch` trace once (a `tf.function`; on JAX a `jax.jit` of the step,
-# made anew with the step) and reuse until then.
+# The steps Keras traces once and reuses (`compile()` resets them): `fit`/`train_on_batch`,
+# `evaluate`/`test_on_batch`, `predict`/`predict_on_batch`; a `tf.function`, on JAX a `jax.jit`
+# of the step, made anew with the step by `make_<name>()`.
 _STEPS = ("train_function", "test_function", "predict_function")
 
 
+class _Retraced:
+    """Stands in for a traced step of `model` that a change of the patch made stale: the
+    first call has Keras make the step anew (`make_<name>()`, which traces it) and runs it.
+
+    Not None, as `compile()` leaves it: a `fit` running when `patch()` is called (from one of
+    its callbacks) reads its step again at every step, and goes on with the new one.
+    """
+
+    def __init__(self, model, name):
+        self._model = weakref.ref(model)
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        model = self._model()
+        setattr(model, self._name, None)
+        getattr(model, "make_" + self._name)()
+        step = getattr(model, self._name)
+        if step is None or isinstance(step, _Retraced):
+            raise RuntimeError(
+                f"recompute.keras_hub: model '{model.name}' made no `{self._name}` anew after "
+                f"the patch changed: its `make_{self._name}()` did not set it."
+            )
+        return step(*args, **kwargs)
+
+
 def _retrace(classes):
-    """Drops the traced steps of every live Keras model that has a layer of one of `classes`
-    (block classes whose `call` just changed), so that its next step is traced anew.
-    Returns those models."""
+    """Makes every live Keras model that has a layer of one of `classes` (block classes whose
+    `call` just changed) trace its steps anew when it next runs them. Returns those models."""
     if not classes:
         return []
     import keras
@@ -176,11 +213,11 @@ def _retrace(classes):
         # `type`, not `isinstance`: no `__class__` of an arbitrary object (a lazy module) is read
         if not issubclass(type(obj), keras.Model):
             continue
-        if all(getattr(obj, name, None) is None for name in _STEPS):
-            continue
-        if any(isinstance(layer, classes) for layer in _keras3.sublayers(obj)):
-            for name in _STEPS:
-                setattr(obj, name, None)
+        steps = [name for name in _STEPS
+                 if getattr(obj, name, None) is not None and not isinstance(getattr(obj, name), _Retraced)]
+        if steps and any(isinstance(layer, classes) for layer in _keras3.sublayers(obj)):
+            for name in steps:
+                setattr(obj, name, _Retraced(obj, name))
             retraced.append(obj)
     return retraced
 
@@ -203,7 +240,9 @@ def covered(model):
 
     Warns (`UserWarning`) when there are none -- keras-hub not patched, or a model
     built from blocks the registry does not list (docs/keras_hub.md): such a model
-    trains as without `patch()`, keeping every activation.
+    trains as without `patch()`, keeping every activation. The blocks listed
+    recompute at the model's next step, compiled before `patch()` or not
+    (`patch()` makes the model trace its steps anew).
 
     Args:
         model: a Keras model or layer (a block itself lists itself).

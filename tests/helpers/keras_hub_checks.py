@@ -183,19 +183,31 @@ def test_patch_after_fit_recomputes_at_the_next_fit(monkeypatch):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-def test_patch_switch_and_unpatch_retrace_the_compiled_steps(monkeypatch):
-    """After `patch()` a model's `evaluate` step traced before is traced anew; after a policy
-    switch its `train_on_batch` step; after `unpatch()` its `fit` step, which recomputes no
-    more (each reused the step traced before, issue 35 item 3)."""
+def test_patch_in_a_running_fit_a_switch_and_unpatch_retrace_the_steps(monkeypatch):
+    """`patch()` from a callback of a running `fit` (after its first step): the next step is
+    traced anew and recomputes; the `evaluate` step traced before `patch()` is traced anew;
+    after a policy switch the `train_on_batch` step, after `unpatch()` the `fit` step, which
+    recomputes no more (each reused the step traced before, issue 35 item 3)."""
     import recompute.keras_hub as hub
 
     x, y = batch()
+    two_steps = {k: np.concatenate([v, v]) for k, v in x.items()}, np.concatenate([y, y])
+
+    class PatchAfterFirstStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, step, logs=None):
+            if step == 0:
+                hub.patch()
+                self.recomputed = count[0]
+
     with _counted_encoder_calls(monkeypatch) as (seen, count):
         model = _one_block_classifier()
-        _fit(model, x, y, True)
         model.evaluate(x, y, verbose=0)
+        callback = PatchAfterFirstStep()
         try:
-            hub.patch()
+            with recompute_scope(True):
+                model.fit(*two_steps, batch_size=len(y), epochs=1, shuffle=False, verbose=0,
+                          callbacks=[callback])
+            assert count[0] > callback.recomputed  # its second step
             before = seen["calls"]
             model.evaluate(x, y, verbose=0)
             assert seen["calls"] > before
