@@ -5,6 +5,11 @@ Exactness is checked on gradients: one SGD step with a large learning rate from 
 state (weights and seed-generator states) with RECOMPUTE off and on; the weight change
 divided by the learning rate is the gradient, compared for every variable.
 
+Steps compiled before `patch()` (issue 35): a model fitted, then patched (from a callback of
+a running `fit` too), switched or unpatched, traces its next step anew -- counted by the runs
+of keras-hub's own `TransformerEncoder.call` and the recomputations started, which do not
+move while a step traced before is reused.
+
 The `test_*` functions (and the fixture `reference`) are the tests of both suites,
 written once: tests/recompute_keras3/test_keras_hub.py and
 tests/recompute_jax/test_keras_hub_jax.py import them (`__all__`).
