@@ -187,6 +187,9 @@ class _Retraced:
         self._model = weakref.ref(model)
         self._name = name
 
+    def __deepcopy__(self, memo):
+        return None  # a deep copy of the model traces its own steps (this one's are the original's)
+
     def __call__(self, *args, **kwargs):
         model = self._model()
         setattr(model, self._name, None)
