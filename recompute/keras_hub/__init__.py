@@ -21,9 +21,12 @@ recompute.keras_hub.covered(causal_lm)       # its recomputed blocks; warns if t
 (Keras's `MultiHeadAttention` core, or the attention layer's own core
 method); blocks that compute attention inline (Bloom, Falcon, T5, ESM,
 RoFormerV2) are recomputed in full then, with one warning per class.
-`patch()` is idempotent, `unpatch()` undoes it. `covered(model)` is the check
-a user runs on a model: `patch()` cannot see models, so it cannot warn about
-one none of whose blocks it covers.
+`patch()` is idempotent, `unpatch()` undoes it. A model compiled and trained
+before `patch()` (a policy switch, `unpatch()`) traces its steps anew at its
+next `fit`, `evaluate` or `predict`: `patch()` marks the traced steps of every
+live model with a block of a changed class stale. `covered(model)` is the check a
+user runs on a model: `patch()` does not warn about one none of whose blocks
+it covers.
 
 `hf_preset(src, out_dir)` turns a Hugging Face BERT (directory or zip) into
 a preset directory keras-hub loads offline; `minilm_preset()` does so for the

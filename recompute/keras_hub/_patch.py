@@ -1,9 +1,23 @@
-"""`patch()` / `unpatch()` / `covered(model)`: the blocks of `_blocks.BLOCKS` recompute with `recompute_grad`."""
+"""`patch()` / `unpatch()` / `covered(model)`: the blocks of `_blocks.BLOCKS` recompute with `recompute_grad`.
 
+A change of the patch (`patch()`, a policy switch, `unpatch()`) reaches the steps Keras
+compiled before it: a `fit`, `evaluate`, `predict` or `train_on_batch` traces its step once
+and reuses it, without running any block's `call` again, so a model fitted before `patch()`
+would go on training unpatched. `_retrace` replaces the traced steps (`train_function`,
+`test_function`, `predict_function`, which `compile()` resets) of every live Keras model
+with a block of a changed class by a `_Retraced`, which has Keras trace the step anew when
+it is next run (between steps: a `fit` running then goes on with the new step). The models
+are found by walking Python's heap (`gc.get_objects`): `patch()` cannot see models
+otherwise, and nothing of a model traced before the first `patch()` runs code of this
+package.
+"""
+
+import gc
 import inspect
 import warnings
+import weakref
 
-from .. import _config, _policies
+from .. import _config, _keras3, _policies
 from .._decorator import recompute_grad
 from . import _blocks, _cores
 
@@ -99,6 +113,16 @@ def patch(policy="full"):
     `from_preset` too) are covered; `covered(model)` says which of a model's
     blocks are, and warns when none is.
 
+    Models compiled and trained before too: Keras traces a model's
+    `fit`/`train_on_batch`, `evaluate` and `predict` steps once and reuses them,
+    so `patch()` (a policy switch, `unpatch()` likewise) marks the traced steps
+    of every live Keras model that has a block of a changed class stale: its
+    next step is traced anew, with the `call` of now (a `fit` running when a
+    callback calls `patch()` goes on with a new step). A `tf.function` or
+    `jax.jit` of your own traced before keeps what it traced: trace it again.
+    `RECOMPUTE` is read when a step is traced (`compile()` again to switch it
+    for a model trained already).
+
     `policy="full"` recomputes each block as a unit (only its inputs are
     kept). `policy="attention"` recomputes only each block's attention core:
     Keras's `MultiHeadAttention` core as `recompute_grad(policy="attention")`
@@ -117,6 +141,7 @@ def patch(policy="full"):
     """
     _policies.check_policy(policy)
     _import_keras_hub()
+    changed = []
     for cls, row in _blocks.installed():
         if cls in _patched:
             if _patched[cls][1] == policy:
@@ -126,13 +151,78 @@ def patch(policy="full"):
             original = cls.__dict__["call"]
         cls.call = _patched_call(cls, row, original, policy)
         _patched[cls] = (original, policy)
+        changed.append(cls)
+    _retrace(changed)
 
 
 def unpatch():
-    """Restores keras-hub's own `call` of every patched block class (nothing to do if not patched)."""
+    """Restores keras-hub's own `call` of every patched block class (nothing to do if not patched).
+
+    Like `patch()`, makes the models compiled while patched trace their steps anew at their
+    next `fit`, `evaluate`, `predict` or `train_on_batch`.
+    """
+    changed = []
     for cls, (original, _) in list(_patched.items()):
         cls.call = original
         del _patched[cls]
+        changed.append(cls)
+    _retrace(changed)
+
+
+# The steps Keras traces once and reuses (`compile()` resets them): `fit`/`train_on_batch`,
+# `evaluate`/`test_on_batch`, `predict`/`predict_on_batch`; a `tf.function`, on JAX a `jax.jit`
+# of the step, made anew with the step by `make_<name>()`.
+_STEPS = ("train_function", "test_function", "predict_function")
+
+
+class _Retraced:
+    """Stands in for a traced step of `model` that a change of the patch made stale: the
+    first call has Keras make the step anew (`make_<name>()`, which traces it) and runs it.
+
+    Not None, as `compile()` leaves it: a `fit` running when `patch()` is called (from one of
+    its callbacks) reads its step again at every step, and goes on with the new one.
+    """
+
+    def __init__(self, model, name):
+        self._model = weakref.ref(model)
+        self._name = name
+
+    def __deepcopy__(self, memo):
+        return None  # a deep copy of the model traces its own steps (this one's are the original's)
+
+    def __call__(self, *args, **kwargs):
+        model = self._model()
+        setattr(model, self._name, None)
+        getattr(model, "make_" + self._name)()
+        step = getattr(model, self._name)
+        if step is None or isinstance(step, _Retraced):
+            raise RuntimeError(
+                f"recompute.keras_hub: model '{model.name}' made no `{self._name}` anew after "
+                f"the patch changed: its `make_{self._name}()` did not set it."
+            )
+        return step(*args, **kwargs)
+
+
+def _retrace(classes):
+    """Makes every live Keras model that has a layer of one of `classes` (block classes whose
+    `call` just changed) trace its steps anew when it next runs them. Returns those models."""
+    if not classes:
+        return []
+    import keras
+
+    classes = tuple(classes)
+    retraced = []
+    for obj in gc.get_objects():
+        # `type`, not `isinstance`: no `__class__` of an arbitrary object (a lazy module) is read
+        if not issubclass(type(obj), keras.Model):
+            continue
+        steps = [name for name in _STEPS
+                 if getattr(obj, name, None) is not None and not isinstance(getattr(obj, name), _Retraced)]
+        if steps and any(isinstance(layer, classes) for layer in _keras3.sublayers(obj)):
+            for name in steps:
+                setattr(obj, name, _Retraced(obj, name))
+            retraced.append(obj)
+    return retraced
 
 
 def is_patched():
@@ -153,9 +243,24 @@ def covered(model):
 
     Warns (`UserWarning`) when there are none -- keras-hub not patched, or a model
     built from blocks the registry does not list (docs/keras_hub.md): such a model
-    trains as without `patch()`, keeping every activation.
+    trains as without `patch()`, keeping every activation. The blocks listed
+    recompute at the model's next step, compiled before `patch()` or not
+    (`patch()` makes the model trace its steps anew).
+
+    Args:
+        model: a Keras model or layer (a block itself lists itself).
+
+    Raises:
+        TypeError: `model` is not a Keras layer (None, a string, a class).
     """
-    layers = [layer for layer in model._flatten_layers(include_self=True, recursive=True)
+    import keras
+
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            "`model` must be a Keras model or layer (a keras-hub backbone or task, any "
+            f"`keras.Model`). Received: model={model!r} of type {type(model).__name__}"
+        )
+    layers = [layer for layer in _keras3.sublayers(model)
               if getattr(type(layer).call, _MARK, None) is not None]
     if not layers:
         reason = ("keras-hub is not patched: call `recompute.keras_hub.patch()`"

@@ -5,10 +5,19 @@ Exactness is checked on gradients: one SGD step with a large learning rate from 
 state (weights and seed-generator states) with RECOMPUTE off and on; the weight change
 divided by the learning rate is the gradient, compared for every variable.
 
+Steps compiled before `patch()` (issue 35): a model fitted, then patched (from a callback of
+a running `fit` too), switched or unpatched, traces its next step anew -- counted by the runs
+of keras-hub's own `TransformerEncoder.call` and the recomputations started, which do not
+move while a step traced before is reused.
+
 The `test_*` functions (and the fixture `reference`) are the tests of both suites,
 written once: tests/recompute_keras3/test_keras_hub.py and
 tests/recompute_jax/test_keras_hub_jax.py import them (`__all__`).
 """
+
+import contextlib
+import functools
+import re
 
 import keras
 import numpy as np
@@ -102,6 +111,147 @@ def test_patch_is_exact_and_reversible(policy):
         hub.unpatch()
     assert encoder.__dict__["call"] is original and hub.is_patched() is None
     hub.unpatch()  # nothing to undo
+
+
+@contextlib.contextmanager
+def _counted_encoder_calls(monkeypatch):
+    """Counts, while active, the runs of keras-hub's own `TransformerEncoder.call` (the
+    original under `patch()`: traced or eager, forward or recomputation) and the calls that
+    start a recomputation: yields {"calls": n, "recomputed": n}. Neither moves while a step
+    traced before runs: they count what a step traced (or ran) anew does."""
+    import keras_hub
+
+    from tests.helpers.keras_hub_decoder_checks import _recomputed_calls
+
+    encoder = keras_hub.layers.TransformerEncoder
+    own = encoder.__dict__["call"]
+    seen = {"calls": 0, "recomputed": 0}
+
+    @functools.wraps(own)
+    def call(*args, **kwargs):
+        seen["calls"] += 1
+        return own(*args, **kwargs)
+
+    monkeypatch.setattr(encoder, "call", call)  # before `patch()`: it wraps this one
+    with _recomputed_calls() as count:
+        yield seen, count
+
+
+def _fit(model, x, y, on, seen=None, count=None):
+    """One epoch of one step with RECOMPUTE `on`: (calls of the encoder's own `call`,
+    recomputations started) during it."""
+    before = (seen["calls"], count[0]) if seen is not None else (0, 0)
+    with recompute_scope(on):
+        model.fit(x, y, batch_size=len(y), epochs=1, shuffle=False, verbose=0)
+    return (seen["calls"] - before[0], count[0] - before[1]) if seen is not None else None
+
+
+def _one_block_classifier():
+    """`classifier` of a one-block `tiny_backbone` (seed 0), compiled with SGD (each trace of
+    a step costs seconds on JAX: one block, not two)."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    model = classifier(keras_hub.models.BertBackbone(
+        vocabulary_size=60, num_layers=1, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=12, dropout=0.1))
+    model.compile(keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_patch_after_fit_recomputes_at_the_next_fit(monkeypatch):
+    """A model fitted (its step traced) before `patch()` recomputes at its next `fit`: the
+    step is traced anew, and the weights are those of a model trained without recomputation
+    (issue 35 item 3: the step traced before `patch()` was reused, recomputing nothing)."""
+    import recompute.keras_hub as hub
+
+    x, y = batch()
+    with _counted_encoder_calls(monkeypatch) as (seen, count):
+        model = _one_block_classifier()
+        reference = _one_block_classifier()
+        for a, b in zip(reference.variables, model.variables):
+            a.assign(np.array(b.numpy()))  # weights and seed states (a copy: JAX donates)
+        for m in (model, reference):
+            _fit(m, x, y, True)  # traced unpatched
+        try:
+            hub.patch()
+            assert len(hub.covered(model)) == 1  # it lists the block ...
+            calls, recomputed = _fit(model, x, y, True, seen, count)
+            assert calls > 0 and recomputed > 0, (calls, recomputed)  # ... and it recomputes
+        finally:
+            hub.unpatch()
+        _fit(reference, x, y, False)
+    names = [v.path for v in model.trainable_variables]
+    assert_all_close([v.numpy() for v in reference.trainable_variables],
+                     [v.numpy() for v in model.trainable_variables], names)
+    for a, b in zip(reference.non_trainable_variables, model.non_trainable_variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_patch_in_a_running_fit_a_switch_and_unpatch_retrace_the_steps(monkeypatch):
+    """`patch()` from a callback of a running `fit` (after its first step): the next step is
+    traced anew and recomputes; the `evaluate` step traced before `patch()` is traced anew;
+    after a policy switch the `train_on_batch` step, after `unpatch()` the `fit` step, which
+    recomputes no more (each reused the step traced before, issue 35 item 3)."""
+    import recompute.keras_hub as hub
+
+    x, y = batch()
+    two_steps = {k: np.concatenate([v, v]) for k, v in x.items()}, np.concatenate([y, y])
+
+    class PatchAfterFirstStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, step, logs=None):
+            if step == 0:
+                hub.patch()
+                self.recomputed = count[0]
+
+    with _counted_encoder_calls(monkeypatch) as (seen, count):
+        model = _one_block_classifier()
+        model.evaluate(x, y, verbose=0)
+        callback = PatchAfterFirstStep()
+        try:
+            with recompute_scope(True):
+                model.fit(*two_steps, batch_size=len(y), epochs=1, shuffle=False, verbose=0,
+                          callbacks=[callback])
+            assert count[0] > callback.recomputed  # its second step
+            before = seen["calls"]
+            model.evaluate(x, y, verbose=0)
+            assert seen["calls"] > before
+            hub.patch(policy="attention")
+            before = count[0]
+            with recompute_scope(True):
+                model.train_on_batch(x, y)
+            assert count[0] > before
+        finally:
+            hub.unpatch()
+        calls, recomputed = _fit(model, x, y, True, seen, count)
+        assert calls > 0 and recomputed == 0, (calls, recomputed)
+
+
+@pytest.mark.parametrize("model", [None, "bert", keras.Model], ids=["None", "str", "class"])
+def test_covered_refuses_what_is_not_a_keras_layer(model):
+    """`covered(None)` (a string, a model class) says what it takes (issue 35 item 7: it
+    raised `AttributeError: 'NoneType' object has no attribute '_flatten_layers'`)."""
+    import recompute.keras_hub as hub
+
+    with pytest.raises(TypeError, match=r"`model` must be a Keras model or layer.*Received: model="
+                                        + re.escape(repr(model))):
+        hub.covered(model)
+
+
+def test_covered_takes_any_keras_layer():
+    """`covered` of a plain Keras layer lists nothing and warns; of a block itself, the block."""
+    import keras_hub
+
+    import recompute.keras_hub as hub
+
+    block = keras_hub.layers.TransformerEncoder(intermediate_dim=8, num_heads=1)
+    hub.patch()
+    try:
+        with pytest.warns(UserWarning, match="'plain' has no block"):
+            assert hub.covered(keras.layers.Dense(2, name="plain")) == []
+        assert hub.covered(block) == [block]
+    finally:
+        hub.unpatch()
 
 
 def numpy_reference():
