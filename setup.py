@@ -42,6 +42,11 @@ setup(
             "matplotlib>=3.7",
             "jax[cpu]==0.10.*",  # the JAX-backend suites (tests/recompute_jax, tests/accum_jax)
             "keras-hub==0.32.*",  # recompute.keras_hub's tests (TensorFlow and JAX)
+            # XLA:GPU's memory plan compiled without a GPU (benchmarks.gpu_plan and its test):
+            # JAX's CUDA plugin of jax's version, without its `with-cuda` extra -- no NVIDIA
+            # library, no driver.
+            "jax-cuda12-pjrt==0.10.*",
+            "jax-cuda12-plugin==0.10.*",
         ],
     },
 )

@@ -18,6 +18,11 @@ saves the figures):
   are importable already, Hugging Face BERT (sdpa and eager attention, with
   and without gradient checkpointing): MiB per sample, memory and step-time
   ratios within each framework, the batch in a budget, first losses.
+- `python -m benchmarks.gpu_plan`: XLA:GPU's memory plan of the JAX training
+  step (keras-hub BERT or the standard Keras 3 block) for an H100 (A100-40,
+  L4, RTX 4090) compiled on any machine, no GPU needed, per policy and
+  attention core: temp MiB per sample, arguments, outputs, loops and softmax
+  passes per layer (docs/attention.md).
 - `python -m benchmarks.attention_seq`: activation memory per sample of the
   standard Keras 3 block against the sequence length, per policy (through
   `recompute_memory`); a table and a PNG (docs/attention.md).

@@ -12,8 +12,11 @@ class Block(keras.layers.Layer):
 Set `RECOMPUTE=1` (read when the layer runs) or use `recompute_scope(True)`.
 `@recompute_grad(policy="attention")` recomputes only the attention
 probabilities of the block's `MultiHeadAttention` layers (`POLICIES`). Under
-every policy the attention cores run blocked: no [seq, seq] floats kept, one
-block of query rows alive at a time (`attention_block_size` sets it).
+every policy the attention cores follow one rule (`attention_core`,
+`_flash.runs_blocked`): on TensorFlow in float32 they run blocked (no [seq,
+seq] floats kept, one block of query rows alive at a time:
+`attention_block_size` sets it); on JAX and in half precision the layer's own
+core runs, recomputed.
 
 Modules: `_decorator` (the decorator), `_policies` (what is recomputed: one
 registry, `POLICIES`, of each policy's TensorFlow and JAX functions), `_core`
@@ -27,7 +30,7 @@ that keeps only its input: a custom gradient, or `jax.checkpoint` on JAX),
 Keras API) chosen by `_backends`, `_tf` (TensorFlow internals), `_config` (the
 switch), `_errors`, `_precision` (`exact_float32`: float32 products on GPUs,
 where TF32 is the default), `_setting` (what `exact_float32` and
-`attention_block_size` share: a statement or a context manager that
+`attention_block_size` and `attention_core` share: a statement or a context manager that
 restores, on exit, what its entry found); `_jax` (Keras 3's JAX backend: the call as a
 `jax.checkpoint`, state threaded through, and its policies' functions);
 `_hf_checkpoint` (a Hugging Face BERT's files, read by both integrations);
@@ -37,7 +40,7 @@ restores, on exit, what its entry found); `_jax` (Keras 3's JAX backend: the cal
 
 from ._config import ENV_VAR, is_enabled, recompute_scope
 from ._errors import VariableCreatedInRecomputationError
-from ._flash import attention_block_size
+from ._flash import attention_block_size, attention_core
 from ._decorator import recompute_grad
 from ._policies import NAMES as POLICIES  # the names `recompute_grad(policy=...)` takes
 from ._precision import exact_float32
@@ -47,6 +50,7 @@ __all__ = [
     "POLICIES",
     "VariableCreatedInRecomputationError",
     "attention_block_size",
+    "attention_core",
     "exact_float32",
     "is_enabled",
     "recompute_grad",

@@ -106,6 +106,55 @@ def block_rows(queries, keys):
 HALF_PRECISION = ("float16", "bfloat16")
 
 
+CORES = ("auto", "blocked", "keras")
+_core_choice = ["auto"]  # what `attention_core` set
+
+
+class attention_core(Setting):
+    """Chooses the attention core of recomputed calls: the rule, or one core forced.
+
+    `"auto"` (the default) follows the rule of `runs_blocked`: the blocked core
+    on TensorFlow in float32, the layer's own core (Keras's `_compute_attention`,
+    bert4keras's `pay_attention_to`) on JAX, where XLA:GPU's plan of the
+    blocked core is above Keras's (docs/attention.md), and in half precision
+    everywhere. `"keras"` runs the layer's own core everywhere; `"blocked"`
+    runs the blocked core wherever it is exact (float32 and float64, the
+    standard case). Each is exact: the choice moves memory and time, not
+    numbers. As a statement it holds for the rest of the process; as a
+    context manager, inside the block (restored on exit to what the entry
+    found). It is read when a core is traced (in `tf.function`, `jax.jit`,
+    `fit`: at the first step).
+
+    ```python
+    import recompute
+    with recompute.attention_core("keras"):     # Keras's own core in this block
+        model.fit(x, y, epochs=1)
+    ```
+
+    Args:
+        core: "auto", "blocked" or "keras".
+    """
+
+    def __init__(self, core):
+        if core not in CORES:
+            raise ValueError(
+                f'`core` must be one of "auto", "blocked", "keras". Received: core={core!r}')
+        self._core = core
+        super().__init__()
+
+    def _read(self):
+        return _core_choice[0]
+
+    def _write(self, state):
+        _core_choice[0] = state
+
+    def _wanted(self):
+        return self._core
+
+    def __repr__(self):
+        return f"attention_core({self._core!r})"
+
+
 def runs_blocked(engine, dtype, queries, keys):
     """Whether an attention core that is the standard case runs as the blocked core
     (True) or as the layer's own code (False: Keras's `_compute_attention`,
@@ -113,16 +162,25 @@ def runs_blocked(engine, dtype, queries, keys):
     `_attention.keras_blocked` and `recompute.bert4keras._attention.lean_applies`
     both consult.
 
-    The rule: the blocked core runs in float32 (and float64), where its values
-    equal the layer's own to float rounding (<= 1e-5 relative); in half precision
-    (float16, bfloat16) the layer's own core runs. The blocked core computes the
-    same sums in another order (its scores' einsum takes its operands in another
-    order than Keras's; its backward takes dV, dP, dQ and dK by its own einsums,
-    not as autodiff of the layer's ops rounds them), so in half precision its
-    values are a half-precision ulp or more from RECOMPUTE=0's (Keras 3 on
-    TensorFlow's CPU kernels, seq 37, eager: 5e-3 relative in the gradients,
-    bfloat16 and float16); the layer's own core, recomputed, gives RECOMPUTE=0's
-    numbers wherever recomputation itself does (docs/limitations.md).
+    The rule:
+
+    - half precision (float16, bfloat16): the layer's own core, whatever
+      `attention_core` says. The blocked core computes the same sums in
+      another order (its scores' einsum takes its operands in another order
+      than Keras's; its backward takes dV, dP, dQ and dK by its own einsums,
+      not as autodiff of the layer's ops rounds them), so in half precision its
+      values are a half-precision ulp or more from RECOMPUTE=0's (Keras 3 on
+      TensorFlow's CPU kernels, seq 37, eager: 5e-3 relative in the gradients,
+      bfloat16 and float16); the layer's own core, recomputed, gives
+      RECOMPUTE=0's numbers wherever recomputation itself does
+      (docs/limitations.md). In float32 (and float64) both agree to float
+      rounding (<= 1e-5 relative).
+    - `attention_core("keras")` / `("blocked")`: that core.
+    - `"auto"`: the blocked core on TensorFlow; the layer's own core on JAX,
+      where XLA:GPU's plan for an H100 of keras-hub BERT-base (12 blocks,
+      seq 512, float32) holds 198.0 MiB per sample under `"full"` with the
+      blocked core against 78.0 with Keras's (`python -m benchmarks.gpu_plan`,
+      docs/attention.md).
 
     Args:
         engine: the `Engine` of the call (`_flash_tf.ENGINE`, `_flash_jax.ENGINE`;
@@ -132,9 +190,13 @@ def runs_blocked(engine, dtype, queries, keys):
         queries, keys: the lengths of the query and key axes (None where known
             only when the core runs).
     """
-    del engine, queries, keys  # not used by the rule yet
+    del queries, keys  # the rule does not depend on the shape yet
     name = getattr(dtype, "name", None) or str(dtype)
-    return name not in HALF_PRECISION
+    if name in HALF_PRECISION:
+        return False
+    if _core_choice[0] != "auto":
+        return _core_choice[0] == "blocked"
+    return engine.name != "jax"
 
 
 class Engine:

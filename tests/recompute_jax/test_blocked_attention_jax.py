@@ -1,4 +1,5 @@
-"""The blocked attention core on Keras 3's JAX backend: under both policies, with dropout,
+"""The blocked attention core on Keras 3's JAX backend (forced: `attention_core("blocked")`;
+the rule runs Keras's own core on JAX): under both policies, with dropout,
 padding and causal masks and several block sizes, the loss and every gradient of
 RECOMPUTE=0 (jit and `fit`), and no saved residual holds [seq, seq] floats."""
 
@@ -14,6 +15,14 @@ from tests.helpers.jax_backend import jaxprs
 from tests.helpers.numerics import assert_all_close
 
 SEQ, WIDTH = 12, 16
+
+
+@pytest.fixture(autouse=True)
+def blocked_core():
+    """The blocked core forced: on JAX the rule (`recompute.attention_core("auto")`) runs
+    Keras's own core (tested by `test_auto_runs_keras_core_on_jax`)."""
+    with recompute.attention_core("blocked"):
+        yield
 
 
 class Block(keras.layers.Layer):
@@ -209,3 +218,23 @@ def test_loops_start_from_the_data(policy):
                for inner in jaxprs(jaxpr) for e in inner.eqns)  # blocked
     assert _loops_from_nothing(jaxpr) == []
 
+
+
+@pytest.mark.parametrize("policy", ["full", "attention"])
+def test_auto_runs_keras_core_on_jax(policy):
+    """The rule (`attention_core("auto")`, the default) runs Keras's own core on JAX: the
+    step has no loop (the blocked core's `fori_loop`s: `scan` or `while`) and its gradients
+    equal RECOMPUTE=0's; forced "blocked", the same step loops."""
+    model = build(policy, causal=False, padded=True)
+    recomputed, trainable = loss_of(model, on=True)
+    reference, _ = loss_of(model, on=False)
+
+    def loops():
+        with recompute.attention_block_size(5):  # 3 blocks of the 12 queries
+            jaxpr = jax.make_jaxpr(jax.grad(recomputed))(trainable).jaxpr
+        return sum(e.primitive.name in ("while", "scan") for j in jaxprs(jaxpr) for e in j.eqns)
+
+    assert loops() > 0  # the fixture's "blocked"
+    with recompute.attention_core("auto"):
+        assert loops() == 0
+        assert_all_close(jax.grad(reference)(trainable), jax.grad(recomputed)(trainable))

@@ -1,0 +1,321 @@
+"""XLA:GPU's memory plan of a JAX training step, on any machine: no GPU needed.
+
+    python -m benchmarks.gpu_plan                        # keras-hub BERT-base, seq 512, H100
+    python -m benchmarks.gpu_plan --model standard --layers 2,8 --hidden 128 --heads 2 \\
+        --ffn 256 --seq 256                              # small widths, two depths
+    python -m benchmarks.gpu_plan --docs docs/attention.md
+
+XLA compiles a jitted step for a GPU it is told about (`TARGETS`: a
+`GpuTargetConfigProto` of the card's facts, in text form) through the CUDA
+plugin of JAX (`jax-cuda12-pjrt` and `jax-cuda12-plugin` of jax's version, in
+the `[test]` extra; no NVIDIA library, no driver). The compilation runs
+XLA:GPU's own passes -- fusion, the horizontal loop fusion XLA:CPU lacks,
+rematerialization, buffer assignment -- and `memory_analysis()` gives its
+plan: the temporary buffer (activations kept for the backward pass, and the
+working set of both passes), the arguments and the outputs. It predicts
+memory, not time. Where both exist it matched an H100's allocator: the
+keras-hub BERT-base step under `"full"` with Keras's attention core planned
+78.0 MiB per sample, the H100 measured 82.5 (docs/attention.md).
+
+What is compiled, per row and batch: keras-hub's `BertBackbone` (`--model
+hub`, default) or the standard Keras 3 block of `benchmarks.encoder`
+(`--model standard`), the pooled first token through dropout into a 2-way
+`Dense`, sparse cross-entropy, and the gradient of that loss over every
+trainable weight (`jax.value_and_grad` of `stateless_call`, training=True:
+dropout on, seed state an argument); float32 (`--precision bf16`: Keras's
+`mixed_bfloat16`). Rows: RECOMPUTE=0, and each policy of `--policies` with
+the attention core the library chooses (`recompute.attention_core`, "auto"),
+and, as a diagnostic, with each core forced (`blocked`, `keras`). The MiB per
+sample is the slope of the temp buffer over `--batches` (default 2 and 4).
+
+Columns: temp MiB per sample; temp, argument and output MiB at the largest
+batch; the compiled module's `while` loops and its exponentials over the key
+axis (a softmax pass over whole or blocked rows: the forward pass, the
+recomputation and the backward pass each count theirs) per layer.
+
+Runs in one process: the CUDA platform must be named before JAX starts
+(`JAX_PLATFORMS=cpu,cuda`, `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`), so the tool
+sets both and refuses to run if JAX was imported without them.
+"""
+
+import os
+import re
+import sys
+
+from . import harness
+from .harness import MiB
+
+TOOL = "benchmarks.gpu_plan"
+_progress = harness.Progress(TOOL)
+
+# Each card's facts as XLA:GPU reads them (`stream_executor.GpuTargetConfigProto`):
+# the data sheet's numbers (SMs, L2, memory, clocks, compute capability).
+_CARD = """gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: {smem_core} shared_memory_per_block_optin: {smem_optin}
+  threads_per_core_limit: {threads_core} core_count: {sms} fpus_per_core: {fpus}
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {bandwidth} l2_cache_size: {l2} clock_rate_ghz: {clock}
+  device_memory_size: {memory}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+device_description_str: "{name}"
+"""
+TARGETS = {
+    "h100": dict(name="NVIDIA H100 80GB HBM3", sms=132, fpus=128, major=9, minor=0,
+                 l2=52428800, memory=84978434048, bandwidth=3352320000000, clock=1.98,
+                 smem_core=233472, smem_optin=232448, threads_core=2048),
+    "a100-40": dict(name="NVIDIA A100-SXM4-40GB", sms=108, fpus=64, major=8, minor=0,
+                    l2=41943040, memory=42331013120, bandwidth=1555200000000, clock=1.41,
+                    smem_core=167936, smem_optin=166912, threads_core=2048),
+    "l4": dict(name="NVIDIA L4", sms=58, fpus=128, major=8, minor=9, l2=50331648,
+               memory=23580639232, bandwidth=300000000000, clock=2.04, smem_core=102400,
+               smem_optin=101376, threads_core=1536),
+    "rtx4090": dict(name="NVIDIA GeForce RTX 4090", sms=128, fpus=128, major=8, minor=9,
+                    l2=75497472, memory=25386352640, bandwidth=1008000000000, clock=2.52,
+                    smem_core=102400, smem_optin=101376, threads_core=1536),
+}
+_ENV = {"JAX_PLATFORMS": "cpu,cuda", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+
+DEFAULTS = dict(model="hub", layers=(12,), hidden=768, heads=12, ffn=3072, seq=512, vocab=30522,
+                dropout=0.1, batches=(2, 4), policies=("0", "attention", "full"),
+                cores=("auto", "blocked", "keras"), target="h100", precision="fp32")
+
+
+# --------------------------------------------------------------------------
+# The target: a one-device mesh of a GPU this machine need not have.
+
+
+def prepare_environment():
+    """Names the CUDA platform for JAX (before JAX starts); a RuntimeError if JAX has
+    started without it."""
+    if "jax" in sys.modules and any(os.environ.get(k) != v for k, v in _ENV.items()):
+        raise RuntimeError(
+            f"{TOOL} needs JAX started with " + ", ".join(f"{k}={v}" for k, v in _ENV.items())
+            + ": run it in a fresh process (python -m benchmarks.gpu_plan). Received: JAX "
+            "already imported with " + ", ".join(f"{k}={os.environ.get(k)!r}" for k in _ENV))
+    os.environ.update(_ENV)
+    os.environ["KERAS_BACKEND"] = "jax"
+
+
+def target_sharding(target):
+    """The sharding of one device of `target` (a name of `TARGETS`): what the step's
+    abstract arguments carry so that `jax.jit` lowers and compiles for that GPU."""
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=_CARD.format(**TARGETS[target]), topology="1x1x1")
+    except Exception as e:  # the plugin is missing or cannot compile for CUDA here
+        raise RuntimeError(
+            f"{TOOL}: JAX cannot compile for a CUDA target here: install jax-cuda12-pjrt and "
+            "jax-cuda12-plugin of jax's exact version with --no-deps (the [test] extra). "
+            f"Received: {type(e).__name__}: {e}") from e
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def compile_plan(fn, args, sharding):
+    """`fn(*args)` (arrays or shapes) compiled by XLA:GPU for `sharding`'s device: a dict of
+    its planned bytes (temp, arguments, outputs) and the optimized module's text."""
+    import jax
+
+    def abstract(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    compiled = jax.jit(fn).trace(*jax.tree.map(abstract, args)).lower(
+        lowering_platforms=("cuda",)).compile()
+    analysis = compiled.memory_analysis()
+    return {"temp": analysis.temp_size_in_bytes, "arguments": analysis.argument_size_in_bytes,
+            "outputs": analysis.output_size_in_bytes, "hlo": compiled.as_text()}
+
+
+def count_module(hlo, keys):
+    """(while loops, exponentials whose last axis has `keys` entries) in a compiled module."""
+    loops = len(re.findall(r"=\s*\S+\s+while\(", hlo))
+    exps = len(re.findall(r"=\s*[a-z0-9]+\[[0-9,]*,%d\]\S*\s+exponential\(" % keys, hlo))
+    return loops, exps
+
+
+# --------------------------------------------------------------------------
+# The step.
+
+
+def build_model(cfg, policy, core):
+    """The classifier for a row: keras-hub's BertBackbone (patched for `policy`, or not for
+    "0") or the standard Keras 3 blocks; `core` the attention core the library uses."""
+    import keras
+
+    import recompute
+
+    recompute.attention_core(core)
+    if cfg["model"] == "standard":
+        from . import encoder
+
+        model, _ = encoder.build_jax_model(cfg, policy="full" if policy == "0" else policy)
+        return model
+    import keras_hub
+
+    import recompute.keras_hub
+
+    if policy == "0":
+        recompute.keras_hub.unpatch()
+    else:
+        recompute.keras_hub.patch(policy=policy)
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=cfg["vocab"], num_layers=cfg["layers"], num_heads=cfg["heads"],
+        hidden_dim=cfg["hidden"], intermediate_dim=cfg["ffn"],
+        max_sequence_length=cfg["seq"], dropout=cfg["dropout"])
+    inputs = {name: keras.Input((cfg["seq"],), dtype="int32", name=name)
+              for name in ("token_ids", "segment_ids", "padding_mask")}
+    pooled = backbone(inputs)["pooled_output"]
+    logits = keras.layers.Dense(2, dtype="float32", name="classifier")(
+        keras.layers.Dropout(cfg["dropout"])(pooled))
+    return keras.Model(inputs, logits)
+
+
+def step_plan(cfg, policy, core, batch, sharding):
+    """XLA:GPU's plan of one training step's loss and gradients for a row at `batch`."""
+    import keras
+    import numpy as np
+
+    from recompute import recompute_scope
+
+    from .peer import make_batch
+
+    model = build_model(cfg, policy, core)
+    ids, mask, labels = make_batch(batch, cfg["seq"], cfg["vocab"], seed=0)
+    x = ids if cfg["model"] == "standard" else {
+        "token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask}
+    cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def loss(trainable, non_trainable, x, y):
+        logits, _ = model.stateless_call(trainable, non_trainable, x, training=True)
+        return cross_entropy(y, logits)
+
+    import jax
+
+    args = ([v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables], x, labels)
+    with recompute_scope(policy != "0"):
+        plan = compile_plan(jax.value_and_grad(loss), args, sharding)
+    plan["loops"], plan["exps"] = count_module(plan.pop("hlo"), cfg["seq"])
+    return plan
+
+
+# --------------------------------------------------------------------------
+# The table.
+
+
+def rows_of(policies, cores):
+    """(policy, core) of each row: RECOMPUTE=0 once (its core is Keras's: nothing is
+    recomputed), each policy with each core."""
+    return [(p, "keras" if p == "0" else c) for p in policies for c in (cores if p != "0" else
+                                                                        cores[:1])]
+
+
+def measure(cfg, policies, cores, target):
+    """The rows' plans at each depth of `cfg["layers"]`: a list of dicts."""
+    if cfg["precision"] == "bf16":
+        import keras
+
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest" if cfg["precision"] == "fp32"
+                      else None)
+    sharding = target_sharding(target)
+    results = []
+    for layers in cfg["layers"]:
+        for policy, core in rows_of(policies, cores):
+            plans = []
+            for batch in cfg["batches"]:
+                _progress(f"{layers} layers, {row_name(policy, core)}, batch {batch}: compiling "
+                          f"for {target}")
+                plans.append(step_plan(dict(cfg, layers=layers), policy, core, batch, sharding))
+            per_sample, _ = harness.slope([(b, p["temp"]) for b, p in zip(cfg["batches"], plans)])
+            results.append(dict(layers=layers, policy=policy, core=core,
+                                per_sample_mib=per_sample / MiB, **plans[-1],
+                                loops_per_layer=plans[-1]["loops"] / layers,
+                                exps_per_layer=plans[-1]["exps"] / layers))
+    return results
+
+
+def row_name(policy, core):
+    return "RECOMPUTE=0" if policy == "0" else f'"{policy}", core {core}'
+
+
+def format_table(results, cfg, target):
+    batch = cfg["batches"][-1]
+    lines = [f"XLA:GPU plan for {TARGETS[target]['name']} (compiled here, no GPU): "
+             f"{'keras-hub BertBackbone' if cfg['model'] == 'hub' else 'standard Keras 3 blocks'}, "
+             f"hidden {cfg['hidden']}, {cfg['heads']} heads, FFN {cfg['ffn']}, seq {cfg['seq']}, "
+             f"dropout {cfg['dropout']}, {cfg['precision']}; MiB per sample = slope of the temp "
+             f"buffer over batches {', '.join(map(str, cfg['batches']))}",
+             "",
+             f"| layers | row | temp MiB / sample | temp MiB @ {batch} | arguments MiB | "
+             "outputs MiB | loops / layer | softmax exps / layer |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['layers']} | {row_name(r['policy'], r['core'])} | "
+                     f"{r['per_sample_mib']:.1f} | {r['temp'] / MiB:.1f} | "
+                     f"{r['arguments'] / MiB:.1f} | {r['outputs'] / MiB:.1f} | "
+                     f"{r['loops_per_layer']:g} | {r['exps_per_layer']:g} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# Command line.
+
+
+def parse_args(argv=None):
+    p = harness.parser(TOOL, __doc__.split("\n\n")[1])
+    p.add_argument("--model", choices=("hub", "standard"), default=DEFAULTS["model"])
+    p.add_argument("--layers", type=harness.int_list, default=DEFAULTS["layers"],
+                   help="depths, comma-separated (default 12)")
+    for name in ("hidden", "heads", "ffn", "seq", "vocab"):
+        p.add_argument(f"--{name}", type=harness.positive_int, default=DEFAULTS[name])
+    p.add_argument("--dropout", type=harness.fraction, default=DEFAULTS["dropout"])
+    p.add_argument("--batches", type=harness.int_list, default=DEFAULTS["batches"],
+                   help="two or more batch sizes (default 2,4)")
+    p.add_argument("--policies", type=harness.name_list(("0", "attention", "full")),
+                   default=DEFAULTS["policies"])
+    p.add_argument("--cores", type=harness.name_list(("auto", "blocked", "keras")),
+                   default=DEFAULTS["cores"], help="attention cores per policy row "
+                   "(default auto,blocked,keras; auto is the library's choice)")
+    p.add_argument("--target", choices=sorted(TARGETS), default=DEFAULTS["target"])
+    p.add_argument("--precision", choices=("fp32", "bf16"), default=DEFAULTS["precision"])
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    harness.add_docs_argument(p, TOOL)
+    args = p.parse_args(argv)
+    if len(set(args.batches)) < 2:
+        p.error(f"--batches needs two or more different sizes. Received: {args.batches}")
+    if args.hidden % args.heads:
+        p.error(f"--hidden must be a multiple of --heads. Received: {args.hidden} and {args.heads}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    prepare_environment()
+    sys.path.insert(0, harness.CHECKOUT)
+    cfg = {k: getattr(args, k) for k in ("model", "layers", "hidden", "heads", "ffn", "seq",
+                                          "vocab", "dropout", "batches", "precision")}
+    results = measure(cfg, args.policies, args.cores, args.target)
+    with harness.report_to_docs(args.docs, TOOL, argv):
+        print(format_table(results, cfg, args.target))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "target": args.target, "rows": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
