@@ -136,7 +136,7 @@ def compile_plan(fn, args, sharding):
 
 def count_module(hlo, keys):
     """(while loops, exponentials whose last axis has `keys` entries) in a compiled module."""
-    loops = len(re.findall(r"=\s*\S+\s+while\(", hlo))
+    loops = len(re.findall(r"\)\s+while\(%", hlo))  # `%w = (tuple shape) while(%init), ...`
     exps = len(re.findall(r"=\s*[a-z0-9]+\[[0-9,]*,%d\]\S*\s+exponential\(" % keys, hlo))
     return loops, exps
 

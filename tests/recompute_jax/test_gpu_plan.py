@@ -55,3 +55,17 @@ def test_refuses_a_process_whose_jax_started_without_cuda():
     assert result.returncode != 0
     assert "needs JAX started with JAX_PLATFORMS=cpu,cuda" in result.stderr
     assert "run it in a fresh process" in result.stderr
+
+
+def test_counts_loops_and_softmax_passes_of_a_compiled_module():
+    from benchmarks.gpu_plan import count_module
+
+    hlo = """
+  %fused_exp = f32[4,12,128,512]{3,2,1,0} exponential(%sub.1)
+  %e2 = f32[4,12,512,512]{3,2,1,0} exponential(%x)
+  %other = f32[4,512,3072]{2,1,0} exponential(%y)
+  %while.11 = (s32[], f32[64,64]{1,0}, f32[3,64,64]{2,1,0}) while(%tuple.2), condition=%c, body=%b
+  %while.17 = (s32[], f32[64,64]{1,0}) while(%tuple.7), condition=%c2, body=%b2
+"""
+    assert count_module(hlo, 512) == (2, 2)
+    assert count_module(hlo, 3072) == (2, 1)
