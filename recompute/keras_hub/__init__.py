@@ -39,7 +39,9 @@ decoding call is told, which attention core `"attention"` reaches), `_patch`
 attention cores recomputed), `preset`.
 """
 
+from ._chunked import chunked_loss, is_chunked
 from ._patch import covered, is_patched, patch, unpatch
 from .preset import hf_preset, minilm_preset
 
-__all__ = ["covered", "hf_preset", "is_patched", "minilm_preset", "patch", "unpatch"]
+__all__ = ["chunked_loss", "covered", "hf_preset", "is_chunked", "is_patched", "minilm_preset",
+           "patch", "unpatch"]
