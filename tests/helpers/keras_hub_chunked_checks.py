@@ -15,6 +15,8 @@ functions (`__all__`). Tiny models built from configs (no downloads), float32.
   the full-logit fit's; the frozen weights untouched.
 - `test_evaluate_and_accuracy_equal_full_logits`: `evaluate` and `test_on_batch`, an
   accuracy well away from 0 and 1, with and without sample weights.
+- `test_documented_example_runs_as_written`: the examples of docs/keras_hub.md and of
+  `chunked_loss`' docstring, with a tiny model for the preset.
 - `test_predict_unchanged`, `test_compile_again_drops_it`, `test_refusals`,
   `test_private_names_exist`, `test_mixed_precision_fit_runs`.
 """
@@ -32,7 +34,8 @@ __all__ = [
     "test_fit_with_lora_and_accumulation_equals_full_logits",
     "test_evaluate_and_accuracy_equal_full_logits", "test_predict_unchanged",
     "test_compile_again_drops_it", "test_refusals", "test_private_names_exist",
-    "test_mixed_precision_fit_runs",
+    "test_mixed_precision_fit_runs", "test_every_documented_example_is_run",
+    "test_documented_example_runs_as_written",
 ]
 
 
@@ -299,3 +302,54 @@ def test_mixed_precision_fit_runs():
         np.testing.assert_allclose(logs["loss"], full["loss"], rtol=2e-2)
     finally:
         keras.config.set_dtype_policy(previous)
+
+
+def documented_examples():
+    """(where, code) of every Python example that calls `chunked_loss`: docs/keras_hub.md,
+    README.md and `chunked_loss`' docstring."""
+    import os
+    import re
+    import textwrap
+
+    import recompute.keras_hub as hub
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    blocks = []
+    for page in ("docs/keras_hub.md", "README.md"):
+        with open(os.path.join(root, page)) as f:
+            blocks += [(page, b) for b in re.findall(r"```python\n(.*?)```", f.read(), re.S)]
+    blocks += [("chunked_loss.__doc__", textwrap.dedent(b)) for b in re.findall(
+        r"```python\n(.*?)```", textwrap.dedent(hub.chunked_loss.__doc__), re.S)]
+    return [(where, code) for where, code in blocks if "chunked_loss(" in code]
+
+
+EXAMPLES = documented_examples()
+
+
+def test_every_documented_example_is_run():
+    assert [where for where, _ in EXAMPLES] == ["docs/keras_hub.md", "chunked_loss.__doc__"]
+
+
+@pytest.mark.parametrize("where, code", EXAMPLES, ids=[w for w, _ in EXAMPLES])
+def test_documented_example_runs_as_written(where, code, monkeypatch):
+    import keras_hub
+    import tensorflow as tf
+
+    import recompute
+    import recompute.keras_hub as hub
+    from accum import AccumOptimizer
+
+    models = []
+
+    def from_preset(path, **kwargs):
+        models.append(tiny("gemma"))
+        return models[-1]
+
+    monkeypatch.setattr(keras_hub.models.GemmaCausalLM, "from_preset", from_preset)
+    x, y, weight = data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y, weight)).batch(N)
+    exec(compile(code, f"<{where}>", "exec"), dict(
+        keras=keras, keras_hub=keras_hub, recompute=recompute, AccumOptimizer=AccumOptimizer,
+        path="a preset", dataset=dataset))
+    (lm,) = models
+    assert hub.is_chunked(lm) and int(lm.optimizer.micro_steps.numpy()) == 1, where
