@@ -19,6 +19,11 @@ ln(vocab) as the LoRA factors learn to copy.
 2. `AccumOptimizer(Adam, --accum-steps k)`: micro-batches of `--batch-size b` update like a
    batch of k*b. `fit` trains `--updates` weight updates with RECOMPUTE on, printing the
    loss as it goes down.
+3. `recompute.keras_hub.chunked_loss(lm)` (after `compile`; `--full-logits` leaves it out):
+   `fit` computes the head's logits and the loss a chunk of tokens at a time, never the
+   micro-batch's [tokens, vocabulary] logits (same loss and gradients). The example prints
+   the float32 size of one such tensor against one chunk's (computed from the shapes, not
+   measured; the full-logit step holds several: the logits, their softmax, its gradient).
 
 `fit` runs in up to five rounds of whole updates (`--updates 12` in rounds of 3, 3, 2, 2, 2);
 each progress line shows the optimizer's own count of weight updates. The exit status is 0
@@ -56,6 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--policy", choices=("full", "attention"), default="full")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--full-logits", action="store_true",
+                   help="train with keras-hub's full logits instead of `chunked_loss`")
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="tokens per chunk of the chunked loss (default: chunked_loss's)")
     args = p.parse_args(argv)
     for name in ("layers", "hidden", "heads", "batch_size", "accum_steps", "updates", "rank"):
         if getattr(args, name) < 1:
@@ -68,6 +77,8 @@ def parse_args(argv=None):
                 f"Received: {args.rank}")
     if args.seq < 4 or args.seq % 2:
         p.error(f"--seq must be an even number >= 4. Received: {args.seq}")
+    if args.chunk_tokens is not None and args.chunk_tokens < 1:
+        p.error(f"--chunk-tokens must be >= 1. Received: {args.chunk_tokens}")
     if args.vocab < 4:
         p.error(f"--vocab must be >= 4. Received: {args.vocab}")
     if not (math.isfinite(args.lr) and args.lr > 0):
@@ -202,6 +213,17 @@ def run(args):
                              args.vocab, args.seed + 2)
     lm.compile(AccumOptimizer(keras.optimizers.Adam(args.lr), args.accum_steps),
                keras.losses.SparseCategoricalCrossentropy(from_logits=True), weighted_metrics=[])
+    if not args.full_logits:
+        recompute.keras_hub.chunked_loss(lm, chunk_tokens=args.chunk_tokens)  # after compile
+        chunk = recompute.keras_hub.is_chunked(lm)
+        tokens = args.batch_size * args.seq
+        full_mib, chunk_mib = tokens * args.vocab * 4 / 2**20, min(chunk, tokens) * args.vocab * 4 / 2**20
+        print(f"chunked loss: the head's logits {min(chunk, tokens)} tokens at a time: "
+              f"{chunk_mib:.3f} MiB per chunk instead of {full_mib:.3f} MiB for the micro-batch's "
+              f"[{tokens}, {args.vocab}] float32 logits; {full_mib - chunk_mib:.3f} MiB saved per "
+              "such tensor (computed from the shapes)", flush=True)
+    else:
+        print("full logits: keras-hub's own head and loss (--full-logits)", flush=True)
     print(f"training with RECOMPUTE=1 (policy {args.policy!r}), AccumOptimizer(Adam({args.lr:g}), "
           f"{args.accum_steps}); loss = cross-entropy on the copied half (ln {args.vocab} = "
           f"{np.log(args.vocab):.2f} at chance)", flush=True)

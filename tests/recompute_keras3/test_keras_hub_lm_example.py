@@ -30,6 +30,7 @@ def test_tiny_lora_fine_tune(backend, model):
     assert "RECOMPUTE=0:" in out.stdout and "RECOMPUTE=1:" in out.stdout
     assert "updates    2/2: loss" in out.stdout
     assert "frozen weights unchanged: True; weight updates: 2" in out.stdout
+    assert "chunked loss: the head's logits" in out.stdout and "MiB saved per such tensor" in out.stdout
 
 
 def test_every_update_is_trained_and_counted():
@@ -42,6 +43,15 @@ def test_every_update_is_trained_and_counted():
                if line.startswith("  updates ")]
     assert counted == ["2", "4", "5", "6", "7"], out.stdout
     assert "weight updates: 7 of 7" in out.stdout
+    assert "chunked loss: the head's logits 16 tokens at a time" in out.stdout  # the default
+
+
+def test_full_logits_flag():
+    out = run("--hidden", "16", "--heads", "2", "--seq", "8", "--batch-size", "2", "--layers", "1",
+              "--updates", "1", "--rank", "2", "--full-logits")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "full logits: keras-hub's own head and loss" in out.stdout
+    assert "chunked loss" not in out.stdout
 
 
 @pytest.mark.parametrize("updates, rounds, sizes", [
@@ -57,6 +67,7 @@ def test_rounds_are_whole_updates(updates, rounds, sizes):
 
 @pytest.mark.parametrize("args, message", [
     (("--seq", "7"), "--seq must be an even number >= 4. Received: 7"),
+    (("--chunk-tokens", "0"), "--chunk-tokens must be >= 1. Received: 0"),
     (("--seed", "-1"), "--seed must be an integer >= 0. Received: -1"),
     (("--lr", "nan"), "--lr must be a finite number > 0. Received: nan"),
     (("--lr", "-1"), "--lr must be a finite number > 0. Received: -1.0"),
