@@ -35,7 +35,11 @@ restores, on exit, what its entry found); `_jax` (Keras 3's JAX backend: the cal
 `jax.checkpoint`, state threaded through, and its policies' functions);
 `_hf_checkpoint` (a Hugging Face BERT's files, read by both integrations);
 `recompute.bert4keras` (bert4keras integration and checkpoint converter);
-`recompute.keras_hub` (keras-hub's `TransformerEncoder`, offline presets).
+`recompute.keras_hub` (keras-hub's `TransformerEncoder`, offline presets);
+`planner` (`plan`: the policy, micro-batch and accumulation steps of an
+effective batch within a memory budget, measured; its command is
+`python -m recompute.planner` -- the module is not named `plan`, so that
+importing it never rebinds the function `recompute.plan`).
 """
 
 from ._config import ENV_VAR, is_enabled, recompute_scope
@@ -44,15 +48,18 @@ from ._flash import attention_block_size, attention_core
 from ._decorator import recompute_grad
 from ._policies import NAMES as POLICIES  # the names `recompute_grad(policy=...)` takes
 from ._precision import exact_float32
+from .planner import Plan, plan
 
 __all__ = [
     "ENV_VAR",
     "POLICIES",
+    "Plan",
     "VariableCreatedInRecomputationError",
     "attention_block_size",
     "attention_core",
     "exact_float32",
     "is_enabled",
+    "plan",
     "recompute_grad",
     "recompute_scope",
 ]
