@@ -48,7 +48,6 @@ from ._flash import attention_block_size, attention_core
 from ._decorator import recompute_grad
 from ._policies import NAMES as POLICIES  # the names `recompute_grad(policy=...)` takes
 from ._precision import exact_float32
-from .planner import Plan, plan
 
 __all__ = [
     "ENV_VAR",
@@ -64,3 +63,13 @@ __all__ = [
     "recompute_scope",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # `plan` and `Plan` load `planner` on first use: `python -m recompute.planner` then runs a
+    # module the package has not imported yet (runpy warns otherwise).
+    if name in ("plan", "Plan"):
+        from . import planner
+
+        return getattr(planner, name)
+    raise AttributeError(f"module 'recompute' has no attribute {name!r}")

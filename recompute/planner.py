@@ -150,12 +150,15 @@ class _Rss:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
 
-    def peak(self):
+    def peak(self, field="VmHWM"):
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
-        raise RuntimeError("/proc/self/status has no VmHWM")
+        raise RuntimeError(f"/proc/self/status has no {field}")
+
+    def current(self):
+        return self.peak("VmRSS")
 
 
 class _TfAllocator:
@@ -185,6 +188,9 @@ class _TfAllocator:
     def peak(self):
         return self._tf.config.experimental.get_memory_info(self.device)["peak"]
 
+    def current(self):
+        return self._tf.config.experimental.get_memory_info(self.device)["current"]
+
 
 def _backend_of(model):
     """"tf_keras", or Keras 3's backend name."""
@@ -209,11 +215,16 @@ def _meter(memory, backend):
         raise ValueError(f"`memory` must be one of 'auto', 'rss', 'allocator'. "
                          f"Received: memory={memory!r}")
     tf_backend = backend in ("tensorflow", "tf_keras")
+    if memory == "allocator" and not tf_backend:
+        raise ValueError("`memory='allocator'` reads TensorFlow's allocator: the model runs "
+                         f"on Keras's {backend} backend. Received: memory={memory!r}")
     if memory == "allocator" or (memory == "auto" and tf_backend and _tf_gpu()):
-        if not tf_backend:
-            raise ValueError("`memory='allocator'` reads TensorFlow's allocator: the model runs "
-                             f"on Keras's {backend} backend. Received: memory={memory!r}")
         return _TfAllocator("GPU:0" if _tf_gpu() else "CPU:0")
+    if memory == "auto" and tf_backend:
+        try:  # freed tensors leave the process's RSS high: the allocator where it keeps stats
+            return _TfAllocator("CPU:0")
+        except RuntimeError:
+            pass
     if backend == "jax":
         import jax
 
@@ -254,6 +265,7 @@ class Candidate:
     micro_batch: int = None
     refused_batch: int = None
     error: str = None
+    baseline: float = None  # bytes alive once the model is built (a previous one not freed shows)
 
     @property
     def fits(self):
@@ -277,6 +289,7 @@ class Candidate:
                     mib_per_sample=None if self.slope is None else self.slope / MiB,
                     measured_peak_mib=None if not self.fits else self.measured_peak / MiB,
                     seconds_per_sample=self.seconds_per_sample, error=self.error,
+                    baseline_mib=None if self.baseline is None else self.baseline / MiB,
                     points={str(b): dict(peak_mib=p / MiB, seconds=t)
                             for b, (p, t) in sorted(self.points.items())})
 
@@ -508,6 +521,10 @@ class _Planner:
         model = self.build(policy)
         if self.meter is None:
             self.meter = _meter(self.memory, _backend_of(model))
+        self.meter.reset()
+        cand.baseline = self.meter.current()
+        self.say(f"policy {_policy_name(policy)}: {cand.baseline / GiB:.3f} GiB alive after "
+                 f"the build ({self.meter.what.replace(' peak', '')})")
         if first:
             weights = sum(int(_size(v)) for v in model.weights)
             if weights > self.budget:
@@ -532,8 +549,9 @@ class _Planner:
                      f"{cand.predicted_batch}")
             self.check(cand, model)
         finally:
+            family = _backend_of(model)
             del model
-            gc.collect()
+            _clear_session(family)
         return cand
 
     def check(self, cand, model):
@@ -576,6 +594,19 @@ class _Planner:
         self.say(f"chosen: policy {_policy_name(plan.policy)}, micro-batch {plan.micro_batch} "
                  f"x {plan.steps_per_update} ({plan.seconds:.0f} s)")
         return plan
+
+
+def _clear_session(family):
+    """Drops Keras's global state of the family (`clear_session`), then collects."""
+    if family == "tf_keras":
+        import tf_keras
+
+        tf_keras.backend.clear_session()
+    else:
+        import keras
+
+        keras.backend.clear_session()
+    gc.collect()
 
 
 def _size(variable):
@@ -661,3 +692,187 @@ def _backend_guess():
     import keras
 
     return keras.backend.backend()
+
+
+# --------------------------------------------------------------------------
+# The command: python -m recompute.planner --preset PATH --seq 512 --effective-batch 256
+
+
+def _bert4keras_builder(folder, seq, learning_rate):
+    """build_model(policy) of a bert4keras checkpoint folder (bert_config.json, bert_model.ckpt)
+    plus CLS -> Dense(2): "full" is `patch(policy="block")`, None `patch()` with recomputation
+    off."""
+    import recompute.bert4keras
+
+    config_path = os.path.join(folder, "bert_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    if config.get("max_position_embeddings", 512) < seq:
+        raise ValueError(f"--seq {seq} exceeds the checkpoint's max_position_embeddings "
+                         f"{config['max_position_embeddings']}")
+    checkpoint = os.path.join(folder, "bert_model.ckpt")
+
+    def build_model(policy):
+        recompute.bert4keras.patch(policy={None: "layer", "full": "block"}.get(policy, policy))
+        import tf_keras
+        from bert4keras.models import build_transformer_model
+
+        tf_keras.utils.set_random_seed(0)
+        bert = build_transformer_model(config_path, checkpoint)
+        cls = tf_keras.layers.Lambda(lambda x: x[:, 0], name="CLS")(bert.output)
+        model = tf_keras.Model(bert.inputs, tf_keras.layers.Dense(2, name="classifier")(cls))
+        model.compile(optimizer=tf_keras.optimizers.Adam(learning_rate),
+                      loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    vocab = config["vocab_size"]
+    return build_model, lambda ids: [ids, np.zeros_like(ids)], vocab
+
+
+def _keras_hub_builder(folder, seq, learning_rate):
+    """build_model(policy) of a keras-hub preset's backbone plus first token -> Dense(2):
+    `recompute.keras_hub.patch(policy)`, or `unpatch()` for None."""
+    import keras
+    import keras_hub
+
+    import recompute.keras_hub
+
+    def build_model(policy):
+        if policy is None:
+            recompute.keras_hub.unpatch()
+        else:
+            recompute.keras_hub.patch(policy=policy)
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.Backbone.from_preset(folder)
+        inputs = {name: keras.Input((seq,), dtype="int32", name=name)
+                  for name in backbone.input}
+        outputs = backbone(inputs)
+        first = outputs["pooled_output"] if "pooled_output" in outputs else \
+            outputs["sequence_output"][:, 0]
+        model = keras.Model(inputs, keras.layers.Dense(2, dtype="float32")(first))
+        model.compile(optimizer=keras.optimizers.Adam(learning_rate),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    with open(os.path.join(folder, "config.json")) as f:
+        vocab = json.load(f).get("config", {}).get("vocabulary_size", 30522)
+
+    def inputs(ids):
+        return {"token_ids": ids, "segment_ids": np.zeros_like(ids),
+                "padding_mask": (ids != 0).astype("int32")}
+
+    return build_model, inputs, vocab
+
+
+np = None  # numpy, imported by `main` (the library's import stays light)
+
+
+def _sample(seq, vocab, rows=4, seed=0):
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(min(1000, vocab // 2), vocab, size=(rows, seq)).astype("int32")
+    ids[:, 0] = 101 if vocab > 101 else 1
+    return ids, rng.randint(0, 2, size=(rows,)).astype("int32")
+
+
+def _preset_folder(preset):
+    """The folder of `--preset`: a path, or `minilm` (the converted MiniLM: keras-hub's preset,
+    or bert4keras's checkpoint under TF_USE_LEGACY_KERAS=1)."""
+    if preset != "minilm":
+        return os.path.abspath(os.path.expanduser(preset))
+    if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+        from .bert4keras import converter
+
+        return str(converter.minilm().config_path.parent)
+    from .keras_hub import minilm_preset
+
+    return minilm_preset()
+
+
+def _policy_arg(text):
+    import argparse
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    known = ("none", "attention", "full")
+    if not names or any(n not in known for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct names from {','.join(known)}, got {text!r}")
+    return tuple(None if n == "none" else n for n in names)
+
+
+def _int_pair(text):
+    import argparse
+
+    try:
+        values = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 2 or min(values) < 1 or values[0] == values[1]:
+        raise argparse.ArgumentTypeError(f"expected two different positive integers such as "
+                                         f"2,4, got {text!r}")
+    return values
+
+
+def main(argv=None):
+    """`python -m recompute.planner --preset PATH --seq N --effective-batch N [--budget-gib G]`.
+
+    Plans a keras-hub preset (a folder with config.json) or a bert4keras checkpoint (a
+    folder with bert_config.json; run with TF_KERAS=1 TF_USE_LEGACY_KERAS=1) with a 2-way
+    classification head, on random token ids. Prints progress on stderr, the table on
+    stdout, and the record as JSON with `--json PATH`. Returns the exit code."""
+    import argparse
+
+    global np
+    import numpy
+
+    np = numpy
+    parser = argparse.ArgumentParser(
+        prog="python -m recompute.planner",
+        description="The recomputation policy, micro-batch and accumulation steps that train "
+                    "an effective batch fastest within a memory budget, measured (recompute.plan).")
+    parser.add_argument("--preset", required=True,
+                        help="a keras-hub preset folder, a bert4keras checkpoint folder "
+                             "(bert_config.json, bert_model.ckpt), or 'minilm'")
+    parser.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    parser.add_argument("--effective-batch", type=int, required=True)
+    parser.add_argument("--budget-gib", type=float,
+                        help="memory budget in GiB (required on a CPU; default: the GPU's)")
+    parser.add_argument("--policies", type=_policy_arg, default=DEFAULT_POLICIES,
+                        help="comma-separated from none,attention,full (default all three)")
+    parser.add_argument("--batches", type=_int_pair, default=DEFAULT_BATCHES,
+                        help="the two micro-batches of the line (default 2,4)")
+    parser.add_argument("--memory", choices=("auto", "rss", "allocator"), default="auto")
+    parser.add_argument("--learning-rate", type=float, default=2e-5)
+    parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
+    args = parser.parse_args(argv)
+    folder = _preset_folder(args.preset)
+    if os.path.isfile(os.path.join(folder, "bert_config.json")):
+        if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") != "1":
+            parser.error("a bert4keras checkpoint needs TF_KERAS=1 TF_USE_LEGACY_KERAS=1 in the "
+                         "environment: TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m "
+                         "recompute.planner ...")
+        build_model, make_inputs, vocab = _bert4keras_builder(folder, args.seq, args.learning_rate)
+        kind = "bert4keras checkpoint"
+    elif os.path.isfile(os.path.join(folder, "config.json")):
+        build_model, make_inputs, vocab = _keras_hub_builder(folder, args.seq, args.learning_rate)
+        kind = "keras-hub preset"
+    else:
+        parser.error(f"--preset: expected a folder with config.json (keras-hub) or "
+                     f"bert_config.json (bert4keras), got {args.preset!r}")
+    ids, labels = _sample(args.seq, vocab)
+    print(f"{PREFIX} {kind} {folder}, seq {args.seq}", file=sys.stderr, flush=True)
+    try:
+        result = plan(build_model, make_inputs(ids), labels, args.effective_batch,
+                      args.budget_gib, policies=args.policies, batches=args.batches,
+                      memory=args.memory)
+    except (ValueError, RuntimeError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(result.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(result.to_json(indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
