@@ -306,3 +306,35 @@ def test_memory_must_be_known():
     with pytest.raises(ValueError, match=re.escape(
             "`memory` must be one of 'auto', 'rss', 'allocator'. Received: memory='gpu'")):
         recompute.plan(build_model, x, y, 4, budget_gib=1, memory="gpu", verbose=False)
+
+
+# --------------------------------------------------------------------------
+# The documented example.
+
+
+def _block_after(path, marker):
+    text = path.read_text()
+    rest = text[text.index(marker):]
+    start = rest.index("```python\n") + len("```python\n")
+    return rest[start:rest.index("```", start)]
+
+
+def test_readme_shows_the_example_of_the_docs_page():
+    example = _block_after(ROOT / "docs" / "plan.md", "<!-- plan-example")
+    readme = _block_after(ROOT / "README.md", "<!-- plan-readme -->")
+    assert readme.strip() and readme in example
+
+
+@pytest.mark.slow  # the plan of docs/plan.md: about 30 s on 2 cores
+@needs_allocator
+def test_docs_example_runs(capsys, tmp_path):
+    import runpy
+
+    # a real file: AutoGraph reads the source of the functions it converts
+    script = tmp_path / "plan_example.py"
+    script.write_text(_block_after(ROOT / "docs" / "plan.md", "<!-- plan-example"))
+    namespace = runpy.run_path(str(script))
+    plan = namespace["plan"]
+    assert plan.micro_batch * plan.steps_per_update == 32
+    assert plan.measured_peak <= plan.budget
+    assert "Chosen: policy" in capsys.readouterr().out
