@@ -35,7 +35,11 @@ restores, on exit, what its entry found); `_jax` (Keras 3's JAX backend: the cal
 `jax.checkpoint`, state threaded through, and its policies' functions);
 `_hf_checkpoint` (a Hugging Face BERT's files, read by both integrations);
 `recompute.bert4keras` (bert4keras integration and checkpoint converter);
-`recompute.keras_hub` (keras-hub's `TransformerEncoder`, offline presets).
+`recompute.keras_hub` (keras-hub's `TransformerEncoder`, offline presets);
+`planner` (`plan`: the policy, micro-batch and accumulation steps of an
+effective batch within a memory budget, measured; its command is
+`python -m recompute.planner` -- the module is not named `plan`, so that
+importing it never rebinds the function `recompute.plan`).
 """
 
 from ._config import ENV_VAR, is_enabled, recompute_scope
@@ -48,12 +52,24 @@ from ._precision import exact_float32
 __all__ = [
     "ENV_VAR",
     "POLICIES",
+    "Plan",
     "VariableCreatedInRecomputationError",
     "attention_block_size",
     "attention_core",
     "exact_float32",
     "is_enabled",
+    "plan",
     "recompute_grad",
     "recompute_scope",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # `plan` and `Plan` load `planner` on first use: `python -m recompute.planner` then runs a
+    # module the package has not imported yet (runpy warns otherwise).
+    if name in ("plan", "Plan"):
+        from . import planner
+
+        return getattr(planner, name)
+    raise AttributeError(f"module 'recompute' has no attribute {name!r}")

@@ -1,0 +1,878 @@
+"""The plan of a training run: the policy, the micro-batch and the accumulation steps, measured.
+
+```python
+plan = recompute.plan(build_model, x[:8], y[:8], effective_batch=256, budget_gib=4)
+model = plan.build(build_model)           # build_model(plan.policy), optimizer in AccumOptimizer(k)
+plan.fit(model, x, y, epochs=3)           # model.fit(batch_size=micro_batch) in recompute_scope
+```
+
+`plan(build_model, x, y, effective_batch, budget_gib=None)` builds the model once
+per candidate policy (`build_model(policy)`: None, "attention", "full"), wraps
+its optimizer in `accum.AccumOptimizer` (its buffers are part of what is
+measured), and runs real training steps (`train_on_batch`, recomputation on
+for a policy) on rows of the sample batch (x, y), repeated as needed:
+
+1. two small micro-batches (`batches`, default 2 and 4): the line
+   peak = a + s * batch through them;
+2. the prediction: the largest divisor b of `effective_batch` with
+   a + s * b within the budget (so k = effective_batch / b micro-batches
+   make exactly one update of the effective batch);
+3. the check: a real step at b (stepping down the divisors while it does not
+   fit), then at the next divisor up, which must not fit (stepping up while
+   it does).
+
+Each step is measured twice at a batch (the first traces), its peak over both
+steps after a reset, its time from the second. The policy chosen is the one
+with the least time per sample among those whose micro-batch fits.
+
+The memory (`memory=`): "allocator", TensorFlow's allocator peak
+(`tf.config.experimental.get_memory_info`, reset before each batch; the
+default with a GPU, whose budget defaults to TensorFlow's memory limit on it;
+on a CPU it needs `TF_ENABLE_ONEDNN_OPTS=1` before TensorFlow is imported), or
+"rss", the process's peak resident memory (VmHWM, reset through
+/proc/self/clear_refs after `gc.collect()` and `malloc_trim`; the default on a
+CPU, where `budget_gib` is required). Everything is measured in this process:
+each candidate is a fresh model from `build_model`, the previous one dropped
+and collected first; its stray memory (caches, allocator pools) is part of the
+peak, which makes the plan err on the safe side.
+
+The command (`python -m recompute.planner`, this module; `recompute.plan` is
+the function) plans a keras-hub preset or a bert4keras checkpoint: see `main`.
+"""
+
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+
+GiB = 1024.0 ** 3
+MiB = 1024.0 ** 2
+DEFAULT_POLICIES = (None, "attention", "full")
+DEFAULT_BATCHES = (2, 4)
+PREFIX = "[recompute.plan]"
+
+
+# --------------------------------------------------------------------------
+# Checks of the arguments (Keras-style messages).
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool) or (
+        type(value).__module__ == "numpy" and hasattr(value, "dtype") and value.dtype.kind in "iu")
+
+
+def _check_effective_batch(effective_batch):
+    if not _is_int(effective_batch) or effective_batch < 1:
+        raise ValueError("`effective_batch` must be an integer >= 1. "
+                         f"Received: effective_batch={effective_batch!r}")
+    return int(effective_batch)
+
+
+def _check_batches(batches, effective_batch):
+    batches = tuple(batches)
+    if len(batches) != 2 or not all(_is_int(b) and b >= 1 for b in batches) or \
+            batches[0] == batches[1]:
+        raise ValueError("`batches` must be two different integers >= 1 (the micro-batches "
+                         f"the line is measured at). Received: batches={batches!r}")
+    batches = tuple(sorted(int(b) for b in batches))
+    if effective_batch < batches[0]:
+        raise ValueError(
+            f"`effective_batch` must be at least the smallest micro-batch measured "
+            f"(`batches`={batches}): lower `batches` to plan a smaller effective batch. "
+            f"Received: effective_batch={effective_batch}")
+    return batches
+
+
+def _check_budget(budget_gib):
+    if budget_gib is None:
+        return None
+    if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)) or \
+            not 0 < budget_gib < float("inf"):
+        raise ValueError(f"`budget_gib` must be a positive number of GiB. "
+                         f"Received: budget_gib={budget_gib!r}")
+    return float(budget_gib)
+
+
+def divisors(n):
+    """The divisors of `n`, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fit_line(points):
+    """(a, s) of the line peak = a + s * batch through [(batch, peak)] (least squares)."""
+    n = len(points)
+    mx = sum(b for b, _ in points) / n
+    my = sum(p for _, p in points) / n
+    sxx = sum((b - mx) ** 2 for b, _ in points)
+    s = sum((b - mx) * (p - my) for b, p in points) / sxx
+    return my - s * mx, s
+
+
+def predict(a, s, effective_batch, budget):
+    """The largest divisor b of `effective_batch` with a + s * b <= budget, or None.
+
+    A slope <= 0 (noise at tiny sizes) predicts that every divisor fits if a does."""
+    fitting = [d for d in divisors(effective_batch) if a + max(s, 0.0) * d <= budget]
+    return fitting[-1] if fitting else None
+
+
+# --------------------------------------------------------------------------
+# Memory meters.
+
+
+class _Rss:
+    """Peak resident memory of this process (VmHWM), reset through /proc/self/clear_refs."""
+
+    name = "rss"
+    what = "peak RSS (VmHWM)"
+
+    def __init__(self):
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError as e:
+            raise RuntimeError("`memory='rss'` needs Linux's /proc/self/clear_refs to reset the "
+                               f"peak resident memory; it cannot be written here ({e}). Use "
+                               "memory='allocator' on TensorFlow.") from None
+        try:
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            self._trim = None
+
+    def reset(self):
+        gc.collect()
+        if self._trim is not None:
+            self._trim(0)  # freed heap pages go back to the system, out of the next peak
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def peak(self, field="VmHWM"):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"/proc/self/status has no {field}")
+
+    def current(self):
+        return self.peak("VmRSS")
+
+
+class _TfAllocator:
+    """TensorFlow's allocator peak on `device` ("GPU:0" or "CPU:0"), reset before each batch."""
+
+    name = "allocator"
+
+    def __init__(self, device):
+        import tensorflow as tf
+
+        self.device = device
+        self.what = f"TensorFlow's {device} allocator peak"
+        self._tf = tf
+        try:
+            tf.config.experimental.reset_memory_stats(device)
+        except ValueError as e:
+            raise RuntimeError(
+                f"TensorFlow's allocator of {device} keeps no statistics here ({e}); on a CPU "
+                "they need TF_ENABLE_ONEDNN_OPTS=1 set before TensorFlow is imported, or use "
+                f"memory='rss'. Received: TF_ENABLE_ONEDNN_OPTS="
+                f"{os.environ.get('TF_ENABLE_ONEDNN_OPTS')!r}") from None
+
+    def reset(self):
+        gc.collect()
+        self._tf.config.experimental.reset_memory_stats(self.device)
+
+    def peak(self):
+        return self._tf.config.experimental.get_memory_info(self.device)["peak"]
+
+    def current(self):
+        return self._tf.config.experimental.get_memory_info(self.device)["current"]
+
+
+def _backend_of(model):
+    """"tf_keras", or Keras 3's backend name."""
+    if type(model).__module__.startswith("tf_keras") or any(
+            c.__module__.startswith("tf_keras") for c in type(model).__mro__):
+        return "tf_keras"
+    import keras
+
+    return keras.backend.backend()
+
+
+def _tf_gpu():
+    if "tensorflow" not in sys.modules:
+        return False
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def _meter(memory, backend):
+    if memory not in ("auto", "rss", "allocator"):
+        raise ValueError(f"`memory` must be one of 'auto', 'rss', 'allocator'. "
+                         f"Received: memory={memory!r}")
+    tf_backend = backend in ("tensorflow", "tf_keras")
+    if memory == "allocator" and not tf_backend:
+        raise ValueError("`memory='allocator'` reads TensorFlow's allocator: the model runs "
+                         f"on Keras's {backend} backend. Received: memory={memory!r}")
+    if memory == "allocator" or (memory == "auto" and tf_backend and _tf_gpu()):
+        return _TfAllocator("GPU:0" if _tf_gpu() else "CPU:0")
+    if memory == "auto" and tf_backend:
+        try:  # freed tensors leave the process's RSS high: the allocator where it keeps stats
+            return _TfAllocator("CPU:0")
+        except RuntimeError:
+            pass
+    if backend == "jax":
+        import jax
+
+        if jax.default_backend() != "cpu":
+            raise NotImplementedError(
+                "recompute.plan measures JAX on the CPU only (memory='rss'): JAX's allocator "
+                "peak cannot be reset between candidates. Received: JAX's default backend "
+                f"{jax.default_backend()!r}")
+    return _Rss()
+
+
+def default_budget_bytes(backend):
+    """TensorFlow's memory limit on GPU:0 (what its allocator may take), or None on a CPU."""
+    if backend in ("tensorflow", "tf_keras") and _tf_gpu():
+        from tensorflow.python.client import device_lib
+
+        for d in device_lib.list_local_devices():
+            if d.device_type == "GPU":
+                return int(d.memory_limit)
+    return None
+
+
+# --------------------------------------------------------------------------
+# The record.
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One policy's measurements: `points` {batch: (peak bytes, seconds per step)}, the line
+    (`intercept`, `slope` bytes), the prediction and the micro-batch that was checked
+    (`micro_batch`: measured to fit, the next divisor up measured not to; None: none fits)."""
+
+    policy: object
+    points: dict = dataclasses.field(default_factory=dict)
+    intercept: float = None
+    slope: float = None
+    predicted_batch: int = None
+    micro_batch: int = None
+    refused_batch: int = None
+    error: str = None
+    baseline: float = None  # bytes alive once the model is built (a previous one not freed shows)
+
+    @property
+    def fits(self):
+        return self.micro_batch is not None
+
+    def predicted_peak(self, batch):
+        return None if self.slope is None else self.intercept + self.slope * batch
+
+    @property
+    def measured_peak(self):
+        return self.points[self.micro_batch][0] if self.fits else None
+
+    @property
+    def seconds_per_sample(self):
+        return self.points[self.micro_batch][1] / self.micro_batch if self.fits else None
+
+    def as_dict(self):
+        return dict(policy=self.policy, micro_batch=self.micro_batch,
+                    predicted_batch=self.predicted_batch, refused_batch=self.refused_batch,
+                    intercept_mib=None if self.intercept is None else self.intercept / MiB,
+                    mib_per_sample=None if self.slope is None else self.slope / MiB,
+                    measured_peak_mib=None if not self.fits else self.measured_peak / MiB,
+                    seconds_per_sample=self.seconds_per_sample, error=self.error,
+                    baseline_mib=None if self.baseline is None else self.baseline / MiB,
+                    points={str(b): dict(peak_mib=p / MiB, seconds=t)
+                            for b, (p, t) in sorted(self.points.items())})
+
+
+@dataclasses.dataclass
+class Plan:
+    """What `recompute.plan` chose, and how to train with it.
+
+    `policy` (None: no recomputation), `micro_batch`, `steps_per_update`
+    (micro_batch x steps_per_update = `effective_batch`), `predicted_peak` and
+    `measured_peak` (bytes, at the micro-batch), `seconds_per_sample`, `budget`
+    (bytes), `memory` (what was measured), `candidates` (a `Candidate` per policy).
+    """
+
+    policy: object
+    micro_batch: int
+    steps_per_update: int
+    effective_batch: int
+    predicted_peak: float
+    measured_peak: float
+    seconds_per_sample: float
+    budget: float
+    memory: str
+    candidates: list
+    seconds: float = None
+
+    # -- applying it
+
+    @property
+    def fit_kwargs(self):
+        """`dict(batch_size=micro_batch)`, for `model.fit(x, y, **plan.fit_kwargs)`."""
+        return dict(batch_size=self.micro_batch)
+
+    def optimizer(self, inner):
+        """`AccumOptimizer(inner, steps_per_update)` (`inner` itself when it is 1)."""
+        if self.steps_per_update == 1:
+            return inner
+        from accum import AccumOptimizer
+
+        return AccumOptimizer(inner, steps_per_update=self.steps_per_update)
+
+    def scope(self):
+        """`recompute_scope(policy is not None)`: recomputation on for a policy, off for None."""
+        from ._config import recompute_scope
+
+        return recompute_scope(self.policy is not None)
+
+    def build(self, build_model):
+        """`build_model(policy)` with its compiled optimizer wrapped by `self.optimizer`."""
+        model = build_model(self.policy)
+        _check_model(model, self.policy, 1)
+        _wrap_optimizer(model, self.steps_per_update)
+        return model
+
+    def fit(self, model, x=None, y=None, **kwargs):
+        """`model.fit(x, y, batch_size=micro_batch, **kwargs)` in `self.scope()`."""
+        with self.scope():
+            return model.fit(x, y, **self.fit_kwargs, **kwargs)
+
+    # -- reporting it
+
+    def as_dict(self):
+        return dict(policy=self.policy, micro_batch=self.micro_batch,
+                    steps_per_update=self.steps_per_update, effective_batch=self.effective_batch,
+                    budget_gib=self.budget / GiB, memory=self.memory,
+                    predicted_peak_gib=self.predicted_peak / GiB,
+                    measured_peak_gib=self.measured_peak / GiB,
+                    seconds_per_sample=self.seconds_per_sample, plan_seconds=self.seconds,
+                    candidates=[c.as_dict() for c in self.candidates])
+
+    def to_json(self, **kwargs):
+        return json.dumps(self.as_dict(), **kwargs)
+
+    def table(self):
+        """The candidates as a Markdown table, then the choice."""
+        lines = [f"Plan for effective batch {self.effective_batch} within "
+                 f"{self.budget / GiB:.2f} GiB ({self.memory}):", "",
+                 "| policy | MiB at 0 | MiB / sample | predicted | micro-batch | "
+                 "measured peak GiB | next divisor | s / sample |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for c in self.candidates:
+            fmt = (lambda v, f: "-" if v is None else format(v, f))
+            lines.append(
+                f"| {_policy_name(c.policy)} | {fmt(c.intercept and c.intercept / MiB, '.0f')} | "
+                f"{fmt(c.slope and c.slope / MiB, '.1f')} | {fmt(c.predicted_batch, 'd')} | "
+                f"{fmt(c.micro_batch, 'd') if c.error is None else 'error'} | "
+                f"{fmt(c.measured_peak and c.measured_peak / GiB, '.3f')} | "
+                f"{'-' if c.refused_batch is None else f'{c.refused_batch} refused'} | "
+                f"{fmt(c.seconds_per_sample, '.4f')} |")
+        lines += ["", f"Chosen: policy {_policy_name(self.policy)}, micro-batch "
+                      f"{self.micro_batch} x {self.steps_per_update} steps per update "
+                      f"(measured peak {self.measured_peak / GiB:.3f} GiB, "
+                      f"{self.seconds_per_sample:.4f} s/sample)"]
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.table()
+
+
+def _policy_name(policy):
+    return "None" if policy is None else repr(policy)
+
+
+# --------------------------------------------------------------------------
+# Models, data, steps.
+
+
+def _check_model(model, policy, call):
+    if not hasattr(model, "train_on_batch"):
+        raise TypeError(f"`build_model({policy!r})` must return a compiled Keras model. "
+                        f"Received: {type(model).__name__}")
+    if getattr(model, "optimizer", None) is None:
+        raise ValueError(f"`build_model({policy!r})` must return a compiled Keras model (call "
+                         "`model.compile(optimizer=..., loss=...)` in it). Received: a model "
+                         "with no optimizer")
+
+
+def _wrap_optimizer(model, steps_per_update):
+    """Puts the compiled optimizer (not yet used) into `AccumOptimizer(steps_per_update)`."""
+    if steps_per_update == 1:
+        return
+    from accum import AccumOptimizer
+
+    model.optimizer = AccumOptimizer(model.optimizer, steps_per_update=steps_per_update)
+    for attr in ("train_function", "_train_function"):  # a step traced with the old one
+        if getattr(model, attr, None) is not None:
+            setattr(model, attr, None)
+
+
+def _rows(data, n):
+    """The first `n` rows of every array of `data` (repeated when it has fewer)."""
+    import numpy as np
+
+    def take(a):
+        a = np.asarray(a)
+        return np.take(a, np.arange(n) % a.shape[0], axis=0)
+
+    if isinstance(data, dict):
+        return {k: take(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(take(v) for v in data)
+    return take(data)
+
+
+def _num_rows(data):
+    import numpy as np
+
+    first = next(iter(data.values())) if isinstance(data, dict) else (
+        data[0] if isinstance(data, (list, tuple)) else data)
+    shape = np.shape(first)
+    return shape[0] if shape else 0
+
+
+def _is_oom(error):
+    text = f"{type(error).__name__}: {error}"
+    return any(s in text for s in ("RESOURCE_EXHAUSTED", "ResourceExhausted", "OutOfMemory",
+                                   "out of memory", "Out of memory")) or \
+        isinstance(error, MemoryError)
+
+
+class _Planner:
+    def __init__(self, build_model, x, y, effective_batch, budget, batches, policies, memory,
+                 verbose, step_down_limit=64):
+        self.build_model, self.x, self.y = build_model, x, y
+        self.effective_batch, self.budget, self.batches = effective_batch, budget, batches
+        self.policies, self.memory, self.verbose = policies, memory, verbose
+        self.meter = None
+        self.previous = None
+        self.calls = 0
+
+    def say(self, message):
+        if self.verbose:
+            print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
+
+    def build(self, policy):
+        self.calls += 1
+        try:
+            model = self.build_model(policy)
+        except Exception as e:
+            if self.calls == 1:
+                raise
+            raise ValueError(
+                f"`build_model({policy!r})` failed on call {self.calls}: the planner builds a "
+                f"fresh model for every candidate policy, so `build_model` must be callable "
+                f"more than once. Received: {type(e).__name__}: {e}") from e
+        if self.previous is not None and model is self.previous():
+            raise ValueError("`build_model` must build a new model at every call (the planner "
+                             "builds one per candidate policy). Received: the same model "
+                             "object twice")
+        _check_model(model, policy, self.calls)
+        import weakref
+
+        self.previous = weakref.ref(model)
+        return model
+
+    def step(self, model, policy, batch):
+        """(peak bytes, seconds of the second step) of two training steps at `batch`,
+        or (None, None) when it ran out of memory."""
+        from ._config import recompute_scope
+
+        x, y = _rows(self.x, batch), _rows(self.y, batch)
+        self.meter.reset()
+        try:
+            with recompute_scope(policy is not None):
+                model.train_on_batch(x, y)
+                t0 = time.perf_counter()
+                model.train_on_batch(x, y)
+                seconds = time.perf_counter() - t0
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+            self.say(f"policy {_policy_name(policy)}, micro-batch {batch}: out of memory")
+            return None, None
+        return self.meter.peak(), seconds
+
+    def measure(self, cand, model, batch):
+        if batch not in cand.points:
+            peak, seconds = self.step(model, cand.policy, batch)
+            cand.points[batch] = (float("inf") if peak is None else peak, seconds)
+            if peak is not None:
+                self.say(f"policy {_policy_name(cand.policy)}, micro-batch {batch}: peak "
+                         f"{peak / GiB:.3f} GiB, {seconds / batch:.4f} s/sample "
+                         f"({'fits' if peak <= self.budget else 'over the budget'})")
+        return cand.points[batch][0] <= self.budget
+
+    def candidate(self, policy, first):
+        cand = Candidate(policy)
+        self.say(f"policy {_policy_name(policy)}: building the model")
+        model = self.build(policy)
+        if self.meter is None:
+            self.meter = _meter(self.memory, _backend_of(model))
+        self.meter.reset()
+        cand.baseline = self.meter.current()
+        self.say(f"policy {_policy_name(policy)}: {cand.baseline / GiB:.3f} GiB alive after "
+                 f"the build ({self.meter.what.replace(' peak', '')})")
+        if first:
+            weights = sum(int(_size(v)) for v in model.weights)
+            if weights > self.budget:
+                raise ValueError(
+                    f"`budget_gib` must be above the model's weights alone "
+                    f"({weights / GiB:.3f} GiB): no micro-batch can train within it. "
+                    f"Received: budget_gib={self.budget / GiB:g}")
+        # The accumulation buffers are part of the peak; their size does not depend on k.
+        _wrap_optimizer(model, 2)
+        try:
+            for b in self.batches:
+                self.measure(cand, model, b)
+            (b1, (p1, _)), (b2, (p2, _)) = sorted(cand.points.items())[:2]
+            if p1 == float("inf") or p2 == float("inf"):
+                cand.error = "out of memory at a measured micro-batch"
+                return cand
+            cand.intercept, cand.slope = fit_line([(b1, p1), (b2, p2)])
+            cand.predicted_batch = predict(cand.intercept, cand.slope, self.effective_batch,
+                                           self.budget)
+            self.say(f"policy {_policy_name(policy)}: peak ~ {cand.intercept / MiB:.0f} MiB + "
+                     f"{cand.slope / MiB:.2f} MiB x batch; predicted micro-batch "
+                     f"{cand.predicted_batch}")
+            self.check(cand, model)
+        finally:
+            family = _backend_of(model)
+            del model
+            _clear_session(family)
+        return cand
+
+    def check(self, cand, model):
+        divs = divisors(self.effective_batch)
+        i = divs.index(cand.predicted_batch) if cand.predicted_batch else 0
+        while not self.measure(cand, model, divs[i]):
+            if i == 0:
+                cand.refused_batch = divs[0]
+                return  # not even 1 fits
+            i -= 1
+        while i + 1 < len(divs):
+            if not self.measure(cand, model, divs[i + 1]):
+                cand.refused_batch = divs[i + 1]
+                break
+            i += 1
+        cand.micro_batch = divs[i]
+
+    def run(self):
+        start = time.perf_counter()
+        candidates = []
+        for n, policy in enumerate(self.policies):
+            candidates.append(self.candidate(policy, first=n == 0))
+        fitting = [c for c in candidates if c.fits]
+        if not fitting:
+            raise ValueError(
+                f"No micro-batch of effective_batch={self.effective_batch} trains within "
+                f"budget_gib={self.budget / GiB:g} under any policy "
+                f"({', '.join(_policy_name(c.policy) for c in candidates)}); the smallest "
+                f"measured peaks: " + ", ".join(
+                    f"{_policy_name(c.policy)} {min(p for p, _ in c.points.values()) / GiB:.3f} "
+                    f"GiB" for c in candidates if c.points))
+        best = min(fitting, key=lambda c: (c.seconds_per_sample, c.measured_peak))
+        plan = Plan(policy=best.policy, micro_batch=best.micro_batch,
+                    steps_per_update=self.effective_batch // best.micro_batch,
+                    effective_batch=self.effective_batch,
+                    predicted_peak=best.predicted_peak(best.micro_batch),
+                    measured_peak=best.measured_peak, seconds_per_sample=best.seconds_per_sample,
+                    budget=self.budget, memory=self.meter.what, candidates=candidates,
+                    seconds=time.perf_counter() - start)
+        self.say(f"chosen: policy {_policy_name(plan.policy)}, micro-batch {plan.micro_batch} "
+                 f"x {plan.steps_per_update} ({plan.seconds:.0f} s)")
+        return plan
+
+
+def _clear_session(family):
+    """Drops Keras's global state of the family (`clear_session`), then collects."""
+    if family == "tf_keras":
+        import tf_keras
+
+        tf_keras.backend.clear_session()
+    else:
+        import keras
+
+        keras.backend.clear_session()
+    gc.collect()
+
+
+def _size(variable):
+    import numpy as np
+
+    shape = tuple(int(d) for d in variable.shape)
+    dtype = getattr(variable, "dtype", "float32")
+    dtype = getattr(dtype, "name", dtype)
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:
+        itemsize = 4
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
+
+
+def plan(build_model, x, y, effective_batch, budget_gib=None, *, policies=DEFAULT_POLICIES,
+         batches=DEFAULT_BATCHES, memory="auto", verbose=True):
+    """Measures which policy, micro-batch and accumulation steps train `effective_batch` fastest
+    within a memory budget.
+
+    ```python
+    def build_model(policy):                 # None: no recomputation
+        model = make_model(policy)           # e.g. blocks with recompute_grad(policy=policy)
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    plan = recompute.plan(build_model, x[:8], y[:8], effective_batch=64, budget_gib=4)
+    model = plan.build(build_model)          # build_model(plan.policy), AccumOptimizer(k)
+    plan.fit(model, x, y, epochs=3)          # batch_size=plan.micro_batch, recompute_scope
+    ```
+
+    Args:
+        build_model: `build_model(policy)` builds and compiles a new model for `policy` (one
+            of `policies`; None: no recomputation). It is called once per policy, then once
+            by `Plan.build`.
+        x, y: a sample batch (arrays, or a dict/list of arrays); its rows are repeated to
+            make each micro-batch measured.
+        effective_batch: the batch one update should see: micro_batch x steps_per_update.
+        budget_gib: the memory budget in GiB. Default: TensorFlow's memory limit on the GPU;
+            required on a CPU.
+        policies: the candidates (default None, "attention", "full"; a bert4keras builder
+            maps "full" to "block").
+        batches: the two micro-batches the line is measured at (default 2, 4).
+        memory: "auto", "allocator" or "rss" (the module docstring says which is which).
+        verbose: progress lines on stderr ("[recompute.plan] ...").
+
+    Returns:
+        A `Plan`.
+
+    Raises:
+        ValueError: bad arguments, a budget below the weights, a `build_model` that cannot
+            build twice, or no micro-batch that fits under any policy.
+    """
+    effective_batch = _check_effective_batch(effective_batch)
+    batches = _check_batches(batches, effective_batch)
+    budget = _check_budget(budget_gib)
+    policies = tuple(policies)
+    if not policies:
+        raise ValueError(f"`policies` must name at least one policy. Received: policies={policies}")
+    if not callable(build_model):
+        raise TypeError(f"`build_model` must be a callable build_model(policy). "
+                        f"Received: {build_model!r}")
+    if _num_rows(x) < 1:
+        raise ValueError("`x` must be a sample batch with at least one row. "
+                         f"Received: x of shape {getattr(x, 'shape', None)}")
+    if budget is None:
+        backend = _backend_guess()
+        default = default_budget_bytes(backend)
+        if default is None:
+            raise ValueError(
+                "`budget_gib` is required on a CPU (the default is the accelerator's memory, "
+                "and there is none). Received: budget_gib=None")
+        budget_bytes = float(default)
+    else:
+        budget_bytes = budget * GiB
+    return _Planner(build_model, x, y, effective_batch, budget_bytes, batches, policies, memory,
+                    verbose).run()
+
+
+def _backend_guess():
+    if os.environ.get("TF_USE_LEGACY_KERAS") == "1" and "keras" not in sys.modules:
+        return "tf_keras"
+    import keras
+
+    return keras.backend.backend()
+
+
+# --------------------------------------------------------------------------
+# The command: python -m recompute.planner --preset PATH --seq 512 --effective-batch 256
+
+
+def _bert4keras_builder(folder, seq, learning_rate):
+    """build_model(policy) of a bert4keras checkpoint folder (bert_config.json, bert_model.ckpt)
+    plus CLS -> Dense(2): "full" is `patch(policy="block")`, None `patch()` with recomputation
+    off."""
+    import recompute.bert4keras
+
+    config_path = os.path.join(folder, "bert_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    if config.get("max_position_embeddings", 512) < seq:
+        raise ValueError(f"--seq {seq} exceeds the checkpoint's max_position_embeddings "
+                         f"{config['max_position_embeddings']}")
+    checkpoint = os.path.join(folder, "bert_model.ckpt")
+
+    def build_model(policy):
+        recompute.bert4keras.patch(policy={None: "layer", "full": "block"}.get(policy, policy))
+        import tf_keras
+        from bert4keras.models import build_transformer_model
+
+        tf_keras.utils.set_random_seed(0)
+        bert = build_transformer_model(config_path, checkpoint)
+        cls = tf_keras.layers.Lambda(lambda x: x[:, 0], name="CLS")(bert.output)
+        model = tf_keras.Model(bert.inputs, tf_keras.layers.Dense(2, name="classifier")(cls))
+        model.compile(optimizer=tf_keras.optimizers.Adam(learning_rate),
+                      loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    vocab = config["vocab_size"]
+    return build_model, lambda ids: [ids, np.zeros_like(ids)], vocab
+
+
+def _keras_hub_builder(folder, seq, learning_rate):
+    """build_model(policy) of a keras-hub preset's backbone plus first token -> Dense(2):
+    `recompute.keras_hub.patch(policy)`, or `unpatch()` for None."""
+    import keras
+    import keras_hub
+
+    import recompute.keras_hub
+
+    def build_model(policy):
+        if policy is None:
+            recompute.keras_hub.unpatch()
+        else:
+            recompute.keras_hub.patch(policy=policy)
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.Backbone.from_preset(folder)
+        inputs = {name: keras.Input((seq,), dtype="int32", name=name)
+                  for name in backbone.input}
+        outputs = backbone(inputs)
+        first = outputs["pooled_output"] if "pooled_output" in outputs else \
+            outputs["sequence_output"][:, 0]
+        model = keras.Model(inputs, keras.layers.Dense(2, dtype="float32")(first))
+        model.compile(optimizer=keras.optimizers.Adam(learning_rate),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    with open(os.path.join(folder, "config.json")) as f:
+        vocab = json.load(f).get("config", {}).get("vocabulary_size", 30522)
+
+    def inputs(ids):
+        return {"token_ids": ids, "segment_ids": np.zeros_like(ids),
+                "padding_mask": (ids != 0).astype("int32")}
+
+    return build_model, inputs, vocab
+
+
+np = None  # numpy, imported by `main` (the library's import stays light)
+
+
+def _sample(seq, vocab, rows=4, seed=0):
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(min(1000, vocab // 2), vocab, size=(rows, seq)).astype("int32")
+    ids[:, 0] = 101 if vocab > 101 else 1
+    return ids, rng.randint(0, 2, size=(rows,)).astype("int32")
+
+
+def _preset_folder(preset):
+    """The folder of `--preset`: a path, or `minilm` (the converted MiniLM: keras-hub's preset,
+    or bert4keras's checkpoint under TF_USE_LEGACY_KERAS=1)."""
+    if preset != "minilm":
+        return os.path.abspath(os.path.expanduser(preset))
+    if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+        from .bert4keras import converter
+
+        return str(converter.minilm().config_path.parent)
+    from .keras_hub import minilm_preset
+
+    return minilm_preset()
+
+
+def _policy_arg(text):
+    import argparse
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    known = ("none", "attention", "full")
+    if not names or any(n not in known for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct names from {','.join(known)}, got {text!r}")
+    return tuple(None if n == "none" else n for n in names)
+
+
+def _int_pair(text):
+    import argparse
+
+    try:
+        values = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 2 or min(values) < 1 or values[0] == values[1]:
+        raise argparse.ArgumentTypeError(f"expected two different positive integers such as "
+                                         f"2,4, got {text!r}")
+    return values
+
+
+def main(argv=None):
+    """`python -m recompute.planner --preset PATH --seq N --effective-batch N [--budget-gib G]`.
+
+    Plans a keras-hub preset (a folder with config.json) or a bert4keras checkpoint (a
+    folder with bert_config.json; run with TF_KERAS=1 TF_USE_LEGACY_KERAS=1) with a 2-way
+    classification head, on random token ids. Prints progress on stderr, the table on
+    stdout, and the record as JSON with `--json PATH`. Returns the exit code."""
+    import argparse
+
+    global np
+    import numpy
+
+    np = numpy
+    parser = argparse.ArgumentParser(
+        prog="python -m recompute.planner",
+        description="The recomputation policy, micro-batch and accumulation steps that train "
+                    "an effective batch fastest within a memory budget, measured (recompute.plan).")
+    parser.add_argument("--preset", required=True,
+                        help="a keras-hub preset folder, a bert4keras checkpoint folder "
+                             "(bert_config.json, bert_model.ckpt), or 'minilm'")
+    parser.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    parser.add_argument("--effective-batch", type=int, required=True)
+    parser.add_argument("--budget-gib", type=float,
+                        help="memory budget in GiB (required on a CPU; default: the GPU's)")
+    parser.add_argument("--policies", type=_policy_arg, default=DEFAULT_POLICIES,
+                        help="comma-separated from none,attention,full (default all three)")
+    parser.add_argument("--batches", type=_int_pair, default=DEFAULT_BATCHES,
+                        help="the two micro-batches of the line (default 2,4)")
+    parser.add_argument("--memory", choices=("auto", "rss", "allocator"), default="auto")
+    parser.add_argument("--learning-rate", type=float, default=2e-5)
+    parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
+    args = parser.parse_args(argv)
+    folder = _preset_folder(args.preset)
+    if os.path.isfile(os.path.join(folder, "bert_config.json")):
+        if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") != "1":
+            parser.error("a bert4keras checkpoint needs TF_KERAS=1 TF_USE_LEGACY_KERAS=1 in the "
+                         "environment: TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m "
+                         "recompute.planner ...")
+        build_model, make_inputs, vocab = _bert4keras_builder(folder, args.seq, args.learning_rate)
+        kind = "bert4keras checkpoint"
+    elif os.path.isfile(os.path.join(folder, "config.json")):
+        build_model, make_inputs, vocab = _keras_hub_builder(folder, args.seq, args.learning_rate)
+        kind = "keras-hub preset"
+    else:
+        parser.error(f"--preset: expected a folder with config.json (keras-hub) or "
+                     f"bert_config.json (bert4keras), got {args.preset!r}")
+    ids, labels = _sample(args.seq, vocab)
+    print(f"{PREFIX} {kind} {folder}, seq {args.seq}", file=sys.stderr, flush=True)
+    try:
+        result = plan(build_model, make_inputs(ids), labels, args.effective_batch,
+                      args.budget_gib, policies=args.policies, batches=args.batches,
+                      memory=args.memory)
+    except (ValueError, RuntimeError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(result.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(result.to_json(indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
