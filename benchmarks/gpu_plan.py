@@ -146,37 +146,19 @@ def count_module(hlo, keys):
 
 
 def build_model(cfg, policy, core):
-    """The classifier for a row: keras-hub's BertBackbone (patched for `policy`, or not for
-    "0") or the standard Keras 3 blocks; `core` the attention core the library uses."""
-    import keras
-
+    """The classifier for a row (`benchmarks.peer`'s): keras-hub's BertBackbone, patched for
+    `policy` (unpatched for "0"), or the standard Keras 3 blocks; `core` the attention core
+    the library uses (`recompute.attention_core`)."""
     import recompute
 
+    from .peer import keras_model
+
     recompute.attention_core(core)
-    if cfg["model"] == "standard":
-        from . import encoder
+    if cfg["model"] == "hub" and policy == "0":
+        import recompute.keras_hub
 
-        model, _ = encoder.build_jax_model(cfg, policy="full" if policy == "0" else policy)
-        return model
-    import keras_hub
-
-    import recompute.keras_hub
-
-    if policy == "0":
-        recompute.keras_hub.unpatch()
-    else:
-        recompute.keras_hub.patch(policy=policy)
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=cfg["vocab"], num_layers=cfg["layers"], num_heads=cfg["heads"],
-        hidden_dim=cfg["hidden"], intermediate_dim=cfg["ffn"],
-        max_sequence_length=cfg["seq"], dropout=cfg["dropout"])
-    inputs = {name: keras.Input((cfg["seq"],), dtype="int32", name=name)
-              for name in ("token_ids", "segment_ids", "padding_mask")}
-    pooled = backbone(inputs)["pooled_output"]
-    logits = keras.layers.Dense(2, dtype="float32", name="classifier")(
-        keras.layers.Dropout(cfg["dropout"])(pooled))
-    return keras.Model(inputs, logits)
+        recompute.keras_hub.unpatch()  # one process builds every row
+    return keras_model(cfg, cfg["model"], policy)
 
 
 def step_plan(cfg, policy, core, batch, sharding):

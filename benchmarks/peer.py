@@ -159,9 +159,10 @@ def _keras_precision(precision, backend):
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
 
 
-def _keras_model(cfg, model_name, row):
+def keras_model(cfg, model_name, row):
     """The classifier of `model_name` for the project row `row` (RECOMPUTE is set by the
-    parent): keras-hub's BertBackbone, patched unless row 0, or the standard blocks."""
+    parent): keras-hub's BertBackbone, patched unless row 0 (a fresh process: row 0 does not
+    unpatch), or the standard blocks. `benchmarks.gpu_plan` builds its rows with it too."""
     import keras
 
     from . import encoder
@@ -205,7 +206,7 @@ def run_keras_worker(cfg, model_name, row, batch, steps, precision, out_path):
     _keras_precision(precision, backend)
     tag = f"{backend} {model_name} row={row} batch={batch}"
     _progress(f"{tag}: building the model")
-    model = _keras_model(cfg, model_name, row)
+    model = keras_model(cfg, model_name, row)
     # TensorFlow: a `tf.function` without XLA, whose tensors its allocator counts (on a CPU
     # it does not see XLA's buffers); JAX: jitted as always.
     model.compile(optimizer=keras.optimizers.AdamW(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
