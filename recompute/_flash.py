@@ -178,7 +178,7 @@ def runs_blocked(engine, dtype, queries, keys):
     - `attention_core("keras")` / `("blocked")`: that core.
     - `"auto"`: the blocked core on TensorFlow; the layer's own core on JAX,
       where XLA:GPU's plan for an H100 of keras-hub BERT-base (12 blocks,
-      seq 512, float32) holds 198.0 MiB per sample under `"full"` with the
+      seq 512, float32) holds 231.0 MiB per sample under `"full"` with the
       blocked core against 78.0 with Keras's (`python -m benchmarks.gpu_plan`,
       docs/attention.md).
 

@@ -3,7 +3,7 @@ the attention core the library chooses (`recompute.attention_core("auto")`) neve
 than Keras's own core under any policy, and grows no faster per added block.
 
 `python -m benchmarks.gpu_plan` at small widths (hidden 128, seq 256) but two depths (2 and
-8 blocks): at BERT-base the blocked core planned 2.5x Keras's under "full" (198.0 against
+8 blocks): at BERT-base the blocked core planned 3x Keras's under "full" (231.0 against
 78.0 MiB per sample) while at 2 blocks the two were close -- the excess grows with depth, so
 one depth would miss it. Needs the `[test]` extra's jax-cuda12-pjrt and jax-cuda12-plugin."""
 
