@@ -782,7 +782,7 @@ def _preset_folder(preset):
     if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
         from .bert4keras import converter
 
-        return str(converter.minilm().config_path.parent)
+        return os.path.dirname(converter.minilm().config_path)
     from .keras_hub import minilm_preset
 
     return minilm_preset()
