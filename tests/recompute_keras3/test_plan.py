@@ -264,6 +264,7 @@ def test_budget_below_the_weights():
         recompute.plan(build_model, x, y, 8, budget_gib=1e-6, verbose=False)
 
 
+@pytest.mark.slow  # builds and measures a first candidate before the second build fails (~30 s)
 def test_a_model_that_cannot_be_built_twice():
     x, y = data(2)
     calls = []
