@@ -35,6 +35,10 @@ saves the figures):
   step of the real model (every block, the real vocabulary, bfloat16) per
   policy on JAX: XLA's plan and the accelerator allocator's peak (the GPU
   question of docs/keras_hub.md).
+- `python -m benchmarks.lm_head`: peak memory and CPU time of one training
+  step of a keras-hub causal LM with full logits against
+  `recompute.keras_hub.chunked_loss`, paired in one process (TensorFlow;
+  docs/keras_hub.md).
 - `python -m benchmarks.accum_local_jax`: floats all-reduced and time per
   update of Keras's JAX step against `accum.local_gradients` on virtual
   devices (docs/distribution.md).
