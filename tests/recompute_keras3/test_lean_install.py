@@ -61,3 +61,13 @@ def test_the_probe_can_fail():
     # The blocker really blocks: importing a tool-only module through it fails.
     result = _run("import safetensors")
     assert result.returncode != 0 and "blocked for this test" in result.stderr
+
+
+def test_the_install_holds_no_torch_and_no_nvidia_library():
+    """README's install (the `[test]` extra included: JAX's CUDA plugin, without its
+    `with-cuda` extra, for `benchmarks.gpu_plan`) brings no torch and no NVIDIA library."""
+    from importlib import metadata
+
+    names = {(d.metadata["Name"] or "").lower() for d in metadata.distributions()}
+    assert "torch" not in names
+    assert not {n for n in names if n.startswith("nvidia-")}, sorted(names)
