@@ -11,6 +11,19 @@ from tests.helpers.numerics import to_numpy
 CALLS = {"n": 0}
 
 
+class DropoutAttentionBlock(keras.layers.Layer):
+    """Self-attention with dropout (the case the blocked core serves in float32; both
+    Keras 3 suites, TensorFlow and JAX)."""
+
+    def __init__(self, policy, **kwargs):
+        super().__init__(**kwargs)
+        self.mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, dropout=0.1)
+        self.call = recompute_grad(self.call, policy=policy)
+
+    def call(self, x, training=None):
+        return self.mha(x, x, training=training)
+
+
 class Block(keras.layers.Layer):
     """Dense-GELU-Dropout-Dense + residual + LayerNorm, plus an unseeded keras.random op."""
 

@@ -9,18 +9,9 @@ import keras
 import numpy as np
 import pytest
 
-from recompute import recompute_grad, recompute_scope
+from recompute import recompute_scope
+from tests.helpers.k3_blocks import DropoutAttentionBlock
 from tests.helpers.numerics import accelerator, assert_all_close
-
-
-class DropoutAttentionBlock(keras.layers.Layer):
-    def __init__(self, policy, **kwargs):
-        super().__init__(**kwargs)
-        self.mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, dropout=0.1)
-        self.call = recompute_grad(self.call, policy=policy)
-
-    def call(self, x, training=None):
-        return self.mha(x, x, training=training)
 
 
 X = np.random.default_rng(0).normal(size=(2, 37, 16)).astype("float32")  # seq 37: one block

@@ -8,7 +8,7 @@ import tensorflow as tf
 import recompute
 from recompute import recompute_grad
 from tests.helpers.numerics import assert_all_close, assert_state_equal, max_rel_err, to_numpy
-from tests.helpers.k3_blocks import CALLS, build_model, inputs, run_both
+from tests.helpers.k3_blocks import CALLS, DropoutAttentionBlock, build_model, inputs, run_both
 from tests.helpers.recompute_runs import fit_both, under_outer_eager_tape
 
 
@@ -161,18 +161,6 @@ def test_mixed_precision(policy):
     err = max(max_rel_err(a, b) for a, b in zip(graph[False][1], graph[True][1]))
     assert noise < 0.05, noise
     assert err <= 2 * noise, (err, noise)
-
-
-class DropoutAttentionBlock(keras.layers.Layer):
-    """Self-attention with dropout (the case the blocked core serves in float32)."""
-
-    def __init__(self, policy, **kwargs):
-        super().__init__(**kwargs)
-        self.mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, dropout=0.1)
-        self.call = recompute_grad(self.call, policy=policy)
-
-    def call(self, x, training=None):
-        return self.mha(x, x, training=training)
 
 
 @pytest.mark.parametrize("recompute_policy", ["full", "attention"])
