@@ -28,12 +28,12 @@ custom gradient and three matrix products that do not transpose the kernel
 in memory (a [vocabulary, hidden] embedding is 2 GiB at Gemma's size).
 """
 
-DEFAULT_CHUNK_ELEMENTS = 1 << 24  # one chunk's logits: 64 MiB in float32
+DEFAULT_CHUNK_ELEMENTS = 1 << 26  # one chunk's logits: 256 MiB in float32 (docs/keras_hub.md)
 
 
 def default_chunk_tokens(vocabulary):
     """The tokens of one chunk by default: logits of at most `DEFAULT_CHUNK_ELEMENTS`
-    entries, a multiple of 8 (64 tokens at Gemma's 256,000 words), at least 8."""
+    entries, a multiple of 8 (256 tokens at Gemma's 256,000 words), at least 8."""
     return max(8, (DEFAULT_CHUNK_ELEMENTS // max(1, int(vocabulary))) // 8 * 8)
 
 
