@@ -194,3 +194,32 @@ def test_keras3_tf_decision_is_the_dropout_layers_own(mode, keys, monkeypatch):
     noisy = keras.layers.Dropout(0.3, noise_shape=(1,))
     assert _flash_tf.dropout_bits(noisy, batch_like, shape, "float32", None) is None
     assert _flash_tf.dropout_bits(dropout, batch_like, shape, "float16", None) is None
+
+
+def test_attention_core_setting_and_its_docstring_example():
+    """`recompute.attention_core`: a statement or a context manager (restored on exit to what the
+    entry found), a clear error for another value; the docstring's example runs (a `fit`
+    under `attention_core("keras")`), and the rule follows it on TensorFlow."""
+    import keras
+
+    from recompute import _flash, _flash_tf
+
+    assert _flash.runs_blocked(_flash_tf.ENGINE, "float32", 12, 12)  # "auto" on TensorFlow
+    with recompute.attention_core("keras"):
+        assert not _flash.runs_blocked(_flash_tf.ENGINE, "float32", 12, 12)
+        inputs = keras.Input((6, 8))
+        block = keras.layers.MultiHeadAttention(2, 4, dropout=0.1)
+        model = keras.Model(inputs, block(inputs, inputs))
+        model.call = recompute.recompute_grad(model.call)
+        model.compile("sgd", "mse")
+        with recompute.recompute_scope(True):
+            model.fit(np.ones((4, 6, 8), "float32"), np.zeros((4, 6, 8), "float32"), epochs=1,
+                      verbose=0)
+    assert _flash.runs_blocked(_flash_tf.ENGINE, "float32", 12, 12)
+    assert not _flash.runs_blocked(_flash_tf.ENGINE, "bfloat16", 12, 12)  # half precision
+    with recompute.attention_core("blocked"):
+        assert not _flash.runs_blocked(_flash_tf.ENGINE, "float16", 12, 12)
+    assert repr(recompute.attention_core("auto")) == "attention_core('auto')"
+    with pytest.raises(ValueError, match=r'`core` must be one of "auto", "blocked", "keras"\. '
+                                         r"Received: core='flash'"):
+        recompute.attention_core("flash")
