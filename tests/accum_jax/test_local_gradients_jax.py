@@ -9,27 +9,10 @@ import pytest
 
 import accum
 from accum import AccumOptimizer
+from tests.helpers.local_gradients_models import data, data_parallel, mlp
 from tests.helpers.numerics import assert_all_close
 
 B = 4
-
-
-def mlp(extra=None):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((3,))
-    h = keras.layers.Dense(5, activation="tanh")(inputs)
-    if extra is not None:
-        h = extra(h)
-    return keras.Model(inputs, keras.layers.Dense(2)(h))
-
-
-def data(n=3 * B):
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
-
-
-def data_parallel():
-    return keras.distribution.DataParallel(devices=jax.devices())
 
 
 def compiled(model, optimizer=None, loss="mse", **kwargs):
@@ -95,7 +78,7 @@ def test_refuses_eager_steps():
 
 def test_refuses_batch_normalization_at_the_first_step():
     """A layer that updates non-trainable state from the batch: refused when traced."""
-    x, y = data()
+    x, y = data(3 * B)
     with data_parallel().scope():
         model = accum.local_gradients(compiled(mlp(keras.layers.BatchNormalization())))
         with pytest.raises(ValueError, match="batch_normalization.*moving_mean|moving_mean"):

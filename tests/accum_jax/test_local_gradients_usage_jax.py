@@ -8,34 +8,17 @@ import os
 import re
 import textwrap
 
-import jax
 import keras
-import numpy as np
 import pytest
 
 import accum
 from accum import AccumOptimizer
+from tests.helpers.local_gradients_models import data, data_parallel, mlp
 from tests.helpers.numerics import assert_all_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 B = 4
 REPLACED = {"train_step", "make_train_function", "fit", "train_on_batch"}
-
-
-def mlp():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((3,))
-    h = keras.layers.Dense(5, activation="tanh")(inputs)
-    return keras.Model(inputs, keras.layers.Dense(2)(h))
-
-
-def data(n=6 * B):
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
-
-
-def data_parallel():
-    return keras.distribution.DataParallel(devices=jax.devices())
 
 
 def accum_adam(k=3):
@@ -67,7 +50,7 @@ def test_documented_example_runs_as_written(where, code, monkeypatch):
     """Each example, with its placeholders defined (one process: `initialize` does nothing),
     trains through the local step."""
     monkeypatch.setattr(keras.distribution, "initialize", lambda *args, **kwargs: None)
-    x, y = data()
+    x, y = data(6 * B)
     models = []
 
     def build_model():
@@ -99,7 +82,7 @@ def test_outside_the_scope_says_where_to_call_it():
 def test_mixed_float16_trains_as_keras_step():
     """`compile` wraps the AccumOptimizer in a LossScaleOptimizer; the local step scales the
     loss, skips and counts as Keras's step does (one shard: to the same weights)."""
-    x, y = data()
+    x, y = data(6 * B)
     keras.config.set_dtype_policy("mixed_float16")
     try:
         models = []
@@ -139,7 +122,7 @@ def test_loss_scale_optimizer_around_another_optimizer_is_named():
 def trained_twice(local, second_optimizer, undo=False):
     """3 micro-steps with `accum_adam()` (local or not), then, compiled with
     `second_optimizer()` (or not, with `undo`), 3 more."""
-    x, y = data()
+    x, y = data(6 * B)
     with data_parallel().scope():
         model = mlp()
         model.compile(accum_adam(), "mse")

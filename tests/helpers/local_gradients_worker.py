@@ -26,24 +26,9 @@ import numpy as np  # noqa: E402
 
 import accum  # noqa: E402
 from accum import AccumOptimizer  # noqa: E402
+from tests.helpers.local_gradients_models import data, data_parallel, mlp  # noqa: E402
 
 B = 8
-
-
-def mlp():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((3,))
-    h = keras.layers.Dense(5, activation="tanh")(inputs)
-    return keras.Model(inputs, keras.layers.Dense(2)(h))
-
-
-def data(n):
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
-
-
-def distribution():
-    return keras.distribution.DataParallel(devices=jax.devices())
 
 
 def compiled(local, optimizer=None):
@@ -71,7 +56,7 @@ def trained(model, before):
 def batch_size_not_a_multiple():
     """`fit(batch_size=6)` on 4 shards: refused before any step."""
     x, y = data(24)
-    with distribution().scope():
+    with data_parallel().scope():
         model = compiled(True)
         before = weights(model)
         try:
@@ -83,7 +68,7 @@ def batch_size_not_a_multiple():
 def last_batch_not_a_multiple():
     """18 samples in batches of 8: the epoch's last batch holds 2; refused before any step."""
     x, y = data(18)
-    with distribution().scope():
+    with data_parallel().scope():
         model = compiled(True)
         before = weights(model)
         try:
@@ -98,7 +83,7 @@ def last_batch_of_a_dataset():
     import tensorflow as tf
 
     x, y = data(18)
-    with distribution().scope():
+    with data_parallel().scope():
         model = compiled(True)
         before = weights(model)
         try:
@@ -110,7 +95,7 @@ def last_batch_of_a_dataset():
 
 def train_on_batch_not_a_multiple():
     x, y = data(6)
-    with distribution().scope():
+    with data_parallel().scope():
         compiled(True).train_on_batch(x, y)
 
 
@@ -122,7 +107,7 @@ def mixed_float16_matches_keras_step():
     try:
         results = []
         for local in (False, True):
-            with distribution().scope():
+            with data_parallel().scope():
                 model = compiled(local)
                 model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
             optimizer = model.optimizer
@@ -140,7 +125,7 @@ def mixed_float16_matches_keras_step():
 def outside_the_scope():
     """Built and compiled in the scope, `local_gradients` outside it: the error names the
     scope and the mesh the model's variables lie on."""
-    with distribution().scope():
+    with data_parallel().scope():
         model = compiled(False)
     accum.local_gradients(model)
 
