@@ -73,24 +73,13 @@ class attention_block_size(Setting):
         rows: an integer >= 1, or None for the default.
     """
 
+    _cell = _block_size  # the state: `Setting`'s default methods read and write it
+
     def __init__(self, rows):
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
             raise ValueError(
                 f"`rows` must be an integer >= 1 or None. Received: rows={rows!r}")
-        self._rows = rows
-        super().__init__()
-
-    def _read(self):
-        return _block_size[0]
-
-    def _write(self, state):
-        _block_size[0] = state
-
-    def _wanted(self):
-        return self._rows
-
-    def __repr__(self):
-        return f"attention_block_size({self._rows!r})"
+        super().__init__(rows)
 
 
 def block_rows(queries, keys):
@@ -135,24 +124,13 @@ class attention_core(Setting):
         core: "auto", "blocked" or "keras".
     """
 
+    _cell = _core_choice  # the state: `Setting`'s default methods read and write it
+
     def __init__(self, core):
         if core not in CORES:
             raise ValueError(
                 f'`core` must be one of "auto", "blocked", "keras". Received: core={core!r}')
-        self._core = core
-        super().__init__()
-
-    def _read(self):
-        return _core_choice[0]
-
-    def _write(self, state):
-        _core_choice[0] = state
-
-    def _wanted(self):
-        return self._core
-
-    def __repr__(self):
-        return f"attention_core({self._core!r})"
+        super().__init__(core)
 
 
 def runs_blocked(engine, dtype, queries, keys):

@@ -22,11 +22,15 @@ it applied. Nested entries of one object restore in reverse order.
 
 class Setting:
     """Subclasses define `_read()` (the current state), `_write(state)` and `_wanted()`
-    (the state this object applies)."""
+    (the state this object applies) -- or, for a setting held in a one-element list
+    `_cell`, only that list: the state is `_cell[0]`, the object applies the `value` it
+    was made with, and its repr is `name(value)`."""
 
     _changes = 0  # per subclass (assigned on the subclass at the first change)
+    _cell = None  # a one-element list holding the state, for the default methods
 
-    def __init__(self):
+    def __init__(self, value=None):
+        self._value = value
         self._made_from = self._read()
         self._apply()
         self._made_at = type(self)._changes
@@ -51,10 +55,13 @@ class Setting:
         return False
 
     def _read(self):
-        raise NotImplementedError
+        return self._cell[0]
 
     def _write(self, state):
-        raise NotImplementedError
+        self._cell[0] = state
 
     def _wanted(self):
-        raise NotImplementedError
+        return self._value
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self._value!r})"
