@@ -161,19 +161,16 @@ def build_model(cfg, policy, core):
     return keras_model(cfg, cfg["model"], policy)
 
 
-def step_plan(cfg, policy, core, batch, sharding):
-    """XLA:GPU's plan of one training step's loss and gradients for a row at `batch`."""
+def step_plan(model, cfg, policy, batch, sharding):
+    """XLA:GPU's plan of one training step's loss and gradients of a row's `model` at `batch`."""
     import keras
-    import numpy as np
 
     from recompute import recompute_scope
 
-    from .peer import make_batch
+    from .peer import keras_inputs, make_batch
 
-    model = build_model(cfg, policy, core)
     ids, mask, labels = make_batch(batch, cfg["seq"], cfg["vocab"], seed=0)
-    x = ids if cfg["model"] == "standard" else {
-        "token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask}
+    x = keras_inputs(cfg["model"], ids, mask)
     cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def loss(trainable, non_trainable, x, y):
@@ -215,11 +212,13 @@ def measure(cfg, policies, cores, target):
     results = []
     for layers in cfg["layers"]:
         for policy, core in rows_of(policies, cores):
+            row_cfg = dict(cfg, layers=layers)
+            model = build_model(row_cfg, policy, core)  # its core stays set while compiling
             plans = []
             for batch in cfg["batches"]:
                 _progress(f"{layers} layers, {row_name(policy, core)}, batch {batch}: compiling "
                           f"for {target}")
-                plans.append(step_plan(dict(cfg, layers=layers), policy, core, batch, sharding))
+                plans.append(step_plan(model, row_cfg, policy, batch, sharding))
             per_sample, _ = harness.slope([(b, p["temp"]) for b, p in zip(cfg["batches"], plans)])
             results.append(dict(layers=layers, policy=policy, core=core,
                                 per_sample_mib=per_sample / MiB, **plans[-1],

@@ -189,7 +189,8 @@ def keras_model(cfg, model_name, row):
     return keras.Model(inputs, logits)
 
 
-def _keras_inputs(model_name, ids, mask):
+def keras_inputs(model_name, ids, mask):
+    """The inputs of `keras_model(cfg, model_name, ...)` for `make_batch`'s ids and mask."""
     import numpy as np
 
     if model_name == "standard":
@@ -212,7 +213,7 @@ def run_keras_worker(cfg, model_name, row, batch, steps, precision, out_path):
     model.compile(optimizer=keras.optimizers.AdamW(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=False if backend == "tensorflow" else "auto")
-    data = [(_keras_inputs(model_name, ids, mask), labels)
+    data = [(keras_inputs(model_name, ids, mask), labels)
             for ids, mask, labels in _batches(cfg, batch, steps + 2)]
 
     def step(i):
