@@ -82,9 +82,12 @@ _progress = harness.Progress(TOOL)
 # Worker: the model.
 
 
-def causal_lm(cfg, model_name, mode):
+def causal_lm(cfg, model_name, mode, abstract=False):
     """(the LoRA causal LM `model_name` with `cfg["layers"]` blocks, patched with the policy of
-    `mode` ("full" for mode 0), its parameter count before LoRA)."""
+    `mode` ("full" for mode 0), its parameter count before LoRA). `abstract`: the backbone's
+    weights are made in a `keras.StatelessScope(initialize_variables=False)`, shapes without
+    values (for a compiler's plan; tracing must then run in such a scope too)."""
+    import contextlib
     import recompute.keras_hub
 
     recompute.keras_hub.patch(policy="full" if mode == "0" else mode)
@@ -97,11 +100,16 @@ def causal_lm(cfg, model_name, mode):
                   num_query_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
                   hidden_dim=shape["hidden"], intermediate_dim=shape["intermediate"],
                   dropout=cfg["dropout"])
+    scope = (keras.StatelessScope(initialize_variables=False) if abstract
+             else contextlib.nullcontext())
+    with scope:
+        if shape["kind"] == "gemma":
+            backbone = keras_hub.models.GemmaBackbone(head_dim=shape["head_dim"], **common)
+        else:
+            backbone = keras_hub.models.LlamaBackbone(**common)
     if shape["kind"] == "gemma":
-        backbone = keras_hub.models.GemmaBackbone(head_dim=shape["head_dim"], **common)
         lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
     else:
-        backbone = keras_hub.models.LlamaBackbone(**common)
         lm = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
     n_params = int(lm.count_params())  # before LoRA: the model's own weights
     backbone.enable_lora(cfg["rank"])
