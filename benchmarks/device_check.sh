@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The prepared run for a lent GPU machine (docs/attention.md, docs/keras_hub.md, docs/plan.md):
+# one command of at most 10 minutes whose sections each have a time limit, so that a slow one
+# costs only its own figures. Run from the repository root:
+#
+#     bash benchmarks/device_check.sh OUT_FOLDER            # on the GPU machine
+#     DEVICE_CHECK_TINY=1 bash benchmarks/device_check.sh /tmp/dc   # seconds, any machine
+#     SECTIONS="versions peer" bash benchmarks/device_check.sh OUT_FOLDER   # some sections
+#
+# The GPU machine has Python 3.12 with JAX (CUDA), PyTorch and transformers, no TensorFlow and
+# no network: keras, keras-hub and their small pure dependencies travel as wheels in `.whl/`
+# (docs/attention.md says which), installed here with --no-deps into /tmp/site. Everything
+# runs on Keras's JAX backend. Sections, in order of what they decide:
+#
+#   lm_gemma7b  benchmarks.lm_step, Gemma-7B shape, seq 8192, "full" with and without the
+#               chunked loss: XLA:GPU's plan compiled on the device and the allocator's peak
+#   lm_gemma2b  the same at Gemma-2B shape
+#   plan_bert   benchmarks.device_plan_check: the planner on BERT-base seq 512, 16 GiB
+#   peer        benchmarks.peer, BERT-base seq 512: RECOMPUTE=0 and "full" (our side only:
+#               PyTorch's rows were measured on an H100 before, docs/attention.md)
+#
+# Each section's output goes to OUT_FOLDER/device.log (and its JSON beside it); the end of
+# each is printed too.
+set -u
+out=${1:?usage: bash benchmarks/device_check.sh OUT_FOLDER}
+mkdir -p "$out"
+log="$out/device.log"
+: >"$log"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export KERAS_BACKEND=jax PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+
+sections=" ${SECTIONS:-versions lm_gemma7b lm_gemma2b plan_bert peer} "
+
+section() {  # name, seconds, command...
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    case "$sections" in *" $name "*) ;; *) return 0 ;; esac
+    echo "=== $name: $* (limit ${limit} s, $(date -u +%FT%TZ))" | tee -a "$log"
+    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
+    local rc=$?
+    grep -v -e '^I0000' -e '^W0000' -e 'absl::InitializeLog' "$out/$name.txt" | tail -n 40 >>"$log"
+    rm -f "$out/$name.txt"
+    echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$log"
+    tail -n 14 "$log"
+}
+
+if [ -n "${DEVICE_CHECK_TINY:-}" ]; then
+    lm="--model tiny --seq 64 --vocab 1000 --layers 2 --dtype float32 --steps 2"
+    lm2=$lm
+    peer="--layers 2 --hidden 64 --heads 2 --ffn 128 --seq 32 --batches 2,4 --steps 2 --no-peer"
+    plan="--tiny"
+else
+    lm="--model gemma-7b --seq 8192 --steps 3"
+    lm2="--model gemma-2b --seq 8192 --steps 3"
+    peer="--batches 8,32 --steps 3 --no-peer"
+    plan=""
+fi
+
+section versions 25 sh -c "nvidia-smi -L; $python -c 'import jax, keras, keras_hub; print(jax.__version__, jax.devices(), keras.__version__, keras_hub.__version__)'"
+# shellcheck disable=SC2086
+section lm_gemma7b 260 "$python" -m benchmarks.lm_step $lm --modes chunked,full --json "$out/lm_gemma7b.json"
+# shellcheck disable=SC2086
+section lm_gemma2b 90 "$python" -m benchmarks.lm_step $lm2 --modes chunked,full --json "$out/lm_gemma2b.json"
+# shellcheck disable=SC2086
+section plan_bert 110 "$python" -m benchmarks.device_plan_check $plan --json "$out/plan_bert.json"
+# shellcheck disable=SC2086
+section peer 110 "$python" -m benchmarks.peer $peer --policies 0,full --json "$out/peer.json"
+echo "=== done $(date -u +%FT%TZ)" | tee -a "$log"
