@@ -9,8 +9,9 @@
 #
 # The GPU machine has Python 3.12 with JAX (CUDA), PyTorch and transformers, no TensorFlow and
 # no network: keras, keras-hub and their small pure dependencies travel as wheels in `.whl/`
-# (docs/attention.md says which), installed here with --no-deps into /tmp/site. Everything
-# runs on Keras's JAX backend. Sections, in order of what they decide:
+# (docs/attention.md says which), installed here with --no-deps into /tmp/site, and
+# tensorflow-cpu (the library imports TensorFlow on every backend) already installed there
+# (it travels in five parts, docs/attention.md). Everything runs on Keras's JAX backend. Sections, in order of what they decide:
 #
 #   lm_gemma7b  benchmarks.lm_step, Gemma-7B shape, seq 8192, "full" with and without the
 #               chunked loss: XLA:GPU's plan compiled on the device and the allocator's peak
@@ -63,7 +64,7 @@ else
     plan=""
 fi
 
-section versions 25 sh -c "nvidia-smi -L; $python -c 'import jax, keras, keras_hub; print(jax.__version__, jax.devices(), keras.__version__, keras_hub.__version__)'"
+section versions 40 sh -c "nvidia-smi -L; $python -c 'import jax, keras, keras_hub, recompute, tensorflow as tf; print(\"jax\", jax.__version__, jax.devices(), \"keras\", keras.__version__, \"keras-hub\", keras_hub.__version__, \"tensorflow\", tf.__version__)'"
 # shellcheck disable=SC2086
 section lm_gemma7b 260 "$python" -m benchmarks.lm_step $lm --modes chunked,full --json "$out/lm_gemma7b.json"
 # shellcheck disable=SC2086
