@@ -33,8 +33,16 @@ saves the figures):
   time ratios in one process.
 - `KERAS_BACKEND=jax python -m benchmarks.lm_step`: one whole LoRA training
   step of the real model (every block, the real vocabulary, bfloat16) per
-  policy on JAX: XLA's plan and the accelerator allocator's peak (the GPU
-  question of docs/keras_hub.md).
+  policy, and with `recompute.keras_hub.chunked_loss`, on JAX (Keras's own
+  `train_step`): XLA's plan and the accelerator allocator's peak (the GPU
+  question of docs/keras_hub.md); `--target h100`: XLA:GPU's plan compiled
+  here, the weights never made.
+- `python -m benchmarks.offload_probe`: whether XLA keeps checkpointed blocks'
+  inputs in host memory under JAX's offloading policy (device and host
+  temporaries of a small residual stack; `--target h100` or the local GPU).
+- `bash benchmarks/device_check.sh OUT`: the prepared run for a lent GPU
+  machine (lm_step at Gemma-7B and 2B, the planner, peer, the offload probe),
+  each section time-limited; `DEVICE_CHECK_TINY=1` runs it in seconds anywhere.
 - `python -m benchmarks.lm_head`: peak memory and CPU time of one training
   step of a keras-hub causal LM with full logits against
   `recompute.keras_hub.chunked_loss`, paired in one process (TensorFlow;

@@ -17,6 +17,8 @@
 #               chunked loss: XLA:GPU's plan compiled on the device and the allocator's peak
 #   lm_gemma2b  the same at Gemma-2B shape
 #   plan_bert   benchmarks.device_plan_check: the planner on BERT-base seq 512, 16 GiB
+#   offload_probe  benchmarks.offload_probe on the device: does XLA:GPU keep offloaded inputs
+#               on the host (the CPU-side plan says it keeps them on the device too)?
 #   peer        benchmarks.peer, BERT-base seq 512: RECOMPUTE=0 and "full" (our side only:
 #               PyTorch's rows were measured on an H100 before, docs/attention.md)
 #
@@ -37,7 +39,7 @@ fi
 export KERAS_BACKEND=jax PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 
-sections=" ${SECTIONS:-versions lm_gemma7b lm_gemma2b plan_bert peer} "
+sections=" ${SECTIONS:-versions lm_gemma7b lm_gemma2b offload_probe plan_bert peer} "
 
 section() {  # name, seconds, command...
     local name=$1 limit=$2 start=$SECONDS
@@ -69,6 +71,7 @@ section versions 40 sh -c "nvidia-smi -L; $python -c 'import jax, keras, keras_h
 section lm_gemma7b 260 "$python" -m benchmarks.lm_step $lm --modes chunked,full --json "$out/lm_gemma7b.json"
 # shellcheck disable=SC2086
 section lm_gemma2b 90 "$python" -m benchmarks.lm_step $lm2 --modes chunked,full --json "$out/lm_gemma2b.json"
+section offload_probe 40 "$python" -m benchmarks.offload_probe
 # shellcheck disable=SC2086
 section plan_bert 110 "$python" -m benchmarks.device_plan_check $plan --json "$out/plan_bert.json"
 # shellcheck disable=SC2086
