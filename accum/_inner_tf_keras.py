@@ -53,8 +53,8 @@ PRIVATE_NAMES = (
     ("inner_optimizer._is_wrapped_by_loss_scale_optimizer",
      ("tf_keras.mixed_precision.LossScaleOptimizer",)),
     # the overridden updates of the moving statistics (`accum._batchnorm_tf_keras`)
-    ("_assign_moving_average", ("tf_keras.layers.BatchNormalization",)),
-    ("_assign_new_value", ("tf_keras.layers.BatchNormalization",)),
+    ("BatchNormalization._assign_moving_average", ("tf_keras.layers",)),
+    ("BatchNormalization._assign_new_value", ("tf_keras.layers",)),
 ) + tuple((attribute, ("tf_keras.mixed_precision.LossScaleOptimizer",)) for attribute in LOSS_SCALE_NAMES)
 
 
