@@ -102,7 +102,7 @@ import contextlib
 
 import tensorflow as tf
 
-from . import _window
+from . import _inner_tf_keras, _window
 
 _SUM = tf.distribute.ReduceOp.SUM
 
@@ -160,7 +160,7 @@ def local_share(wrapper, grads_and_vars):
     with the wrapper's own `aggregate_gradients` (a no-op here: see the
     families) before passing the flag: its gradients are still local.
     """
-    if getattr(wrapper, "_is_wrapped_by_loss_scale_optimizer", False):
+    if _inner_tf_keras.wrapped_by_loss_scale_optimizer(wrapper):
         return list(grads_and_vars)
     share = 1.0 / tf.distribute.get_strategy().num_replicas_in_sync
     return [(_window.scale_gradient(g, share), v) for g, v in grads_and_vars]

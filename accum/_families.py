@@ -1,11 +1,13 @@
 """The Keras families: which Keras an optimizer belongs to.
 
-(A *family* is Keras 3, tf_keras or tf_keras legacy; the Keras 3 *backend* is
-always TensorFlow here.) `accum._dispatch` maps a family to its implementation.
+(A *family* is Keras 3, tf_keras or tf_keras legacy; a family is not a backend:
+Keras 3's optimizers are one family on the TensorFlow and the JAX backends, whose
+wrappers `accum._dispatch` picks by the backend: `_keras3` or `_keras3_jax`.)
+`accum._dispatch` maps a family to its implementation.
 
 | family            | optimizers                                   |
 | ----------------- | -------------------------------------------- |
-| `KERAS3`          | `keras.optimizers.*` (TensorFlow backend)    |
+| `KERAS3`          | `keras.optimizers.*` (TensorFlow or JAX)     |
 | `TF_KERAS`        | `tf_keras.optimizers.*` (new-style)          |
 | `TF_KERAS_LEGACY` | `tf_keras.optimizers.legacy.*` (OptimizerV2) |
 
@@ -25,9 +27,9 @@ def family_of(optimizer):
     """Returns `KERAS3`, `TF_KERAS`, `TF_KERAS_LEGACY`, or None if `optimizer` is no optimizer."""
     roots = {cls.__module__.split(".")[0] for cls in type(optimizer).__mro__}
     if "keras" in roots:
-        from keras.src.optimizers.optimizer import Optimizer
+        from ._inner_keras3 import optimizer_base_class
 
-        if isinstance(optimizer, Optimizer):
+        if isinstance(optimizer, optimizer_base_class()):
             return KERAS3
     if "tf_keras" in roots:
         import tf_keras

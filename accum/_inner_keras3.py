@@ -22,6 +22,9 @@ _EVERY = tuple(
 )
 _MOMENTUM = ("keras.optimizers.SGD", "keras.optimizers.Adam", "keras.optimizers.AdamW")
 _ADAM = _MOMENTUM[1:]
+# The wrapper's own base class, `keras.optimizers.Optimizer` (as SGD has it): the state the
+# wrapper (`accum._keras3`, `accum._keras3_jax`, `accum._rescale_keras3`) reads of itself.
+_WRAPPER_BASE = ("keras.optimizers.SGD",)
 
 PRIVATE_NAMES = (
     ("update_step", _EVERY),
@@ -31,7 +34,16 @@ PRIVATE_NAMES = (
     ("_get_current_learning_rate", _EVERY),
     ("_iterations", _EVERY),
     ("_all_reduce_sum_gradients", _EVERY),  # TensorFlow backend
-    ("_get_variable_index", _MOMENTUM),
+    ("_get_variable_index", _MOMENTUM + _WRAPPER_BASE),
+    ("_variables", _WRAPPER_BASE),
+    ("_trainable_variables", _WRAPPER_BASE),
+    ("_check_variables_are_known", _WRAPPER_BASE),
+    # `accum._families` tells a Keras 3 optimizer by its base class (not exported as such
+    # where `keras` is tf_keras under another name)
+    ("Optimizer", ("keras.src.optimizers.optimizer",)),
+    # `accum.local_gradients` (JAX): the mask Keras's losses read; the trainer's metrics update
+    ("get_keras_mask", ("keras.src.backend",)),
+    ("JAXTrainer._update_metrics_variables", ("keras.src.backend.jax.trainer",)),
     ("_momentums", _ADAM),
     ("_velocities", _ADAM),
 )
@@ -73,9 +85,9 @@ def has_momentum(optimizer):
 
 def slots(optimizer, variable):
     if isinstance(optimizer, keras.optimizers.SGD):
-        return (optimizer.momentums[optimizer._get_variable_index(variable)],)
+        return (optimizer.momentums[variable_index(optimizer, variable)],)
     if isinstance(optimizer, (keras.optimizers.Adam, keras.optimizers.AdamW)):
-        i = optimizer._get_variable_index(variable)
+        i = variable_index(optimizer, variable)
         return (optimizer._momentums[i], optimizer._velocities[i])
     return None
 
@@ -113,3 +125,51 @@ def loss_scale(optimizer):
 
 def build(optimizer, variables):
     optimizer.build(variables)
+
+
+# The wrapper's own base-class state (`_WRAPPER_BASE`).
+
+
+def own_variables(optimizer):
+    """The list of `optimizer`'s own variables (the base class's; appended to in place)."""
+    return optimizer._variables
+
+
+def own_iterations(optimizer):
+    """`optimizer`'s own step counter, the variable behind `iterations`."""
+    return optimizer._iterations
+
+
+def own_trainable_variables(optimizer):
+    """The model variables `optimizer` was built on, in its order."""
+    return optimizer._trainable_variables
+
+
+def variable_index(optimizer, variable):
+    """The index of `variable` among those `optimizer` was built on."""
+    return optimizer._get_variable_index(variable)
+
+
+def check_variables_are_known(optimizer, variables):
+    """A ValueError unless `optimizer` was built on each of `variables`."""
+    optimizer._check_variables_are_known(variables)
+
+
+def optimizer_base_class():
+    """Keras 3's `Optimizer` base class, every backend's optimizers' (`accum._families`)."""
+    from keras.src.optimizers.optimizer import Optimizer
+
+    return Optimizer
+
+
+def keras_mask(tensor):
+    """The Keras mask attached to `tensor` (Keras's losses read it), or None."""
+    from keras.src import backend
+
+    return backend.get_keras_mask(tensor)
+
+
+def update_metrics_variables(model, *args):
+    """The JAX trainer's `_update_metrics_variables(metrics, loss, x, y, y_pred,
+    sample_weight)` of `model`: `(logs, metrics)`."""
+    return model._update_metrics_variables(*args)

@@ -27,6 +27,10 @@ _MOMENTUM = ("tf_keras.optimizers.SGD", "tf_keras.optimizers.Adam", "tf_keras.op
 _ADAM = _MOMENTUM[1:]
 # The loss-scale state's names, for `LossScaleOptimizer`s around a new-style or a legacy optimizer.
 LOSS_SCALE_NAMES = ("_loss_scale.current_loss_scale", "_loss_scale.counter")
+# The wrapper's own base class, `tf_keras.optimizers.Optimizer` (as SGD has it): the state the
+# wrapper (`accum._tf_keras`, `accum._rescale_tf_keras`) keeps in it, and the method it
+# overrides (`_create_iteration_variable`: named there, it cannot go through a function).
+_WRAPPER_BASE = ("tf_keras.optimizers.SGD",)
 
 PRIVATE_NAMES = (
     ("_update_step", _EVERY),
@@ -40,6 +44,17 @@ PRIVATE_NAMES = (
     ("_index_dict", _MOMENTUM),
     ("_momentums", _ADAM),
     ("_velocities", _ADAM),
+    ("_variables", _WRAPPER_BASE),
+    ("_built", _WRAPPER_BASE),
+    ("_index_dict", _WRAPPER_BASE),
+    ("_no_dependency", _WRAPPER_BASE),
+    ("_create_iteration_variable", _WRAPPER_BASE),
+    # set on the optimizer a `LossScaleOptimizer` wraps (`accum._distributed`)
+    ("inner_optimizer._is_wrapped_by_loss_scale_optimizer",
+     ("tf_keras.mixed_precision.LossScaleOptimizer",)),
+    # the overridden updates of the moving statistics (`accum._batchnorm_tf_keras`)
+    ("BatchNormalization._assign_moving_average", ("tf_keras.layers",)),
+    ("BatchNormalization._assign_new_value", ("tf_keras.layers",)),
 ) + tuple((attribute, ("tf_keras.mixed_precision.LossScaleOptimizer",)) for attribute in LOSS_SCALE_NAMES)
 
 
@@ -106,3 +121,40 @@ def loss_scale(optimizer):
 
 def build(optimizer, variables):
     optimizer.build(variables)
+
+
+# The wrapper's own base-class state (`_WRAPPER_BASE`).
+
+
+def own_variables(optimizer):
+    """The list of `optimizer`'s own variables (the base class's; appended to in place)."""
+    return optimizer._variables
+
+
+def own_iterations(optimizer):
+    """`optimizer`'s own step counter, the variable behind `iterations`."""
+    return optimizer._iterations
+
+
+def set_own_iterations(optimizer, variable):
+    optimizer._iterations = variable
+
+
+def mark_built(optimizer):
+    """Tells the base class that `optimizer` is built."""
+    optimizer._built = True
+
+
+def own_index(optimizer):
+    """`optimizer`'s map of a variable's key (`var_key`) to its index."""
+    return optimizer._index_dict
+
+
+def untracked(optimizer, value):
+    """`value`, assigned to an attribute of `optimizer` without being tracked as a dependency."""
+    return optimizer._no_dependency(value)
+
+
+def wrapped_by_loss_scale_optimizer(optimizer):
+    """True if a `LossScaleOptimizer` wraps `optimizer` (it aggregates the gradients itself)."""
+    return getattr(optimizer, "_is_wrapped_by_loss_scale_optimizer", False)

@@ -33,6 +33,12 @@ PRIVATE_NAMES = (
     ("_compute_gradients", _EVERY),
     ("_momentum", (_SGD, "tf_keras.optimizers.legacy.RMSprop")),
     ("_decayed_lr", (_SGD, _ADAM)),
+    # The wrapper's own base class, `OptimizerV2` (as SGD has it): its state, and the method
+    # the wrapper overrides (`_aggregate_gradients`: named there, it cannot go through a function)
+    ("_track_trackable", (_SGD,)),
+    ("_weights", (_SGD,)),
+    ("_name", (_SGD,)),
+    ("_aggregate_gradients", (_SGD,)),
 ) + tuple((attribute, ("tf_keras.mixed_precision.LossScaleOptimizer",)) for attribute in LOSS_SCALE_NAMES)
 
 
@@ -90,3 +96,21 @@ def compute_gradients(optimizer, loss, variables, grad_loss=None, tape=None):
     """The legacy wrapper's `_compute_gradients`: `optimizer`'s (a `LossScaleOptimizer`
     scales the loss and unscales the gradients)."""
     return optimizer._compute_gradients(loss, variables, grad_loss=grad_loss, tape=tape)
+
+
+# The wrapper's own base-class state (`OptimizerV2`'s).
+
+
+def track(optimizer, trackable, name):
+    """Makes `trackable` a checkpoint dependency of `optimizer` under `name`."""
+    optimizer._track_trackable(trackable, name=name)
+
+
+def own_weights(optimizer):
+    """`optimizer`'s own variables (the base class's list)."""
+    return optimizer._weights
+
+
+def own_name(optimizer):
+    """The name `optimizer` was given (the base class keeps it)."""
+    return optimizer._name

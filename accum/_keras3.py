@@ -106,13 +106,13 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     @property
     def variables(self):
         """The wrapper's variables (counters, buffers) followed by the inner optimizer's."""
-        return self._variables[:] + self.inner_optimizer.variables
+        return _inner_keras3.own_variables(self)[:] + self.inner_optimizer.variables
 
     def _micro_steps_variable(self):
-        return self._iterations
+        return _inner_keras3.own_iterations(self)
 
     def _model_variables_list(self):
-        return self._trainable_variables
+        return _inner_keras3.own_trainable_variables(self)
 
     def scale_loss(self, loss):
         """Scales the loss as the inner optimizer does (loss scaling lives there)."""
@@ -142,26 +142,26 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
                     "must already be built on a list of variables. "
                     "Call `optimizer.build(trainable_variables)` first."
                 )
-            trainable_variables = self._trainable_variables
+            trainable_variables = _inner_keras3.own_trainable_variables(self)
         else:
             trainable_variables = list(trainable_variables)
             if not self.built:
                 with keras.name_scope(self.name, caller=self):
                     self.build(trainable_variables)
                 self.built = True
-            self._check_variables_are_known(trainable_variables)
+            _inner_keras3.check_variables_are_known(self, trainable_variables)
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable.")
         grads = [g for g, _ in pairs]
-        indices = tuple(self._get_variable_index(v) for _, v in pairs)
+        indices = tuple(_inner_keras3.variable_index(self, v) for _, v in pairs)
         if self.steps_per_update == 1 and self._mode.buffered:
             # k=1: every micro-step is an update; the inner optimizer sees the
             # gradients exactly as given (sparse ones stay sparse).
-            variables = [self._trainable_variables[i] for i in indices]
+            variables = [_inner_keras3.own_trainable_variables(self)[i] for i in indices]
             grads = [_buffer_keras3.rows_total(g, len(v.shape)) for g, v in zip(grads, variables)]
             self.inner_optimizer.apply(grads, variables)
-            self._iterations.assign_add(1)
+            _inner_keras3.own_iterations(self).assign_add(1)
             self._finish_batch_norm()
             return
         self._micro_step(grads, indices)
@@ -182,7 +182,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
                 _buffer_keras3.micro_step(self, grads, indices)
                 return
             self._mode.accumulate(self, grads, indices)  # "momentum" (TensorFlow)
-            self._iterations.assign_add(1)
+            _inner_keras3.own_iterations(self).assign_add(1)
             _window.maybe_end_window(
                 self.steps_per_update, self.window_steps.value, lambda: self._mode.end_window(self)
             )
@@ -206,12 +206,12 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     def _window_variables(self):
         """The window's state as the wrapper's `keras.Variable`s (`accum._buffer_keras3`)."""
         return _window.WindowState(
-            micro_steps=self._iterations,
+            micro_steps=_inner_keras3.own_iterations(self),
             window_steps=self.window_steps,
             window_count=self.window_count,
             buffers=list(self.accumulators),
             touched=list(self.touched),
-            variables=list(self._trainable_variables),
+            variables=list(_inner_keras3.own_trainable_variables(self)),
         )
 
     def _window_state(self):
@@ -250,7 +250,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     def _apply_inner(self, grads, indices, touched):
         """The inner optimizer's update of the variables `indices` with `grads`, where
         only those whose `touched` (scalar bool tensors) is true change."""
-        variables = [self._trainable_variables[i] for i in indices]
+        variables = [_inner_keras3.own_trainable_variables(self)[i] for i in indices]
         restore = _window.protect_untouched(variables, touched)
         with _buffer_keras3.masked_updates(self._innermost(), variables, touched, _weight_decay):
             self.inner_optimizer.apply(grads, variables)

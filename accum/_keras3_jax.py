@@ -67,9 +67,10 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
             return False
         saved = [b.numpy() for b in self._checkpoint_buffers()]
         with keras.name_scope(self.name, caller=self):
-            new = [rows.buffer_for(v, "accumulator") for v in self._trainable_variables]
+            new = [rows.buffer_for(v, "accumulator") for v in _inner_keras3.own_trainable_variables(self)]
         for old, buffer, value in zip(self.accumulators, new, saved):
-            self._variables[next(i for i, v in enumerate(self._variables) if v is old)] = buffer
+            own = _inner_keras3.own_variables(self)
+            own[next(i for i, v in enumerate(own) if v is old)] = buffer
             _local_jax.SavedRows(buffer).assign(value)
         # Not through Keras's tracker, which would add them to the variables a second time.
         object.__setattr__(self, "accumulators", new)
@@ -94,7 +95,7 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
         on the current values; the new values are assigned."""
         import jax
 
-        variables = list(self._trainable_variables)
+        variables = list(_inner_keras3.own_trainable_variables(self))
         inner_variables = list(self.inner_optimizer.variables)
 
         def update(values, inner_values):

@@ -60,6 +60,8 @@ import types
 
 import keras
 
+from . import _inner_keras3
+
 _SEED_STATE = "seed_generator_state"
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
@@ -389,8 +391,8 @@ def _train_step(self, state, data):
     )(trainable, non_trainable, metrics, x, y, sample_weight)
     metrics = [m + jax.numpy.sum(d, axis=0) for m, d in zip(metrics, increments)]
     trainable, optimizer_values = self.optimizer.stateless_apply(optimizer_values, grads, trainable)
-    logs, metrics = self._update_metrics_variables(
-        metrics, jax.numpy.mean(losses), x, y, y_pred, sample_weight)
+    logs, metrics = _inner_keras3.update_metrics_variables(
+        self, metrics, jax.numpy.mean(losses), x, y, y_pred, sample_weight)
     return logs, (trainable, non_trainable, optimizer_values, metrics)
 
 
@@ -399,10 +401,8 @@ def _is_seed_state(variable):
 
 
 def _check_unmasked(y_pred):
-    from keras.src import backend  # its `get_keras_mask` (Keras's losses read it) is not public
-
     for leaf in keras.tree.flatten(y_pred):
-        if backend.get_keras_mask(leaf) is not None:
+        if _inner_keras3.keras_mask(leaf) is not None:
             raise ValueError(
                 "`accum.local_gradients` is exact only when the batch's loss is the mean "
                 "of its shards' losses; a loss over predictions with a Keras mask is a "

@@ -62,10 +62,10 @@ def micro_step(wrapper, grads, indices):
     with `grads` for the variables at `indices`."""
     spec = wrapper._rule
     inner = wrapper.inner_optimizer
-    variables = list(wrapper._trainable_variables)
+    variables = list(_inner_keras3.own_trainable_variables(wrapper))
     grads = _rescale.every_gradient(variables, indices, grads, lambda v: ops.zeros(v.shape, v.dtype))
 
-    micro = wrapper._iterations
+    micro = _inner_keras3.own_iterations(wrapper)
     last = ops.equal(ops.mod(micro.value + 1, spec.k), 0)
     # A non-finite micro-step counts as a zero gradient, as a missing one does (the
     # window's update still comes at its last micro-step; `accum._rescale`).

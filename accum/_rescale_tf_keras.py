@@ -48,7 +48,7 @@ def micro_step(wrapper, grads, indices):
     variables = list(wrapper._model_variables)
     grads = _rescale.every_gradient(variables, indices, grads, tf.zeros_like)
 
-    micro = wrapper._iterations
+    micro = _api.own_iterations(wrapper)
     last = tf.equal((micro + 1) % spec.k, 0)
     # A non-finite micro-step counts as a zero gradient, as a missing one does (the
     # window's update still comes at its last micro-step; `accum._rescale`).

@@ -56,11 +56,11 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
                 self.window_count = tf.Variable(
                     0, dtype=tf.int64, trainable=False, name="window_count"
                 )
-        self._variables += [self.window_steps, self.window_count]
+        _inner_tf_keras.own_variables(self).extend([self.window_steps, self.window_count])
         self.accumulators = []
         # One flag per variable: did the window give it a gradient (`accum._window`).
         self.touched = []
-        self._model_variables = self._no_dependency([])
+        self._model_variables = _inner_tf_keras.untracked(self, [])
         claim_inner(self, optimizer)
 
     # ------------------------------------------------------------------ state
@@ -90,7 +90,7 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
                     self.add_variable_from_reference(v, "accumulator") for v in var_list
                 )
         self._mode.check_built(self, self.inner_optimizer, var_list)
-        self._built = True
+        _inner_tf_keras.mark_built(self)
         self._built_accum = True
         self._link_batch_norm(var_list)
         _batchnorm.warn_for_training_model(self)
@@ -107,13 +107,14 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         # named `micro_steps`, not `iteration` like the inner optimizer's: `.h5`
         # files store optimizer variables under their names, which must differ.
         with tf.init_scope():
-            self._iterations = tf.Variable(0, name="micro_steps", dtype=tf.int64, trainable=False)
-        self._variables.append(self._iterations)
+            _inner_tf_keras.set_own_iterations(
+                self, tf.Variable(0, name="micro_steps", dtype=tf.int64, trainable=False))
+        _inner_tf_keras.own_variables(self).append(_inner_tf_keras.own_iterations(self))
 
     @property
     def variables(self):
         """The wrapper's variables (counters, buffers) followed by the inner optimizer's."""
-        return list(self._variables) + list(self.inner_optimizer.variables)
+        return list(_inner_tf_keras.own_variables(self)) + list(self.inner_optimizer.variables)
 
     def set_weights(self, weights):
         """Sets `variables` (the wrapper's, then the inner optimizer's) from a list of arrays,
@@ -139,7 +140,7 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
             variable.assign(weight)
 
     def _micro_steps_variable(self):
-        return self._iterations
+        return _inner_tf_keras.own_iterations(self)
 
     def compute_gradients(self, loss, var_list, tape=None):
         """The inner optimizer's gradients (a `LossScaleOptimizer` scales and unscales)."""
@@ -151,7 +152,7 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         """One micro-step: accumulates the gradients; every `steps_per_update`-th call updates."""
         grads_and_vars = [(g, v) for g, v in grads_and_vars]
         if not grads_and_vars:
-            return self._iterations
+            return _inner_tf_keras.own_iterations(self)
         with tf.init_scope():
             self.build([v for _, v in grads_and_vars])
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
@@ -164,9 +165,9 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         if _distributed.in_replica_context():
             # A mirrored counter is written in the cross-replica context.
             return tf.distribute.get_replica_context().merge_call(
-                lambda _: self._iterations.assign_add(1)
+                lambda _: _inner_tf_keras.own_iterations(self).assign_add(1)
             )
-        return self._iterations.assign_add(1)
+        return _inner_tf_keras.own_iterations(self).assign_add(1)
 
     def aggregate_gradients(self, grads_and_vars):
         """All-reduces gradients unless they are accumulated locally (`_aggregated_unless_local`)."""
@@ -182,13 +183,13 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         return masked_updates(self.inner_optimizer, variables, touched)
 
     def _variable_index(self, variable):
-        key = self._var_key(variable)
-        if key not in self._index_dict:
+        key = _inner_tf_keras.var_key(self, variable)
+        if key not in _inner_tf_keras.own_index(self):
             raise ValueError(
                 f"Unknown variable: {variable.name}. This optimizer can only be called "
                 "for the variables it was originally built with."
             )
-        return self._index_dict[key]
+        return _inner_tf_keras.own_index(self)[key]
 
     def finalize_variable_values(self, var_list):
         """End of `fit`: warns once about a pending partial window; the inner optimizer finalizes (EMA)."""

@@ -35,7 +35,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
         rule = self._mode_rule(optimizer, mode, steps_per_update)
         super().__init__(name or "AccumOptimizer")
         self._inner = optimizer
-        self._track_trackable(optimizer, name="inner_optimizer")
+        _api.track(self, optimizer, "inner_optimizer")
         self._init_window(steps_per_update, mode, rule)
         self._built_accum = False
         self._model_variables = []
@@ -113,7 +113,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
     def variables(self):
         """The wrapper's counters and buffers, then the inner optimizer's variables."""
         own = [self._micro_steps, self.window_steps, self.window_count] if self._built_accum else []
-        return own + list(self._weights) + list(self._inner.variables())
+        return own + list(_api.own_weights(self)) + list(self._inner.variables())
 
     @property
     def weights(self):
@@ -179,4 +179,4 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
         self._warn_pending()
 
     def _config_name(self):
-        return self._name
+        return _api.own_name(self)

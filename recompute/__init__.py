@@ -26,8 +26,14 @@ its engines `_flash_tf` and `_flash_jax`, `_attention` (Keras's attention core
 as the blocked core, its dropout drawn once and kept as bits), `_gelu` (a GELU
 that keeps only its input: a custom gradient, or `jax.checkpoint` on JAX),
 `_adapter` (the interface to a Keras family) with
-`_keras3` and `_tf_keras` (its two implementations, the only users of private
-Keras API) chosen by `_backends`, `_tf` (TensorFlow internals), `_config` (the
+`_keras3` and `_tf_keras` (its two implementations) chosen by `_backends`. Every
+private Keras or TensorFlow name is read in one of the interface modules that list
+them in their `PRIVATE_NAMES` (checked against the installed versions by the
+`test_private_interface*` tests): `_keras_private` (Keras 3's, for `_keras3`,
+`_jax`, `_flash_jax`, `_gelu`, `_backends` and `keras_hub`), `_mha_private`
+(`MultiHeadAttention`'s, both families: `_attention`), `_tf_keras` (tf_keras's),
+`_tf` (TensorFlow internals) and `keras_hub._private` (`chunked_loss`'s);
+`planner` reads TensorFlow's `device_lib` itself. `_config` (the
 switch), `_errors`, `_precision` (`exact_float32`: float32 products on GPUs,
 where TF32 is the default), `_setting` (what `exact_float32` and
 `attention_block_size` and `attention_core` share: a statement or a context manager that

@@ -15,7 +15,7 @@ glue (`recompute.bert4keras._attention`).
 import inspect
 import math
 
-from . import _core, _flash
+from . import _core, _flash, _mha_private as _mha
 
 
 def attention_layers(adapter, layer):
@@ -53,7 +53,7 @@ def is_keras_core(core):
     """True if `core` is Keras's own `_compute_attention` (Keras 3 or tf_keras), not
     a subclass's."""
     module = getattr(core, "__module__", "") or ""
-    return getattr(core, "__name__", None) == "_compute_attention" and module.startswith(
+    return getattr(core, "__name__", None) == _mha.CORE and module.startswith(
         ("keras.", "tf_keras."))
 
 
@@ -89,13 +89,13 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
     bound.apply_defaults()
     a = bound.arguments
     query, key, value = a["query"], a["key"], a["value"]
-    rate, training = getattr(layer, "_dropout", 0), a["training"]
+    rate, training = _mha.dropout_rate(layer), a["training"]
     if (
-        getattr(layer, "_flash_attention", False)
+        _mha.uses_flash_attention(layer)
         or not isinstance(rate, float) or rate <= 0.0 or not isinstance(training, bool)
         or len(query.shape) != 4 or len(key.shape) != 4 or len(value.shape) != 4
         or None in (query.shape[1], key.shape[1], query.shape[2])
-        or tuple(getattr(layer, "_attention_axes", (1,)) or (1,)) != (1,)
+        or tuple(_mha.attention_axes(layer) or (1,)) != (1,)
         or not _flash.runs_blocked(engine.ENGINE, query.dtype, query.shape[1], key.shape[1])
     ):
         return None
@@ -103,26 +103,26 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
     if a.get("use_causal_mask"):  # Keras 3: as its own core builds it
         from keras import ops
 
-        causal = layer._compute_causal_mask(query, value)
+        causal = _mha.causal_mask(layer, query, value)
         mask = causal if mask is None else ops.logical_and(ops.cast(mask, "bool"), causal)
     while mask is not None and len(mask.shape) < 4:  # as `_masked_softmax` expands it
         mask = mask[..., None, :, :]
     queries, heads, keys = query.shape[1], query.shape[2], key.shape[1]
-    factor = 1.0 / math.sqrt(float(layer._key_dim))
-    dtype = getattr(layer._softmax, "compute_dtype", None) or query.dtype
+    factor = 1.0 / math.sqrt(float(_mha.key_dim(layer)))
+    dtype = getattr(_mha.softmax(layer), "compute_dtype", None) or query.dtype
 
     def probabilities(q, k, mask):
         q = q * engine.ENGINE.cast_scalar(factor, q)
-        return layer._masked_softmax(engine.ENGINE.einsum(_flash.SCORES, q, k), mask)
+        return _mha.masked_softmax(layer, engine.ENGINE.einsum(_flash.SCORES, q, k), mask)
 
     def decide():
         if not training:
             return None
-        bits = engine.dropout_bits(layer._dropout_layer, query, [heads, queries, keys], dtype,
+        bits = engine.dropout_bits(_mha.dropout_layer(layer), query, [heads, queries, keys], dtype,
                                    _flash.block_rows(queries, keys))
         if bits is not None:
             return bits
-        dropped = layer._dropout_layer(engine.ones(query, [heads, queries, keys], dtype),
+        dropped = _mha.dropout_layer(layer)(engine.ones(query, [heads, queries, keys], dtype),
                                        training=training)
         return engine.pack(dropped != 0)
 

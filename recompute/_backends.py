@@ -7,7 +7,7 @@ Detection goes by the layer's class hierarchy, not by `sys.modules["keras"]`,
 which bert4keras replaces with tf_keras.
 """
 
-from . import _keras3, _tf_keras
+from . import _keras3, _keras_private, _tf_keras
 
 
 def adapter_for(layer):
@@ -16,7 +16,7 @@ def adapter_for(layer):
         if cls.__name__ != "Layer":
             continue
         module = cls.__module__
-        if module.startswith("keras.src."):
+        if module.startswith(_keras_private.MODULE_PREFIX):
             return _keras3
         if module.startswith("tf_keras."):
             return _tf_keras

@@ -49,7 +49,7 @@ def _autographed(fn, status):
     """
     if tf.executing_eagerly():
         return fn
-    return tf.__internal__.autograph.tf_convert(fn, status)
+    return _tf.autograph_convert(fn, status)
 
 
 def _checked_call(call):
@@ -175,13 +175,13 @@ def recompute_grad(call=None, *, policy="full"):
     if bound_to is not None:
 
         def bound_wrapper(*args, **kwargs):
-            return run(bound_to, args, kwargs, tf.__internal__.autograph.control_status_ctx())
+            return run(bound_to, args, kwargs, _tf.autograph_status())
 
         wrapper = bound_wrapper
     else:
 
         def wrapper(self, *args, **kwargs):
-            return run(self, args, kwargs, tf.__internal__.autograph.control_status_ctx())
+            return run(self, args, kwargs, _tf.autograph_status())
 
     functools.update_wrapper(wrapper, call)
     # The signature of `call` stays visible: tf_keras passes `training` and

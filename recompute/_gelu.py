@@ -30,9 +30,10 @@ import contextlib
 import numpy as np
 import tensorflow as tf
 
+from . import _keras_private, _tf_keras
 from ._core import after
 
-_GELUS = (("keras.src.activations.activations", "gelu"), ("tf_keras.src.activations", "gelu"))
+_GELUS = (_keras_private.GELU, _tf_keras.GELU)
 _MARK = "__recompute_gelu__"
 
 

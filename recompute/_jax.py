@@ -34,11 +34,10 @@ names both engines').
 
 import contextlib
 import threading
-import types
 
 import numpy as np
 
-from . import _keras3
+from . import _keras3, _keras_private
 
 _running = threading.local()  # .depth: recomputed calls running in this thread
 
@@ -60,9 +59,7 @@ def _running_call():
 def in_shape_inference():
     """True while Keras infers output shapes (`compute_output_spec`, a symbolic build):
     nothing is differentiated there, and the call may still create its sublayers' variables."""
-    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
-
-    return in_symbolic_scope()
+    return _keras_private.in_symbolic_scope()
 
 
 def _scope_class():
@@ -96,15 +93,13 @@ def _raw_value(variable, outer):
         value = outer.get_current_value(variable)
         if value is not None:
             return value
-    return variable._value
+    return _keras_private.backend_value(variable)
 
 
 def _create_global_seed_generator():
     """Creates Keras's global seed generator (unseeded `keras.random` calls) if it does not
     exist yet, so that its state is an input of the checkpoint, not created inside it."""
-    from keras.src.random import seed_generator
-
-    seed_generator.global_seed_generator()
+    _keras_private.create_global_seed_generator()
 
 
 @contextlib.contextmanager
@@ -116,14 +111,8 @@ def _global_seed_allowed(allowed):
     if not allowed:
         yield
         return
-    from keras.src.random import seed_generator
-
-    original = seed_generator.jax_utils
-    seed_generator.jax_utils = types.SimpleNamespace(is_in_jax_tracing_scope=lambda x=None: False)
-    try:
+    with _keras_private.global_seed_draws_untraced():
         yield
-    finally:
-        seed_generator.jax_utils = original
 
 
 def _is_array(value):
@@ -136,11 +125,8 @@ def recomputed_call(call, layer, args, kwargs):
     """Runs `call(layer, *args, **kwargs)` under `jax.checkpoint`, state threaded through it."""
     import jax
     import keras
-    from keras.src.backend.common.stateless_scope import get_stateless_scope
-    from keras.src.utils.jax_utils import is_in_jax_tracing_scope
-
-    outer = get_stateless_scope()
-    traced_outside = is_in_jax_tracing_scope()
+    outer = _keras_private.stateless_scope()
+    traced_outside = _keras_private.in_jax_tracing_scope()
     if not traced_outside:
         _create_global_seed_generator()
     variables = list(layer.trainable_variables) + _keras3.state_variables(layer)

@@ -12,10 +12,11 @@ all read here and nowhere else.
 import contextlib
 import sys
 
+from . import _keras_private as _private, _mha_private
 from ._errors import created_in_recomputation
 
 name = "Keras 3"
-attention_core = "_compute_attention"
+attention_core = _mha_private.CORE
 
 
 def _keras():
@@ -65,12 +66,12 @@ def check_decoration(fn):
 
 
 def sublayers(layer):
-    return layer._flatten_layers(include_self=True, recursive=True)
+    return _private.flatten_layers(layer)
 
 
 def tf_variable(variable):
     """The `tf.Variable` behind a Keras 3 variable."""
-    return getattr(variable, "_value", variable)
+    return _private.backend_value(variable, variable)
 
 
 def state_variables(layer):
@@ -87,11 +88,8 @@ def state_variables(layer):
     weights (flag off) stay in: reading them costs no copy (a variable's read
     shares its buffer; measured with TensorFlow's allocator, issue 27).
     """
-    from keras.src.backend.common import global_state
-    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
-
     found = [v for v in layer.variables if not v.trainable] + list(layer.metrics_variables)
-    global_gen = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    global_gen = _private.global_seed_generator()
     if global_gen is not None:
         found.append(global_gen.state)
     out, seen = [], set()
@@ -127,7 +125,7 @@ def replay_state(layer, state, start):
             yield losses
         losses.extend(scope.losses)
         for lyr in sublayers(layer):
-            lyr._loss_ids.clear()
+            _private.clear_loss_ids(lyr)
 
 
 @contextlib.contextmanager
@@ -136,10 +134,8 @@ def creation_refused(layer):
     recomputation): a variable the call creates -- which Keras then refuses, or defers
     to the scope's exit -- raises `VariableCreatedInRecomputationError` naming `layer`.
     Also used by `recompute._jax`."""
-    from keras.src.backend.common import global_state
-
-    pending = global_state.get_global_attribute(
-        "uninitialized_variables", [], set_to_default=True
+    pending = _private.global_attribute(
+        _private.UNINITIALIZED_VARIABLES, [], set_to_default=True
     )
     n_pending = len(pending)
     try:
@@ -211,24 +207,21 @@ def capture_call_state(layer):
     call context (which passes `training` down to sublayers) and the mixed
     precision autocast scope that were active in the forward pass are re-entered.
     """
-    from keras.src import backend
-    from keras.src.backend.common import global_state
-
-    call_ctx = global_state.get_global_attribute("current_call_ctx")
-    autocast = backend.get_autocast_scope()
+    call_ctx = _private.global_attribute(_private.CURRENT_CALL_CONTEXT)
+    autocast = _private.autocast_scope()
 
     @contextlib.contextmanager
     def reenter():
-        previous = global_state.get_global_attribute("current_call_ctx")
-        global_state.set_global_attribute("current_call_ctx", call_ctx)
+        previous = _private.global_attribute(_private.CURRENT_CALL_CONTEXT)
+        _private.set_global_attribute(_private.CURRENT_CALL_CONTEXT, call_ctx)
         try:
             if autocast is not None:
-                with backend.AutocastScope(autocast.dtype):
+                with _private.autocast(autocast.dtype):
                     yield
             else:
                 yield
         finally:
-            global_state.set_global_attribute("current_call_ctx", previous)
+            _private.set_global_attribute(_private.CURRENT_CALL_CONTEXT, previous)
 
     return reenter
 
@@ -241,17 +234,17 @@ def copy_output_mask(source, target):
     A call that sets its outputs' masks itself (a functional model does) would
     otherwise lose them: the tensors `recompute_grad` returns are new ones.
     """
-    mask = getattr(source, "_keras_mask", None)
+    mask = _private.keras_mask(source)
     if mask is not None:
         try:
-            target._keras_mask = mask
+            _private.set_keras_mask(target, mask)
         except AttributeError:  # tensors that take no attributes carry no mask
             pass
 
 
 def track_losses(layers):
     """Returns a function listing `(list, index)` of the losses added after this point."""
-    sizes = [(lyr._losses, len(lyr._losses)) for lyr in layers]
+    sizes = [(_private.losses(lyr), len(_private.losses(lyr))) for lyr in layers]
 
     def added():
         return [(lst, i) for lst, n in sizes for i in range(n, len(lst))]

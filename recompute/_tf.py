@@ -18,6 +18,17 @@ TensorFlow has no public API for these things recomputation needs:
   aggregation (`replica_local`). Next to it, with public APIs only, what an
   aggregated assignment in replica context leaves in that copy
   (`replica_assigned_value`).
+- converting a layer's `call` with AutoGraph the way tf_keras does, and the
+  AutoGraph status of the caller (`autograph_convert`, `autograph_status`:
+  `tf.__internal__`).
+
+`PRIVATE_NAMES` lists each of them as `(attribute, owners)`: an attribute (a dotted
+path for an attribute of an attribute) that each owner -- a module, or a class (an
+instance of it where the test builds one), by its import path -- must have, in the
+format of `accum._inner`'s; tests/recompute_keras3/test_private_interface.py checks
+them against the installed TensorFlow, so a TensorFlow upgrade that renames one fails
+there, naming it. (`recompute.planner` reads `tensorflow.python.client.device_lib`
+itself.)
 """
 
 from tensorflow.python import pywrap_tfe
@@ -28,7 +39,30 @@ import threading
 
 import tensorflow as tf
 
+_DISTRIBUTED_VARIABLE = "tensorflow.python.distribute.values.DistributedVariable"
+PRIVATE_NAMES = (
+    ("TFE_Py_PackJVPs", ("tensorflow.python.pywrap_tfe",)),
+    ("stop_recording", ("tensorflow.python.eager.record",)),
+    ("could_possibly_record", ("tensorflow.python.eager.record",)),
+    ("executing_eagerly", ("tensorflow.python.eager.context",)),
+    ("get_default_graph", ("tensorflow.python.framework.ops",)),
+    ("WhileBodyFuncGraph", ("tensorflow.python.ops.control_flow_util_v2",)),
+    ("AutomaticControlDependencies", ("tensorflow.python.framework.auto_control_deps",)),
+    ("AutomaticControlDependencies.mark_as_return",
+     ("tensorflow.python.framework.auto_control_deps",)),
+    # set by `tf.function` on the graphs it builds (read with a default: False)
+    ("_add_control_dependencies", ("tensorflow.python.framework.func_graph.FuncGraph",)),
+    ("_MirroredReplicaThread", ("tensorflow.python.distribute.mirrored_run",)),
+    ("_get_on_device_or_primary", (_DISTRIBUTED_VARIABLE,)),
+    ("__internal__.autograph.tf_convert", ("tensorflow",)),
+    ("__internal__.autograph.control_status_ctx", ("tensorflow",)),
+)
+
 stop_recording = record.stop_recording
+# TensorFlow's own functions (not wrappers): AutoGraph, converting a caller, leaves them
+# unconverted, as it did `tf.__internal__.autograph.*` called by name.
+autograph_convert = tf.__internal__.autograph.tf_convert
+autograph_status = tf.__internal__.autograph.control_status_ctx
 
 
 def pause_outer_tapes():

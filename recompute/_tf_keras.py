@@ -2,7 +2,16 @@
 
 Uses private tf_keras names -- the call context, the autocast dtype of mixed
 precision, the layers' `RandomGenerator`s and loss lists -- because tf_keras
-has no public API for them; they are all read here and nowhere else.
+has no public API for them; they are all read here and nowhere else (but
+`MultiHeadAttention`'s, in `recompute._mha_private`, and the Keras mask, which
+Keras 3 names alike: `recompute._keras_private`). `PRIVATE_NAMES` lists them as
+`(attribute, owners)`, in the format of `accum._inner`'s: an attribute (a dotted
+path for an attribute of an attribute) that each owner -- a module, or a class by
+its import path (an instance of it where the interface test builds one), or a
+description of an object the test makes -- must have;
+tests/recompute_tf_keras/test_private_interface_tf_keras.py checks them against the
+installed tf_keras (frozen at 2.x), so that a release that renames one fails there,
+naming it.
 
 Random numbers. With `tf_keras.backend.experimental.enable_tf_random_generator()`
 each layer draws from a `tf.random.Generator` whose state is a variable: it is
@@ -26,11 +35,42 @@ import threading
 
 import tensorflow as tf
 
-from . import _tf
+from . import _mha_private, _tf
 from ._keras3 import copy_output_mask  # noqa: F401  (tf_keras keeps masks in the same attribute)
 
+_LAYER = "tf_keras.layers.Layer"
+_RANDOM_GENERATOR = "tf_keras.src.backend.RandomGenerator"
+_CALL_CONTEXT = "tf_keras.src.engine.base_layer_utils.CallContext"
+_AUTOCAST = "tf_keras.src.mixed_precision.autocast_variable"
+GELU = ("tf_keras.src.activations", "gelu")  # (module, name) of the exact GELU (`recompute._gelu`)
+
+PRIVATE_NAMES = (
+    ("_flatten_layers", (_LAYER,)),
+    ("_losses", (_LAYER,)),
+    ("_eager_losses", (_LAYER,)),
+    ("_callable_losses", (_LAYER,)),
+    ("_metrics", (_LAYER,)),
+    ("_non_trainable_weights", (_LAYER,)),
+    ("_random_generator", ("tf_keras.layers.Dropout",)),
+    ("_keras_mask", ("a tensor a tf_keras.layers.Masking call returns",)),
+    ("call_context", ("tf_keras.src.engine.base_layer_utils",)),
+    ("_state", (_CALL_CONTEXT,)),
+    ("_in_keras_graph", (_CALL_CONTEXT,)),
+    ("_autocast_dtype", (_AUTOCAST,)),
+    ("enable_auto_cast_variables", (_AUTOCAST,)),
+    ("_variable", (_AUTOCAST + ".AutoCastVariable",)),
+    ("is_tf_random_generator_enabled", ("tf_keras.src.backend",)),
+    ("_rng_type", (_RANDOM_GENERATOR,)),
+    ("_maybe_init", (_RANDOM_GENERATOR,)),
+    ("_generator", (_RANDOM_GENERATOR,)),  # made by `_maybe_init` (stateful); read with a default
+    ("RNG_LEGACY_STATEFUL", (_RANDOM_GENERATOR,)),
+    ("RNG_STATELESS", (_RANDOM_GENERATOR,)),
+    ("make_seed_for_stateless_op", (_RANDOM_GENERATOR,)),
+    (GELU[1], (GELU[0],)),
+)
+
 name = "tf_keras"
-attention_core = "_compute_attention"
+attention_core = _mha_private.CORE
 
 
 def check_supported(layer):

@@ -32,6 +32,8 @@ import importlib
 import importlib.resources
 from typing import NamedTuple
 
+from .. import _mha_private
+
 KERAS = "keras"  # `core` of the blocks built on Keras's `MultiHeadAttention` core
 _SRC = "keras_hub.src.models."
 
@@ -58,7 +60,7 @@ def _parse_core(text):
     cores = []
     for item in text.split():
         path, _, method = item.partition(":")
-        cores.append((_full(path), method or "_compute_attention"))
+        cores.append((_full(path), method or _mha_private.CORE))
     return tuple(cores)
 
 

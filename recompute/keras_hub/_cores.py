@@ -15,7 +15,7 @@ recomputed already, and where nothing is differentiated.
 
 import contextlib
 
-from .. import _backends, _core, _jax, _tf
+from .. import _backends, _core, _jax, _keras_private, _tf
 
 
 def _recomputed(method, layer, args, kwargs):
@@ -34,7 +34,7 @@ def core_layers(block, pairs):
     """(layer, method name) for each sublayer of `block` that is an instance of one of the
     attention classes of `pairs` ((class, method name), ...)."""
     found = []
-    for layer in block._flatten_layers(include_self=False, recursive=True):
+    for layer in _keras_private.flatten_layers(block, include_self=False):
         for cls, name in pairs:
             if isinstance(layer, cls):
                 found.append((layer, name))

@@ -1,0 +1,72 @@
+"""The private names of Keras's `MultiHeadAttention` that recomputation relies on, read
+here and nowhere else (Keras 3 and tf_keras name them alike).
+
+Neither Keras has a public API for a `MultiHeadAttention` layer's attention core (the
+method `CORE`, which policy="attention" recomputes and `recompute._attention` runs
+blocked), nor for the parts of the layer that core uses: its dropout rate and dropout
+layer, its scale (`key_dim`), its masked softmax, its attention axes, whether it takes
+Keras 3's fused flash path, and Keras 3's causal mask. `PRIVATE_NAMES` lists them as
+`(attribute, owners)`, in the format of `accum._inner`'s: an attribute that each owner
+-- a `MultiHeadAttention` class by its import path; the interface tests build the layer
+-- must have. tests/recompute_keras3/test_private_interface.py checks Keras 3's,
+tests/recompute_tf_keras/test_private_interface_tf_keras.py tf_keras's, against the
+installed versions, so that a Keras release that renames one fails there, naming it.
+"""
+
+CORE = "_compute_attention"  # the attention core: scaled scores, masked softmax, dropout, x values
+
+KERAS3 = "keras.layers.MultiHeadAttention"
+TF_KERAS = "tf_keras.layers.MultiHeadAttention"
+_BOTH = (KERAS3, TF_KERAS)
+
+PRIVATE_NAMES = (
+    (CORE, _BOTH),
+    ("_dropout", _BOTH),
+    ("_dropout_layer", _BOTH),
+    ("_key_dim", _BOTH),
+    ("_softmax", _BOTH),
+    ("_masked_softmax", _BOTH),
+    ("_attention_axes", _BOTH),
+    ("_flash_attention", (KERAS3,)),  # tf_keras has none: read with a default (False)
+    ("_compute_causal_mask", (KERAS3,)),  # Keras 3's `use_causal_mask`
+)
+
+
+def dropout_rate(layer):
+    """The layer's dropout rate (0 if it has none)."""
+    return getattr(layer, "_dropout", 0)
+
+
+def dropout_layer(layer):
+    """The `Dropout` layer the core applies to the probabilities."""
+    return layer._dropout_layer
+
+
+def key_dim(layer):
+    """The size of each head of the queries and keys (the scores' scale is `1 / sqrt` of it)."""
+    return layer._key_dim
+
+
+def softmax(layer):
+    """The layer's softmax layer (its `compute_dtype` is the probabilities' dtype)."""
+    return layer._softmax
+
+
+def masked_softmax(layer, scores, mask):
+    """The layer's softmax of `scores` under `mask` (which it expands as its core does)."""
+    return layer._masked_softmax(scores, mask)
+
+
+def attention_axes(layer):
+    """The axes attention is applied over (None or missing: the default, the sequence)."""
+    return getattr(layer, "_attention_axes", (1,))
+
+
+def uses_flash_attention(layer):
+    """True if the layer takes Keras 3's fused flash path (False in tf_keras)."""
+    return getattr(layer, "_flash_attention", False)
+
+
+def causal_mask(layer, query, value):
+    """Keras 3's causal mask of a call with `use_causal_mask=True`, as the layer builds it."""
+    return layer._compute_causal_mask(query, value)

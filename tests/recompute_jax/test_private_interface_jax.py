@@ -1,0 +1,16 @@
+"""Keras 3 on JAX: every private Keras name that `recompute._jax` relies on -- listed in
+the `PRIVATE_NAMES` of `recompute._keras_private` and `recompute._mha_private` -- exists
+on the installed Keras (tests/helpers/private_names_checks.py; the TensorFlow-backend
+suite checks the same lists, with TensorFlow's, in tests/recompute_keras3)."""
+
+from recompute import _keras_private, _mha_private
+from tests.helpers.private_names_checks import assert_listed_names_exist
+from tests.recompute_keras3.test_private_interface import keras3_made
+
+
+def test_keras_private_names_exist():
+    assert_listed_names_exist(_keras_private, keras3_made())
+
+
+def test_mha_private_names_exist():
+    assert_listed_names_exist(_mha_private, keras3_made(), owners=lambda path: path.startswith("keras."))
