@@ -30,12 +30,12 @@ few ops whose `keras.ops` form would cost TensorFlow [chunk, vocabulary]
 temporaries (`argmax`, `pick`, `subtract_at`) or that order reads (`after`).
 """
 
-DEFAULT_CHUNK_ELEMENTS = 1 << 26  # one chunk's logits: 256 MiB in float32 (docs/keras_hub.md)
+DEFAULT_CHUNK_ELEMENTS = 1 << 27  # one chunk's logits: 512 MiB in float32 (docs/keras_hub.md)
 
 
 def default_chunk_tokens(vocabulary):
     """The tokens of one chunk by default: logits of at most `DEFAULT_CHUNK_ELEMENTS`
-    entries, a multiple of 8 (256 tokens at Gemma's 256,000 words), at least 8."""
+    entries, a multiple of 8 (520 tokens at Gemma's 256,000 words), at least 8."""
     return max(8, (DEFAULT_CHUNK_ELEMENTS // max(1, int(vocabulary))) // 8 * 8)
 
 
