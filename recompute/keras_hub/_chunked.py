@@ -63,8 +63,8 @@ def chunked_loss(causal_lm, chunk_tokens=None):
             than `None`) and accuracy metrics only (`"auto"`,
             `SparseCategoricalAccuracy`, `"accuracy"`), or none.
         chunk_tokens: the tokens of one chunk; `None` (the default) for chunks of
-            logits of at most 2**26 entries (256 MiB in float32): 256 tokens at
-            256,000 words, 1328 at GPT-2's 50,257.
+            logits of at most 2**27 entries (512 MiB in float32): 520 tokens at
+            256,000 words, 2664 at GPT-2's 50,257.
 
     Returns:
         `causal_lm`, changed in place. `predict` and `generate` still compute the

@@ -18,6 +18,32 @@ class _Engine:
         dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
         return jax.lax.dot_general(a, b, dims)
 
+    @staticmethod
+    def argmax(x):
+        """The column of x [rows, n]'s first maximum in each row, int32 [rows]."""
+        import jax.numpy as jnp
+
+        return jnp.argmax(x, axis=-1).astype("int32")
+
+    @staticmethod
+    def pick(x, columns):
+        """x [rows, n] at (i, columns[i]): [rows]."""
+        import jax.numpy as jnp
+
+        return jnp.take_along_axis(x, columns[:, None], axis=-1)[:, 0]
+
+    @staticmethod
+    def subtract_at(x, columns, value):
+        """x [rows, n] less `value` at (i, columns[i]) (XLA updates in place)."""
+        import jax.numpy as jnp
+
+        return x.at[jnp.arange(x.shape[0]), columns].add(-value)
+
+    @staticmethod
+    def after(x, *ops):
+        """x (XLA schedules buffers itself: no ordering needed)."""
+        return x
+
 
 ENGINE = _Engine()
 

@@ -16,8 +16,65 @@ class _Engine:
 
         return tf.linalg.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
 
+    @staticmethod
+    def argmax(x):
+        """The column of x [rows, n]'s first maximum in each row, int32 [rows] (Keras's
+        `ops.argmax` makes two [rows, n] temporaries on TensorFlow to order -0.0 below
+        0.0; here they tie)."""
+        import tensorflow as tf
+
+        return tf.argmax(x, axis=-1, output_type=tf.int32)
+
+    @staticmethod
+    def pick(x, columns):
+        """x [rows, n] at (i, columns[i]): [rows]."""
+        import tensorflow as tf
+
+        return tf.gather(x, columns[:, None], batch_dims=1)[:, 0]
+
+    @staticmethod
+    def subtract_at(x, columns, value):
+        """x [rows, n] less `value` at (i, columns[i]), written into x's buffer: x must
+        have no other reader (a tensor made for this call), for it is overwritten.
+
+        `tensor_scatter_nd_sub` copies its input; `InplaceSub` on x seen as [rows * n, 1]
+        does not. The copy where XLA compiles (no `InplaceSub` kernel there; XLA places
+        buffers itself), where x's shape is not static, or where rows * n passes
+        `InplaceSub`'s int32 index."""
+        import tensorflow as tf
+
+        rows, n = x.shape
+        columns = tf.cast(columns, tf.int32)
+        if rows is None or n is None or rows * n >= 2**31 or _in_xla():
+            index = tf.stack([tf.range(tf.shape(x)[0]), columns], axis=1)
+            updates = tf.fill(tf.shape(columns), tf.constant(value, x.dtype))
+            return tf.tensor_scatter_nd_sub(x, index, updates)
+        flat = tf.range(rows) * n + columns
+        updates = tf.fill([rows, 1], tf.constant(value, x.dtype))
+        y = tf.raw_ops.InplaceSub(x=tf.reshape(x, [-1, 1]), i=flat, v=updates)
+        return tf.reshape(y, [rows, n])
+
+    @staticmethod
+    def after(x, *ops):
+        """x, read only once `ops` have run (a control dependency): so that the reader of
+        the result may reuse x's buffer, its other readers being done."""
+        import tensorflow as tf
+
+        with tf.control_dependencies(ops):
+            return tf.identity(x)
+
 
 ENGINE = _Engine()
+
+
+def _in_xla():
+    """Whether the graph being built (or one it is nested in) is compiled by XLA
+    (`tf.function(jit_compile=True)`, Keras's `jit_compile=True`)."""
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    return tf.inside_function() and control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
 
 
 def chunked(h, kernel, targets, weights, *, chunk, cap, vocab_major, grads, kernel_grad):

@@ -232,7 +232,7 @@ def test_compile_again_drops_it():
     from recompute.keras_hub import _head
 
     assert hub.is_chunked(hub.chunked_loss(lm)) == _head.default_chunk_tokens(V)
-    assert _head.default_chunk_tokens(256000) == 256 and _head.default_chunk_tokens(50257) == 1328
+    assert _head.default_chunk_tokens(256000) == 520 and _head.default_chunk_tokens(50257) == 2664
 
 
 def test_refusals():
