@@ -56,6 +56,7 @@ PRIVATE_NAMES = (
     ("_get_on_device_or_primary", (_DISTRIBUTED_VARIABLE,)),
     ("__internal__.autograph.tf_convert", ("tensorflow",)),
     ("__internal__.autograph.control_status_ctx", ("tensorflow",)),
+    ("GraphOrParentsInXlaContext", ("tensorflow.python.ops.control_flow_util",)),
 )
 
 stop_recording = record.stop_recording
@@ -63,6 +64,15 @@ stop_recording = record.stop_recording
 # unconverted, as it did `tf.__internal__.autograph.*` called by name.
 autograph_convert = tf.__internal__.autograph.tf_convert
 autograph_status = tf.__internal__.autograph.control_status_ctx
+
+
+def in_xla_context():
+    """Whether the graph being built (or one it is nested in) is compiled by XLA
+    (`tf.function(jit_compile=True)`, Keras's `jit_compile=True`)."""
+    from tensorflow.python.ops import control_flow_util
+
+    return tf.inside_function() and control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
 
 
 def pause_outer_tapes():

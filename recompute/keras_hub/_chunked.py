@@ -168,9 +168,7 @@ def _head_graph_mismatch(model, backbone, embedding):
 
 
 def _functional_call():
-    from keras.src.models.functional import Functional
-
-    return Functional.call
+    return _private.functional_call()
 
 
 def _check_compiled(model):

@@ -68,13 +68,11 @@ ENGINE = _Engine()
 
 
 def _in_xla():
-    """Whether the graph being built (or one it is nested in) is compiled by XLA
-    (`tf.function(jit_compile=True)`, Keras's `jit_compile=True`)."""
-    import tensorflow as tf
-    from tensorflow.python.ops import control_flow_util
+    """Whether the graph being built is compiled by XLA (`recompute._tf`, the interface
+    to TensorFlow's private names)."""
+    from .. import _tf
 
-    return tf.inside_function() and control_flow_util.GraphOrParentsInXlaContext(
-        tf.compat.v1.get_default_graph())
+    return _tf.in_xla_context()
 
 
 def chunked(h, kernel, targets, weights, *, chunk, cap, vocab_major, grads, kernel_grad):

@@ -14,6 +14,10 @@ PRIVATE_NAMES = (
     ("_keras_history", "keras.KerasTensor"),
     ("_inbound_nodes", "keras.Operation"),
 )
+# Private modules' names: (name, module).
+PRIVATE_MODULE_NAMES = (
+    ("Functional", "keras.src.models.functional"),
+)
 
 
 def compile_metrics(model):
@@ -37,3 +41,10 @@ def made_by(tensor):
     """`(layer, node)`: the layer whose call made the symbolic `tensor`, and that call."""
     operation, node_index, _ = tensor._keras_history
     return operation, operation._inbound_nodes[node_index]
+
+
+def functional_call():
+    """`call` of Keras's functional models (the class a `keras.Model(inputs, outputs)` is)."""
+    from keras.src.models.functional import Functional
+
+    return Functional.call

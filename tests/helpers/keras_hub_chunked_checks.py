@@ -273,6 +273,11 @@ def test_private_names_exist():
     for attribute, _ in _private.PRIVATE_NAMES:
         owner = lm.outputs[0] if attribute == "_keras_history" else lm
         assert hasattr(owner, attribute), attribute
+    import importlib
+
+    for name, module in _private.PRIVATE_MODULE_NAMES:
+        assert hasattr(importlib.import_module(module), name), (module, name)
+    assert _private.functional_call() is type(lm).call
     assert _private.compile_metrics(lm) is not None
     assert _private.compile_arguments(lm)["loss_weights"] is None
     layer, node = _private.made_by(lm.outputs[0])
