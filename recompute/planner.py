@@ -613,7 +613,7 @@ class _Planner:
             if peak is not None:
                 time_text = "" if seconds is None else f", {seconds / batch:.4f} s/sample"
                 self.say(f"policy {_policy_name(cand.policy)}, micro-batch {batch}: "
-                         f"{'planned' if self.meter.name == 'plan' else 'peak'} "
+                         f"{'planned' if getattr(self.meter, 'name', '') == 'plan' else 'peak'} "
                          f"{peak / GiB:.3f} GiB{time_text} "
                          f"({'fits' if peak <= self.budget else 'over the budget'})")
         return cand.points[batch][0] <= self.budget
@@ -625,9 +625,10 @@ class _Planner:
         if self.meter is None:
             self.meter = _meter(self.memory, _backend_of(model), self.target)
         self.meter.reset()
-        cand.baseline = self.meter.current()
-        self.say(f"policy {_policy_name(policy)}: {cand.baseline / GiB:.3f} GiB alive after "
-                 f"the build ({self.meter.what.replace(' peak', '')})")
+        if self.meter.name != "plan":  # a compilation allocates nothing: no baseline
+            cand.baseline = self.meter.current()
+            self.say(f"policy {_policy_name(policy)}: {cand.baseline / GiB:.3f} GiB alive "
+                     f"after the build ({self.meter.what.replace(' peak', '')})")
         if first:
             weights = sum(int(_size(v)) for v in model.weights)
             if weights > self.budget:
@@ -658,19 +659,30 @@ class _Planner:
         return cand
 
     def check(self, cand, model):
+        """Measures the predicted divisor, then steps up while the largest measured to fit
+        has an unmeasured divisor above it and nothing above is refused, and bisects between
+        the largest divisor measured to fit and the smallest measured not to (the line can
+        be far off: XLA's plan of a small batch can be held up by buffers the size of the
+        weights) until they are neighbours. The points measured for the line count."""
         divs = divisors(self.effective_batch)
+        fit, refused = -1, len(divs)  # indices: the largest known to fit, the smallest not
+        for b, (peak, _) in cand.points.items():
+            if b in divs:
+                if peak <= self.budget:
+                    fit = max(fit, divs.index(b))
+                else:
+                    refused = min(refused, divs.index(b))
         i = divs.index(cand.predicted_batch) if cand.predicted_batch else 0
-        while not self.measure(cand, model, divs[i]):
-            if i == 0:
-                cand.refused_batch = divs[0]
-                return  # not even 1 fits
-            i -= 1
-        while i + 1 < len(divs):
-            if not self.measure(cand, model, divs[i + 1]):
-                cand.refused_batch = divs[i + 1]
-                break
-            i += 1
-        cand.micro_batch = divs[i]
+        while refused - fit > 1:
+            if not fit < i < refused:
+                i = fit + 1 if refused == len(divs) else (fit + refused) // 2
+            if self.measure(cand, model, divs[i]):
+                fit = max(fit, i)
+            else:
+                refused = min(refused, i)
+            i = fit + 1 if refused == len(divs) else (fit + refused) // 2
+        cand.refused_batch = divs[refused] if refused < len(divs) else None
+        cand.micro_batch = divs[fit] if fit >= 0 else None
 
     def run(self):
         start = time.perf_counter()

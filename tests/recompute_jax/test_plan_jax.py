@@ -93,6 +93,7 @@ def local_plan():
                           policies=(None, "full"), verbose=False)
 
 
+@pytest.mark.slow  # 8 compilations and runs of the step: about 40 s on 2 cores
 def test_plan_is_xla_plan_of_the_local_device_by_default_on_jax(local_plan):
     p = local_plan
     assert p.planned and p.target is None and "local cpu device" in p.memory
@@ -116,6 +117,7 @@ def test_planned_peak_is_the_compiled_steps_buffers():
     assert plan["peak"] < plan["arguments"] + plan["outputs"] + plan["temp"]
 
 
+@pytest.mark.slow  # the plan of the fixture
 def test_training_with_the_plan_equals_one_big_batch(local_plan):
     """3 updates of the effective batch, dropout off: the plan's micro-batches and
     accumulation train the same weights as the effective batch at once (1e-5)."""
@@ -150,24 +152,22 @@ def test_target_must_be_a_known_card():
         recompute.plan(build_model, x, y, EFFECTIVE, 1, target="v100")
 
 
-TARGET_SCRIPT = MODEL + '''
-import json, sys, time
-import recompute
-
-x, y = data(4)
-start = time.perf_counter()
-p = recompute.plan(build_model, x, y, effective_batch=%d, budget_gib=%r, policies=(None, "full"),
-                   target="h100")
-print(p.table())
-json.dump(dict(p.as_dict(), wall=time.perf_counter() - start), open(sys.argv[1], "w"))
-''' % (EFFECTIVE, BUDGET_GIB)
+def docs_example():
+    """The JAX example of docs/plan.md (its block after `<!-- plan-jax-example`)."""
+    text = (ROOT / "docs" / "plan.md").read_text()
+    rest = text[text.index("<!-- plan-jax-example"):]
+    start = rest.index("```python\n") + len("```python\n")
+    return rest[start:rest.index("```", start)]
 
 
-def test_target_plans_for_an_h100_without_one(tmp_path):
-    """Every step compiled by XLA:GPU for an H100 here, nothing run: a plan, said to be one;
-    with no time, the policy that recomputes least among those that fit is chosen."""
+@pytest.mark.slow  # a fresh process, 8 compilations for an H100: about 60 s on 2 cores
+def test_docs_example_plans_for_an_h100_without_one(tmp_path):
+    """docs/plan.md's JAX example: every step compiled by XLA:GPU for an H100 here, nothing
+    run: a plan, said to be one; with no time, the policy that recomputes least among those
+    that fit is chosen."""
     script, out = tmp_path / "target.py", tmp_path / "plan.json"
-    script.write_text(TARGET_SCRIPT)
+    script.write_text(docs_example() + "\nimport json, sys\n"
+                      "json.dump(plan.as_dict(), open(sys.argv[1], 'w'))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, str(script), str(out)], cwd=ROOT, env=env,

@@ -305,8 +305,35 @@ def test_a_model_that_is_not_compiled():
 def test_memory_must_be_known():
     x, y = data(2)
     with pytest.raises(ValueError, match=re.escape(
-            "`memory` must be one of 'auto', 'rss', 'allocator'. Received: memory='gpu'")):
+            "`memory` must be one of 'auto', 'rss', 'allocator', 'plan'. "
+            "Received: memory='gpu'")):
         recompute.plan(build_model, x, y, 4, budget_gib=1, memory="gpu", verbose=False)
+
+
+def test_target_and_xla_plan_need_keras_on_jax():
+    """`target` (a GPU XLA plans for) and memory="plan" read XLA's plan of Keras's JAX step:
+    on TensorFlow, one clear error each, before anything is measured."""
+    x, y = data(2)
+    with pytest.raises(ValueError, match=re.escape(
+            "`target` plans for a GPU this machine does not have with XLA's plan, on Keras's "
+            "JAX backend")):
+        recompute.plan(build_model, x, y, 4, budget_gib=1, target="h100", verbose=False)
+    with pytest.raises(ValueError, match=re.escape(
+            "`memory='plan'` reads XLA's plan of Keras's JAX training step: the model runs on "
+            "Keras's tensorflow backend. Received: memory='plan'")):
+        recompute.plan(build_model, x, y, 4, budget_gib=1, memory="plan", verbose=False)
+
+
+def test_check_bisects_when_the_line_is_far_off():
+    """XLA's plan of a small batch can be held up by weight-sized buffers: the line then
+    predicts the whole effective batch. The check bisects instead of stepping down one
+    divisor at a time: 256 refused, then 32, 64 (refused), 16... not 128, 64, 32, 16."""
+    fake = _FakePlanner(lambda b: max(300, 100 + 30 * b), 256, 400.0)
+    cand = planner.Candidate(None, predicted_batch=256)
+    cand.points = {2: (300, 0.2), 4: (300, 0.4)}  # the line's points count
+    fake.check(cand, model=None)
+    assert (cand.micro_batch, cand.refused_batch) == (8, 16)
+    assert sorted(cand.points) == [2, 4, 8, 16, 32, 256]
 
 
 # --------------------------------------------------------------------------
