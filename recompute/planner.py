@@ -17,15 +17,24 @@ for a policy) on rows of the sample batch (x, y), repeated as needed:
 2. the prediction: the largest divisor b of `effective_batch` with
    a + s * b within the budget (so k = effective_batch / b micro-batches
    make exactly one update of the effective batch);
-3. the check: a real step at b (stepping down the divisors while it does not
-   fit), then at the next divisor up, which must not fit (stepping up while
-   it does).
+3. the check: a real step at b, then at the next divisor up while it fits,
+   bisecting between the largest divisor measured to fit and the smallest
+   measured not to until they are neighbours (the line can be far off).
 
-Each step is measured twice at a batch (the first traces), its peak over both
-steps after a reset, its time from the second. The policy chosen is the one
-with the least time per sample among those whose micro-batch fits.
+Each micro-batch is measured by one step, its peak after a reset; the
+micro-batch a candidate keeps is then timed by two more (the first of them
+on a traced function, the second timed). The policy chosen is the one with
+the least time per sample among those whose micro-batch fits.
 
-The memory (`memory=`): "allocator", TensorFlow's allocator peak
+On Keras's JAX backend (`memory="plan"`, its default) the steps are not run
+but compiled: Keras's own jitted `train_step`, whose `memory_analysis()`
+(arguments + outputs - aliases + temp) is the peak; the micro-batch kept is
+then run for its time. With `target=` ("h100", "a100-40", "l4", "rtx4090") the
+steps are compiled for that GPU on this machine (`recompute._xla_plan`) and
+nothing runs: a plan, said to be one; the policy chosen is then the one that
+recomputes least among those that fit.
+
+The memory (`memory=`): "plan", XLA's plan (above); "allocator", TensorFlow's allocator peak
 (`tf.config.experimental.get_memory_info`, reset before each batch; the
 default with a GPU, whose budget defaults to TensorFlow's memory limit on it;
 on a CPU it needs `TF_ENABLE_ONEDNN_OPTS=1` before TensorFlow is imported), or
@@ -532,7 +541,7 @@ class _Planner:
         self.policies, self.memory, self.verbose = policies, memory, verbose
         self.meter = None
         self.target = target
-        self.planned = {}  # (policy, batch): XLA's plan (memory="plan")
+        self.compiled = {}  # (policy, batch): (executable, XLA's plan) (memory="plan")
         self.previous = None
         self.calls = 0
 
@@ -561,21 +570,24 @@ class _Planner:
         self.previous = weakref.ref(model)
         return model
 
-    def step(self, model, policy, batch):
-        """(peak bytes, seconds of the second step) of two training steps at `batch`,
-        or (None, None) when it ran out of memory."""
+    def step(self, model, policy, batch, timed=False):
+        """(peak bytes, seconds or None) of a training step at `batch` (the peak over it, after
+        a reset), and with `timed` of a second one (the seconds: the first traces), or
+        (None, None) when it ran out of memory."""
         from ._config import recompute_scope
 
         x, y = _rows(self.x, batch), _rows(self.y, batch)
         if self.meter.name == "plan":
-            return self.plan_step(model, policy, batch, x, y)
+            return self.plan_step(model, policy, batch, x, y, timed)
         self.meter.reset()
+        seconds = None
         try:
             with recompute_scope(policy is not None):
                 model.train_on_batch(x, y)
-                t0 = time.perf_counter()
-                model.train_on_batch(x, y)
-                seconds = time.perf_counter() - t0
+                if timed:
+                    t0 = time.perf_counter()
+                    model.train_on_batch(x, y)
+                    seconds = time.perf_counter() - t0
         except Exception as e:
             if not _is_oom(e):
                 raise
@@ -583,15 +595,18 @@ class _Planner:
             return None, None
         return self.meter.peak(), seconds
 
-    def plan_step(self, model, policy, batch, x, y):
-        """(planned peak bytes, seconds of a run of the compiled step or None for a target)."""
+    def plan_step(self, model, policy, batch, x, y, timed):
+        """(planned peak bytes, None) of the step compiled at `batch`; with `timed` (the local
+        device only), the compiled step also runs twice: (planned, seconds of the second)."""
         from . import _xla_plan
         from ._config import recompute_scope
 
-        with recompute_scope(policy is not None):
-            compiled, planned = _xla_plan.train_step_plan(model, x, y, self.meter.sharding)
-        self.planned[policy, batch] = planned
-        if self.meter.target is not None:
+        if (policy, batch) not in self.compiled:
+            with recompute_scope(policy is not None):
+                self.compiled[policy, batch] = _xla_plan.train_step_plan(
+                    model, x, y, self.meter.sharding)
+        compiled, planned = self.compiled[policy, batch]
+        if not timed or self.meter.target is not None:
             return planned["peak"], None
         try:
             _xla_plan.run_step(model, compiled, x, y)  # the first run (allocations, caches)
@@ -605,6 +620,21 @@ class _Planner:
             return None, None
         planned["allocator_peak"] = self.meter.allocator_peak()
         return planned["peak"], seconds
+
+    def time(self, cand, model):
+        """Times the candidate's micro-batch (two more steps; their peak joins the one
+        measured); out of memory there, the candidate does not fit."""
+        if not cand.fits or (self.meter.name == "plan" and self.meter.target is not None):
+            return
+        batch = cand.micro_batch
+        peak, seconds = self.step(model, cand.policy, batch, timed=True)
+        if peak is None:
+            cand.error = f"out of memory when timed at micro-batch {batch}"
+            cand.refused_batch, cand.micro_batch = batch, None
+            return
+        cand.points[batch] = (max(peak, cand.points[batch][0]), seconds)
+        self.say(f"policy {_policy_name(cand.policy)}, micro-batch {batch}: "
+                 f"{seconds / batch:.4f} s/sample")
 
     def measure(self, cand, model, batch):
         if batch not in cand.points:
@@ -652,7 +682,9 @@ class _Planner:
                      f"{cand.slope / MiB:.2f} MiB x batch; predicted micro-batch "
                      f"{cand.predicted_batch}")
             self.check(cand, model)
+            self.time(cand, model)
         finally:
+            self.compiled.clear()
             family = _backend_of(model)
             del model
             _clear_session(family)
