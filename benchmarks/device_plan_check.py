@@ -298,7 +298,8 @@ def check_policy(cfg, policy, target, deadline):
     effective = cfg["effective_batch"]
     row = dict(policy=policy, errors=[])
     _progress(f"{policy}: measuring on the local device")
-    points, error = _run(cfg, policy, "measure", list(cfg["batches"]), True, deadline)
+    first = sorted(cfg.get("start_sizes") or cfg["batches"])
+    points, error = _run(cfg, policy, "measure", first, True, deadline)
     if error:
         row["errors"].append(f"measured: {error}")
     # a prediction that did not fit: step down, a fresh process per divisor (peaks do not reset)
@@ -311,7 +312,7 @@ def check_policy(cfg, policy, target, deadline):
                                       lowest_refused):
             break
         below = divs[divs.index(lowest_refused) - 1]
-        if below in by or below <= max(cfg["batches"]):
+        if below in by:
             break
         more, error = _run(cfg, policy, "measure", [below], False, deadline)
         points += more
@@ -372,6 +373,10 @@ def parse_args(argv=None):
     p.add_argument("--budget-gib", type=harness.positive_float, default=DEFAULTS["budget_gib"])
     p.add_argument("--batches", type=harness.int_list, default=DEFAULTS["batches"],
                    help="the two micro-batches of the line (default 2,4)")
+    p.add_argument("--start-sizes", type=harness.int_list, default=None,
+                   help="the micro-batches measured first, in one process (default: --batches; "
+                   "e.g. a plan's micro-batch and the next divisor, to check it in one "
+                   "process); the search goes on from the line through the first two")
     p.add_argument("--policies", type=harness.name_list(("none", "attention", "full")),
                    default=None, help="default: none,attention,full where recompute imports "
                    "(TensorFlow installed), else none")
@@ -390,6 +395,10 @@ def parse_args(argv=None):
     if args.worker is None:
         if len(set(args.batches)) != 2:
             p.error(f"--batches needs two different sizes. Received: {args.batches}")
+        sizes = args.start_sizes
+        if sizes and (len(set(sizes)) < 2 or any(args.effective_batch % b for b in sizes)):
+            p.error(f"--start-sizes needs two or more different divisors of --effective-batch "
+                    f"({args.effective_batch}). Received: {sizes}")
         if args.hidden % args.heads:
             p.error(f"--hidden must be a multiple of --heads. Received: {args.hidden} and "
                     f"{args.heads}")
@@ -422,7 +431,8 @@ def main(argv=None):
     cfg = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn,
                seq=args.seq, vocab=args.vocab, dropout=DEFAULTS["dropout"],
                effective_batch=args.effective_batch, budget_gib=args.budget_gib,
-               batches=sorted(args.batches), learning_rate=DEFAULTS["learning_rate"])
+               batches=sorted(args.batches), learning_rate=DEFAULTS["learning_rate"],
+               start_sizes=sorted(args.start_sizes) if args.start_sizes else None)
     if cfg["effective_batch"] < cfg["batches"][0]:
         _progress(f"error: --effective-batch {cfg['effective_batch']} is below the smallest "
                   f"micro-batch measured ({cfg['batches'][0]})")
