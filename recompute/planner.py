@@ -691,30 +691,47 @@ class _Planner:
         return cand
 
     def check(self, cand, model):
-        """Measures the predicted divisor, then steps up while the largest measured to fit
-        has an unmeasured divisor above it and nothing above is refused, and bisects between
-        the largest divisor measured to fit and the smallest measured not to (the line can
-        be far off: XLA's plan of a small batch can be held up by buffers the size of the
-        weights) until they are neighbours. The points measured for the line count."""
+        """Measures the predicted divisor, then steps up while the largest divisor measured
+        to fit has nothing refused above it, and, once one is refused, narrows the bracket
+        between the largest divisor measured to fit and the smallest measured not to by
+        interpolating their peaks (the line can be far off: XLA's plan of a small batch can
+        be held up by buffers the size of the weights) until they are neighbours. The
+        points measured for the line count."""
         divs = divisors(self.effective_batch)
-        fit, refused = -1, len(divs)  # indices: the largest known to fit, the smallest not
-        for b, (peak, _) in cand.points.items():
-            if b in divs:
-                if peak <= self.budget:
-                    fit = max(fit, divs.index(b))
-                else:
-                    refused = min(refused, divs.index(b))
+
+        def bracket():
+            fit, refused = -1, len(divs)  # indices: the largest known to fit, smallest not
+            for b, (peak, _) in cand.points.items():
+                if b in divs:
+                    if peak <= self.budget:
+                        fit = max(fit, divs.index(b))
+                    else:
+                        refused = min(refused, divs.index(b))
+            return fit, refused
+
+        fit, refused = bracket()
         i = divs.index(cand.predicted_batch) if cand.predicted_batch else 0
         while refused - fit > 1:
             if not fit < i < refused:
-                i = fit + 1 if refused == len(divs) else (fit + refused) // 2
-            if self.measure(cand, model, divs[i]):
-                fit = max(fit, i)
-            else:
-                refused = min(refused, i)
-            i = fit + 1 if refused == len(divs) else (fit + refused) // 2
+                i = self._between(cand, divs, fit, refused)
+            self.measure(cand, model, divs[i])
+            fit, refused = bracket()
+            i = -1
         cand.refused_batch = divs[refused] if refused < len(divs) else None
         cand.micro_batch = divs[fit] if fit >= 0 else None
+
+    def _between(self, cand, divs, fit, refused):
+        """The next divisor to measure strictly between the indices `fit` and `refused`:
+        the one above `fit` while nothing is refused; else where the line through the two
+        ends' peaks crosses the budget (the largest divisor below the crossing)."""
+        if refused == len(divs) or fit < 0:
+            return fit + 1 if refused == len(divs) else (fit + refused) // 2
+        (b0, p0), (b1, p1) = [(divs[j], cand.points[divs[j]][0]) for j in (fit, refused)]
+        if p1 == float("inf"):
+            return (fit + refused) // 2
+        crossing = b0 + (self.budget - p0) * (b1 - b0) / max(p1 - p0, 1e-9)
+        below = [j for j in range(fit + 1, refused) if divs[j] <= crossing]
+        return below[-1] if below else fit + 1
 
     def run(self):
         start = time.perf_counter()

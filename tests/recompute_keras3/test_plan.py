@@ -324,16 +324,17 @@ def test_target_and_xla_plan_need_keras_on_jax():
         recompute.plan(build_model, x, y, 4, budget_gib=1, memory="plan", verbose=False)
 
 
-def test_check_bisects_when_the_line_is_far_off():
+def test_check_interpolates_when_the_line_is_far_off():
     """XLA's plan of a small batch can be held up by weight-sized buffers: the line then
-    predicts the whole effective batch. The check bisects instead of stepping down one
-    divisor at a time: 256 refused, then 32, 64 (refused), 16... not 128, 64, 32, 16."""
+    predicts the whole effective batch. Once 256 is refused, the check measures where the
+    line through the bracket's ends crosses the budget instead of stepping down one divisor
+    at a time: 256 refused, then 8 (fits), 16 (refused) -- not 128, 64, 32, 16, 8."""
     fake = _FakePlanner(lambda b: max(300, 100 + 30 * b), 256, 400.0)
     cand = planner.Candidate(None, predicted_batch=256)
     cand.points = {2: (300, 0.2), 4: (300, 0.4)}  # the line's points count
     fake.check(cand, model=None)
     assert (cand.micro_batch, cand.refused_batch) == (8, 16)
-    assert sorted(cand.points) == [2, 4, 8, 16, 32, 256]
+    assert sorted(cand.points) == [2, 4, 8, 16, 256]
 
 
 # --------------------------------------------------------------------------
