@@ -125,12 +125,18 @@ def build(cfg, policy):
               for name in ("token_ids", "segment_ids", "padding_mask")}
     model = keras.Model(inputs, keras.layers.Dense(2, dtype="float32")(
         backbone(inputs)["pooled_output"]))
-    try:
-        from accum import AccumOptimizer  # imports TensorFlow
+    optimizer = None
+    if cfg.get("accumulation", "auto") != "keras":
+        try:
+            from accum import AccumOptimizer  # imports TensorFlow
 
-        optimizer, accumulation = AccumOptimizer(keras.optimizers.Adam(cfg["learning_rate"]),
-                                                 steps_per_update=2), "accum.AccumOptimizer(k=2)"
-    except ImportError:
+            optimizer = AccumOptimizer(keras.optimizers.Adam(cfg["learning_rate"]),
+                                       steps_per_update=2)
+            accumulation = "accum.AccumOptimizer(k=2)"
+        except ImportError:
+            if cfg.get("accumulation") == "accum":
+                raise
+    if optimizer is None:
         optimizer = keras.optimizers.Adam(cfg["learning_rate"], gradient_accumulation_steps=2)
         accumulation = "Keras's gradient_accumulation_steps=2"
     model.compile(optimizer=optimizer,
@@ -297,9 +303,12 @@ def answer(points, effective):
 def check_policy(cfg, policy, target, deadline):
     effective = cfg["effective_batch"]
     row = dict(policy=policy, errors=[])
-    _progress(f"{policy}: measuring on the local device")
     first = sorted(cfg.get("start_sizes") or cfg["batches"])
-    points, error = _run(cfg, policy, "measure", first, True, deadline)
+    if cfg.get("measure", True):
+        _progress(f"{policy}: measuring on the local device")
+        points, error = _run(cfg, policy, "measure", first, True, deadline)
+    else:
+        points, error = [], None
     if error:
         row["errors"].append(f"measured: {error}")
     # a prediction that did not fit: step down, a fresh process per divisor (peaks do not reset)
@@ -325,7 +334,7 @@ def check_policy(cfg, policy, target, deadline):
     row["local_plan"], row["local_plan_refused"] = answer(local, effective)
     if target != "none":
         _progress(f"{policy}: planning for {target} (compiled, not run)")
-        tpoints, terror = _run(cfg, policy, target, list(cfg["batches"]), True, deadline,
+        tpoints, terror = _run(cfg, policy, target, first, True, deadline,
                                env_extra={"JAX_PLATFORMS": "cpu,cuda",
                                           "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"})
         if terror:
@@ -359,7 +368,18 @@ def report(rows, cfg, target, seconds):
             f"{'-' if refused is None else f'{refused}: ' + _gib(by[refused].get('measured'))} | "
             f"{r.get('local_plan') or '-'} | {r.get('target_plan') or '-'} | "
             f"{agreement(m, r.get('target_plan'))} |")
+    lines.append("")
     for r in rows:
+        for kind in ("measured", "target"):
+            for p in r.get(f"{kind}_points", []):
+                lines.append(
+                    f"- {r['policy']}, {'local device' if kind == 'measured' else target}, "
+                    f"micro-batch {p['batch']}: planned {_gib(p.get('planned'))}"
+                    + (f", measured {_gib(p.get('measured'))} ({p.get('meter')})"
+                       if kind == "measured" else "")
+                    + (f", {p['seconds'] / p['batch']:.4f} s/sample" if p.get("seconds") else "")
+                    + (" (out of memory)" if "oom" in p else "")
+                    + f", {'fits' if p['fits'] else 'does not fit'}; {p['accumulation']}")
         for e in r["errors"]:
             lines.append(f"- {r['policy']}: {e}")
     return "\n".join(lines)
@@ -384,6 +404,12 @@ def parse_args(argv=None):
                    help="h100, a100-40, l4, rtx4090, or none (default h100)")
     p.add_argument("--deadline", type=harness.positive_float, default=DEFAULTS["deadline"],
                    help="seconds for everything (default 170)")
+    p.add_argument("--no-measure", dest="measure", action="store_false",
+                   help="only the target's plan (nothing runs)")
+    p.add_argument("--accumulation", choices=("auto", "accum", "keras"), default="auto",
+                   help="the optimizer's accumulation buffers: accum.AccumOptimizer (as "
+                   "recompute.plan; needs TensorFlow), Keras's gradient_accumulation_steps, "
+                   "or auto (the first where TensorFlow is installed)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--worker", help=argparse_hidden())
     p.add_argument("--policy", help=argparse_hidden())
@@ -432,7 +458,8 @@ def main(argv=None):
                seq=args.seq, vocab=args.vocab, dropout=DEFAULTS["dropout"],
                effective_batch=args.effective_batch, budget_gib=args.budget_gib,
                batches=sorted(args.batches), learning_rate=DEFAULTS["learning_rate"],
-               start_sizes=sorted(args.start_sizes) if args.start_sizes else None)
+               start_sizes=sorted(args.start_sizes) if args.start_sizes else None,
+               measure=args.measure, accumulation=args.accumulation)
     if cfg["effective_batch"] < cfg["batches"][0]:
         _progress(f"error: --effective-batch {cfg['effective_batch']} is below the smallest "
                   f"micro-batch measured ({cfg['batches'][0]})")

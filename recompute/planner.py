@@ -540,6 +540,7 @@ class _Planner:
         self.effective_batch, self.budget, self.batches = effective_batch, budget, batches
         self.policies, self.memory, self.verbose = policies, memory, verbose
         self.meter = None
+        self.start = time.perf_counter()
         self.target = target
         self.compiled = {}  # (policy, batch): (executable, XLA's plan) (memory="plan")
         self.previous = None
@@ -547,7 +548,8 @@ class _Planner:
 
     def say(self, message):
         if self.verbose:
-            print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
+            elapsed = time.perf_counter() - self.start
+            print(f"{PREFIX} {elapsed:4.0f} s  {message}", file=sys.stderr, flush=True)
 
     def build(self, policy):
         self.calls += 1
