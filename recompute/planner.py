@@ -453,7 +453,7 @@ class Plan:
             lines.append(
                 f"| {_policy_name(c.policy)} | {fmt(c.intercept and c.intercept / MiB, '.0f')} | "
                 f"{fmt(c.slope and c.slope / MiB, '.1f')} | {fmt(c.predicted_batch, 'd')} | "
-                f"{fmt(c.micro_batch, 'd') if c.error is None else 'error'} | "
+                f"{fmt(c.micro_batch, 'd') if c.error is None else c.error.split(':')[0]} | "
                 f"{fmt(c.measured_peak and c.measured_peak / GiB, '.3f')} | "
                 f"{'-' if c.refused_batch is None else f'{c.refused_batch} refused'} | "
                 f"{fmt(c.seconds_per_sample, '.4f')} |")
@@ -543,6 +543,8 @@ class _Planner:
         self.start = time.perf_counter()
         self.target = target
         self.compiled = {}  # (policy, batch): (executable, XLA's plan) (memory="plan")
+        self.sizes_seen = {}  # id(model): the batch sizes its train function has seen
+        self.done = []  # the candidates measured so far
         self.previous = None
         self.calls = 0
 
@@ -573,20 +575,26 @@ class _Planner:
         return model
 
     def step(self, model, policy, batch, timed=False):
-        """(peak bytes, seconds or None) of a training step at `batch` (the peak over it, after
-        a reset), and with `timed` of a second one (the seconds: the first traces), or
-        (None, None) when it ran out of memory."""
+        """(peak bytes, seconds or None) of a training step at `batch` (its peak after a
+        reset), or (None, None) when it ran out of memory. The seconds are the step's own
+        unless it traced: Keras's train function (`reduce_retracing`) traces at the first
+        two batch sizes a model sees, then runs one function relaxed to any batch size; with
+        `timed`, a second step is timed after a tracing one."""
         from ._config import recompute_scope
 
         x, y = _rows(self.x, batch), _rows(self.y, batch)
         if self.meter.name == "plan":
             return self.plan_step(model, policy, batch, x, y, timed)
         self.meter.reset()
-        seconds = None
+        sizes = self.sizes_seen.setdefault(id(model), set())
+        traces = len(sizes) < 2 and batch not in sizes
+        sizes.add(batch)
         try:
             with recompute_scope(policy is not None):
+                t0 = time.perf_counter()
                 model.train_on_batch(x, y)
-                if timed:
+                seconds = None if traces else time.perf_counter() - t0
+                if timed and seconds is None:
                     t0 = time.perf_counter()
                     model.train_on_batch(x, y)
                     seconds = time.perf_counter() - t0
@@ -624,11 +632,14 @@ class _Planner:
         return planned["peak"], seconds
 
     def time(self, cand, model):
-        """Times the candidate's micro-batch (two more steps; their peak joins the one
-        measured); out of memory there, the candidate does not fit."""
+        """Times the candidate's micro-batch where its measured step has no time (it traced,
+        or it was compiled only): more steps, whose peak joins the one measured; out of
+        memory there, the candidate does not fit."""
         if not cand.fits or (self.meter.name == "plan" and self.meter.target is not None):
             return
         batch = cand.micro_batch
+        if cand.points[batch][1] is not None:
+            return
         peak, seconds = self.step(model, cand.policy, batch, timed=True)
         if peak is None:
             cand.error = f"out of memory when timed at micro-batch {batch}"
@@ -683,10 +694,18 @@ class _Planner:
             self.say(f"policy {_policy_name(policy)}: peak ~ {cand.intercept / MiB:.0f} MiB + "
                      f"{cand.slope / MiB:.2f} MiB x batch; predicted micro-batch "
                      f"{cand.predicted_batch}")
+            dominant = self.dominant(cand)
+            if dominant is not None:
+                cand.error = (f"not checked: its predicted micro-batch {cand.predicted_batch} "
+                              f"is no larger than policy {_policy_name(dominant.policy)}'s "
+                              f"{dominant.micro_batch}, which recomputes less")
+                self.say(f"policy {_policy_name(policy)}: {cand.error}")
+                return cand
             self.check(cand, model)
             self.time(cand, model)
         finally:
             self.compiled.clear()
+            self.sizes_seen.clear()
             family = _backend_of(model)
             del model
             _clear_session(family)
@@ -735,9 +754,20 @@ class _Planner:
         below = [j for j in range(fit + 1, refused) if divs[j] <= crossing]
         return below[-1] if below else fit + 1
 
+    def dominant(self, cand):
+        """A candidate already checked that recomputes less than `cand` with a micro-batch
+        at least `cand`'s prediction (so `cand` cannot be faster per sample), or None."""
+        rank = _recompute_rank(cand.policy)
+        for other in self.done:
+            if other.fits and _recompute_rank(other.policy) < rank and \
+                    cand.predicted_batch is not None and \
+                    other.micro_batch >= cand.predicted_batch:
+                return other
+        return None
+
     def run(self):
         start = time.perf_counter()
-        candidates = []
+        candidates = self.done = []
         for n, policy in enumerate(self.policies):
             candidates.append(self.candidate(policy, first=n == 0))
         fitting = [c for c in candidates if c.fits]
@@ -750,8 +780,7 @@ class _Planner:
                     f"{_policy_name(c.policy)} {min(p for p, _ in c.points.values()) / GiB:.3f} "
                     f"GiB" for c in candidates if c.points))
         if any(c.seconds_per_sample is None for c in fitting):  # a target's plan: no time
-            rank = {None: 0, "attention": 1}
-            best = min(fitting, key=lambda c: (rank.get(c.policy, 2), -c.micro_batch))
+            best = min(fitting, key=lambda c: (_recompute_rank(c.policy), -c.micro_batch))
         else:
             best = min(fitting, key=lambda c: (c.seconds_per_sample, c.measured_peak))
         plan = Plan(policy=best.policy, micro_batch=best.micro_batch,
@@ -764,6 +793,12 @@ class _Planner:
         self.say(f"chosen: policy {_policy_name(plan.policy)}, micro-batch {plan.micro_batch} "
                  f"x {plan.steps_per_update} ({plan.seconds:.0f} s)")
         return plan
+
+
+def _recompute_rank(policy):
+    """How much a policy recomputes: None nothing, "attention" the attention core, others
+    (a block, "full") more."""
+    return {None: 0, "attention": 1}.get(policy, 2)
 
 
 def _clear_session(family):

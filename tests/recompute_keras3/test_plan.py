@@ -124,6 +124,17 @@ def test_check_when_nothing_fits_or_everything_fits():
     assert cand.micro_batch == 8 and cand.refused_batch is None
 
 
+def test_a_policy_that_recomputes_more_at_no_larger_micro_batch_is_not_checked():
+    """It cannot be faster per sample: its check (the largest steps) is skipped, and the
+    table says so."""
+    fake = _FakePlanner(lambda b: 100 + 30 * b, 64, 400.0)
+    none = planner.Candidate(None, micro_batch=8, points={8: (340, 0.8)})
+    fake.done = [none]
+    assert fake.dominant(planner.Candidate("full", predicted_batch=8)) is none
+    assert fake.dominant(planner.Candidate("full", predicted_batch=16)) is None
+    assert fake.dominant(planner.Candidate(None, predicted_batch=4)) is None  # not more
+
+
 # --------------------------------------------------------------------------
 # A real plan of the tiny model.
 
