@@ -335,6 +335,7 @@ class Candidate:
     refused_batch: int = None
     error: str = None
     baseline: float = None  # bytes alive once the model is built (a previous one not freed shows)
+    leftover: float = 0.0  # of those, left by the previous candidates: taken off its peaks
 
     @property
     def fits(self):
@@ -360,6 +361,7 @@ class Candidate:
                     measured_peak_mib=None if not self.fits else self.measured_peak / MiB,
                     seconds_per_sample=self.seconds_per_sample, error=self.error,
                     baseline_mib=None if self.baseline is None else self.baseline / MiB,
+                    leftover_mib=self.leftover / MiB,
                     points={str(b): dict(peak_mib=p / MiB, seconds=t)
                             for b, (p, t) in sorted(self.points.items())})
 
@@ -544,6 +546,8 @@ class _Planner:
         self.target = target
         self.compiled = {}  # (policy, batch): (executable, XLA's plan) (memory="plan")
         self.sizes_seen = {}  # id(model): the batch sizes its train function has seen
+        self.leftover = 0.0  # bytes the previous candidates left alive (taken off the peaks)
+        self.reference = 0.0  # bytes alive before the first candidate's build
         self.done = []  # the candidates measured so far
         self.previous = None
         self.calls = 0
@@ -603,7 +607,7 @@ class _Planner:
                 raise
             self.say(f"policy {_policy_name(policy)}, micro-batch {batch}: out of memory")
             return None, None
-        return self.meter.peak(), seconds
+        return self.meter.peak() - self.leftover, seconds
 
     def plan_step(self, model, policy, batch, x, y, timed):
         """(planned peak bytes, None) of the step compiled at `batch`; with `timed` (the local
@@ -663,15 +667,26 @@ class _Planner:
 
     def candidate(self, policy, first):
         cand = Candidate(policy)
+        before = None
+        if self.meter is not None and self.meter.name != "plan":
+            self.meter.reset()
+            before = self.meter.current()  # the previous candidates' leftovers, if any
         self.say(f"policy {_policy_name(policy)}: building the model")
         model = self.build(policy)
         if self.meter is None:
             self.meter = _meter(self.memory, _backend_of(model), self.target)
         self.meter.reset()
+        self.leftover = 0.0
         if self.meter.name != "plan":  # a compilation allocates nothing: no baseline
             cand.baseline = self.meter.current()
+            if before is None:  # the first: what the process held before its build
+                self.reference = cand.baseline - sum(int(_size(v)) for v in model.weights)
+            else:
+                self.leftover = cand.leftover = max(0.0, before - self.reference)
             self.say(f"policy {_policy_name(policy)}: {cand.baseline / GiB:.3f} GiB alive "
-                     f"after the build ({self.meter.what.replace(' peak', '')})")
+                     f"after the build ({self.meter.what.replace(' peak', '')}), of which "
+                     f"{self.leftover / GiB:.3f} GiB left by the previous candidates "
+                     "(not counted)")
         if first:
             weights = sum(int(_size(v)) for v in model.weights)
             if weights > self.budget:
