@@ -696,7 +696,25 @@ class _Planner:
                     f"Received: budget_gib={self.budget / GiB:g}")
         # The accumulation buffers are part of the peak; their size does not depend on k.
         _wrap_optimizer(model, 2)
+        dominant = self.dominant(cand)
         try:
+            if dominant is not None:
+                # At or below `dominant`'s micro-batch this policy cannot be faster: no line
+                # (it would only say where to start), the check starts above it
+                self.say(f"policy {_policy_name(policy)}: checked above micro-batch "
+                         f"{dominant.micro_batch}, which policy "
+                         f"{_policy_name(dominant.policy)} fits recomputing less")
+                if dominant.micro_batch < self.effective_batch:
+                    self.check(cand, model, floor=dominant.micro_batch)
+                if not cand.fits:
+                    cand.error = (f"no larger: policy {_policy_name(dominant.policy)}, which "
+                                  f"recomputes less, fits micro-batch {dominant.micro_batch}"
+                                  + ("" if cand.refused_batch is None else
+                                     f"; this one does not fit {cand.refused_batch}"))
+                    self.say(f"policy {_policy_name(policy)}: {cand.error}")
+                    return cand
+                self.time(cand, model)
+                return cand
             for b in self.batches:
                 self.measure(cand, model, b)
             (b1, (p1, _)), (b2, (p2, _)) = sorted(cand.points.items())[:2]
@@ -709,13 +727,6 @@ class _Planner:
             self.say(f"policy {_policy_name(policy)}: peak ~ {cand.intercept / MiB:.0f} MiB + "
                      f"{cand.slope / MiB:.2f} MiB x batch; predicted micro-batch "
                      f"{cand.predicted_batch}")
-            dominant = self.dominant(cand)
-            if dominant is not None:
-                cand.error = (f"not checked: its predicted micro-batch {cand.predicted_batch} "
-                              f"is no larger than policy {_policy_name(dominant.policy)}'s "
-                              f"{dominant.micro_batch}, which recomputes less")
-                self.say(f"policy {_policy_name(policy)}: {cand.error}")
-                return cand
             self.check(cand, model)
             self.time(cand, model)
         finally:
@@ -726,17 +737,23 @@ class _Planner:
             _clear_session(family)
         return cand
 
-    def check(self, cand, model):
+    def check(self, cand, model, floor=None):
         """Measures the predicted divisor, then steps up while the largest divisor measured
         to fit has nothing refused above it, and, once one is refused, narrows the bracket
         between the largest divisor measured to fit and the smallest measured not to by
         interpolating their peaks (the line can be far off: XLA's plan of a small batch can
         be held up by buffers the size of the weights) until they are neighbours. The
-        points measured for the line count."""
+        points measured for the line count.
+
+        `floor`: a micro-batch a policy that recomputes less fits: the divisors up to it
+        are taken as fitting, unmeasured (`cand` would not be faster there); if the one
+        above it does not fit, `cand` keeps no micro-batch."""
         divs = divisors(self.effective_batch)
 
+        floor_index = divs.index(floor) if floor in divs else -1
+
         def bracket():
-            fit, refused = -1, len(divs)  # indices: the largest known to fit, smallest not
+            fit, refused = floor_index, len(divs)  # indices: largest known to fit, smallest not
             for b, (peak, _) in cand.points.items():
                 if b in divs:
                     if peak <= self.budget:
@@ -754,14 +771,15 @@ class _Planner:
             fit, refused = bracket()
             i = -1
         cand.refused_batch = divs[refused] if refused < len(divs) else None
-        cand.micro_batch = divs[fit] if fit >= 0 else None
+        measured = fit >= 0 and cand.points.get(divs[fit], (float("inf"),))[0] <= self.budget
+        cand.micro_batch = divs[fit] if measured else None
 
     def _between(self, cand, divs, fit, refused):
         """The next divisor to measure strictly between the indices `fit` and `refused`:
         the one above `fit` while nothing is refused; else where the line through the two
         ends' peaks crosses the budget (the largest divisor below the crossing)."""
-        if refused == len(divs) or fit < 0:
-            return fit + 1 if refused == len(divs) else (fit + refused) // 2
+        if refused == len(divs) or fit < 0 or divs[fit] not in cand.points:
+            return fit + 1 if refused == len(divs) or fit >= 0 else (fit + refused) // 2
         (b0, p0), (b1, p1) = [(divs[j], cand.points[divs[j]][0]) for j in (fit, refused)]
         if p1 == float("inf"):
             return (fit + refused) // 2
@@ -770,15 +788,12 @@ class _Planner:
         return below[-1] if below else fit + 1
 
     def dominant(self, cand):
-        """A candidate already checked that recomputes less than `cand` with a micro-batch
-        at least `cand`'s prediction (so `cand` cannot be faster per sample), or None."""
+        """The candidate already checked with the largest micro-batch among those that
+        recompute less than `cand` (at that micro-batch or below, `cand` cannot be faster
+        per sample), or None."""
         rank = _recompute_rank(cand.policy)
-        for other in self.done:
-            if other.fits and _recompute_rank(other.policy) < rank and \
-                    cand.predicted_batch is not None and \
-                    other.micro_batch >= cand.predicted_batch:
-                return other
-        return None
+        less = [c for c in self.done if c.fits and _recompute_rank(c.policy) < rank]
+        return max(less, key=lambda c: c.micro_batch) if less else None
 
     def run(self):
         start = time.perf_counter()

@@ -124,15 +124,23 @@ def test_check_when_nothing_fits_or_everything_fits():
     assert cand.micro_batch == 8 and cand.refused_batch is None
 
 
-def test_a_policy_that_recomputes_more_at_no_larger_micro_batch_is_not_checked():
-    """It cannot be faster per sample: its check (the largest steps) is skipped, and the
-    table says so."""
-    fake = _FakePlanner(lambda b: 100 + 30 * b, 64, 400.0)
+def test_a_policy_that_recomputes_more_is_checked_above_the_micro_batch_of_one_that_does_not():
+    """At or below the micro-batch a policy that recomputes less fits, a policy cannot be
+    faster per sample: its check starts at the divisor above (whatever its line predicts),
+    and keeps no micro-batch if that does not fit."""
     none = planner.Candidate(None, micro_batch=8, points={8: (340, 0.8)})
+    fake = _FakePlanner(lambda b: 100 + 20 * b, 64, 400.0)  # "full": 8 fits, 16 does not
     fake.done = [none]
-    assert fake.dominant(planner.Candidate("full", predicted_batch=8)) is none
-    assert fake.dominant(planner.Candidate("full", predicted_batch=16)) is None
+    full = planner.Candidate("full", predicted_batch=4)
+    assert fake.dominant(full) is none
     assert fake.dominant(planner.Candidate(None, predicted_batch=4)) is None  # not more
+    fake.check(full, model=None, floor=8)
+    assert not full.fits and full.refused_batch == 16 and sorted(full.points) == [16]
+    fake = _FakePlanner(lambda b: 100 + 5 * b, 64, 400.0)  # "full": 32 fits, 64 does not
+    full = planner.Candidate("full", predicted_batch=4)
+    fake.check(full, model=None, floor=8)
+    assert (full.micro_batch, full.refused_batch) == (32, 64)
+    assert sorted(full.points) == [16, 32, 64]
 
 
 # --------------------------------------------------------------------------
@@ -155,7 +163,8 @@ def test_plan_fits_and_the_next_divisor_is_refused(tiny_plan):
     assert p.measured_peak <= p.budget
     refused = 0
     for c in p.candidates:
-        assert c.intercept is not None and c.slope > 0, c
+        if c is p.candidates[0]:  # the others are checked above its micro-batch, no line
+            assert c.intercept is not None and c.slope > 0, c
         if not c.fits:
             continue
         assert c.measured_peak <= p.budget
