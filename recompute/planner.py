@@ -698,23 +698,13 @@ class _Planner:
         _wrap_optimizer(model, 2)
         dominant = self.dominant(cand)
         try:
-            if dominant is not None:
-                # At or below `dominant`'s micro-batch this policy cannot be faster: no line
-                # (it would only say where to start), the check starts above it
-                self.say(f"policy {_policy_name(policy)}: checked above micro-batch "
-                         f"{dominant.micro_batch}, which policy "
-                         f"{_policy_name(dominant.policy)} fits recomputing less")
-                if dominant.micro_batch < self.effective_batch:
-                    self.check(cand, model, floor=dominant.micro_batch)
-                if not cand.fits:
-                    cand.error = (f"no larger: policy {_policy_name(dominant.policy)}, which "
-                                  f"recomputes less, fits micro-batch {dominant.micro_batch}"
-                                  + ("" if cand.refused_batch is None else
-                                     f"; this one does not fit {cand.refused_batch}"))
-                    self.say(f"policy {_policy_name(policy)}: {cand.error}")
-                    return cand
-                self.time(cand, model)
+            if dominant is not None and dominant.micro_batch >= self.effective_batch:
+                cand.error = (f"no larger: policy {_policy_name(dominant.policy)}, which "
+                              f"recomputes less, fits the effective batch")
+                self.say(f"policy {_policy_name(policy)}: not measured, {cand.error}")
                 return cand
+            # the line's small steps also take the train function's two traces (Keras
+            # traces at a model's first two batch sizes): the check's steps are then timed
             for b in self.batches:
                 self.measure(cand, model, b)
             (b1, (p1, _)), (b2, (p2, _)) = sorted(cand.points.items())[:2]
@@ -727,7 +717,17 @@ class _Planner:
             self.say(f"policy {_policy_name(policy)}: peak ~ {cand.intercept / MiB:.0f} MiB + "
                      f"{cand.slope / MiB:.2f} MiB x batch; predicted micro-batch "
                      f"{cand.predicted_batch}")
-            self.check(cand, model)
+            if dominant is not None:  # at or below its micro-batch, this one is no faster
+                self.say(f"policy {_policy_name(policy)}: checked above micro-batch "
+                         f"{dominant.micro_batch}, which policy "
+                         f"{_policy_name(dominant.policy)} fits recomputing less")
+            self.check(cand, model, floor=dominant.micro_batch if dominant else None)
+            if dominant is not None and not cand.fits:
+                cand.error = (f"no larger: policy {_policy_name(dominant.policy)}, which "
+                              f"recomputes less, fits micro-batch {dominant.micro_batch}; "
+                              f"this one does not fit {cand.refused_batch}")
+                self.say(f"policy {_policy_name(policy)}: {cand.error}")
+                return cand
             self.time(cand, model)
         finally:
             self.compiled.clear()
@@ -957,13 +957,26 @@ def _bert4keras_builder(folder, seq, learning_rate):
     off."""
     import recompute.bert4keras
 
-    config_path = os.path.join(folder, "bert_config.json")
+    if folder == "bert-base":  # BERT-base's shape, random weights: a config, no checkpoint
+        import tempfile
+
+        config_path = os.path.join(tempfile.mkdtemp(prefix="recompute_plan_"),
+                                   "bert_config.json")
+        with open(config_path, "w") as f:
+            json.dump(dict(vocab_size=BERT_BASE["vocabulary_size"], hidden_size=768,
+                           num_hidden_layers=12, num_attention_heads=12,
+                           intermediate_size=3072, hidden_act="gelu",
+                           hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                           max_position_embeddings=max(seq, 512), type_vocab_size=2), f)
+        checkpoint = None
+    else:
+        config_path = os.path.join(folder, "bert_config.json")
+        checkpoint = os.path.join(folder, "bert_model.ckpt")
     with open(config_path) as f:
         config = json.load(f)
     if config.get("max_position_embeddings", 512) < seq:
         raise ValueError(f"--seq {seq} exceeds the checkpoint's max_position_embeddings "
                          f"{config['max_position_embeddings']}")
-    checkpoint = os.path.join(folder, "bert_model.ckpt")
 
     def build_model(policy):
         recompute.bert4keras.patch(policy={None: "layer", "full": "block"}.get(policy, policy))
@@ -1126,7 +1139,10 @@ def main(argv=None):
                          f"{os.environ.get('KERAS_BACKEND')!r}): unset KERAS_BACKEND or set it "
                          "to jax")
     folder = _preset_folder(args.preset)
-    if folder == "bert-base":
+    if folder == "bert-base" and os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+        build_model, make_inputs, vocab = _bert4keras_builder(folder, args.seq, args.learning_rate)
+        kind = "bert4keras BERT at BERT-base's shape (random weights)"
+    elif folder == "bert-base":
         build_model, make_inputs, vocab = _keras_hub_builder(folder, args.seq, args.learning_rate)
         kind = "keras-hub BertBackbone at BERT-base's shape (random weights)"
     elif os.path.isfile(os.path.join(folder, "bert_config.json")):
