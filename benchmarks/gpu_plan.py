@@ -42,43 +42,18 @@ import os
 import re
 import sys
 
+from recompute import _xla_plan
+
 from . import harness
 from .harness import MiB
 
 TOOL = "benchmarks.gpu_plan"
 _progress = harness.Progress(TOOL)
 
-# Each card's facts as XLA:GPU reads them (`stream_executor.GpuTargetConfigProto`):
-# the data sheet's numbers (SMs, L2, memory, clocks, compute capability).
-_CARD = """gpu_device_info {{
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: {smem_core} shared_memory_per_block_optin: {smem_optin}
-  threads_per_core_limit: {threads_core} core_count: {sms} fpus_per_core: {fpus}
-  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
-  memory_bandwidth: {bandwidth} l2_cache_size: {l2} clock_rate_ghz: {clock}
-  device_memory_size: {memory}
-  cuda_compute_capability {{ major: {major} minor: {minor} }}
-  registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}}
-platform_name: "CUDA"
-dnn_version_info {{ major: 9 minor: 8 }}
-device_description_str: "{name}"
-"""
-TARGETS = {
-    "h100": dict(name="NVIDIA H100 80GB HBM3", sms=132, fpus=128, major=9, minor=0,
-                 l2=52428800, memory=84978434048, bandwidth=3352320000000, clock=1.98,
-                 smem_core=233472, smem_optin=232448, threads_core=2048),
-    "a100-40": dict(name="NVIDIA A100-SXM4-40GB", sms=108, fpus=64, major=8, minor=0,
-                    l2=41943040, memory=42331013120, bandwidth=1555200000000, clock=1.41,
-                    smem_core=167936, smem_optin=166912, threads_core=2048),
-    "l4": dict(name="NVIDIA L4", sms=58, fpus=128, major=8, minor=9, l2=50331648,
-               memory=23580639232, bandwidth=300000000000, clock=2.04, smem_core=102400,
-               smem_optin=101376, threads_core=1536),
-    "rtx4090": dict(name="NVIDIA GeForce RTX 4090", sms=128, fpus=128, major=8, minor=9,
-                    l2=75497472, memory=25386352640, bandwidth=1008000000000, clock=2.52,
-                    smem_core=102400, smem_optin=101376, threads_core=1536),
-}
-_ENV = {"JAX_PLATFORMS": "cpu,cuda", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+# The cards and the compilation are the library's (`recompute._xla_plan`, which
+# `recompute.plan(..., target=...)` uses too).
+TARGETS = _xla_plan.TARGETS
+_ENV = _xla_plan.ENV
 
 DEFAULTS = dict(model="hub", layers=(12,), hidden=768, heads=12, ffn=3072, seq=512, vocab=30522,
                 dropout=0.1, batches=(2, 4), policies=("0", "attention", "full"),
@@ -90,48 +65,23 @@ DEFAULTS = dict(model="hub", layers=(12,), hidden=768, heads=12, ffn=3072, seq=5
 
 
 def prepare_environment():
-    """Names the CUDA platform for JAX (before JAX starts); a RuntimeError if JAX has
-    started without it."""
-    if "jax" in sys.modules and any(os.environ.get(k) != v for k, v in _ENV.items()):
-        raise RuntimeError(
-            f"{TOOL} needs JAX started with " + ", ".join(f"{k}={v}" for k, v in _ENV.items())
-            + ": run it in a fresh process (python -m benchmarks.gpu_plan). Received: JAX "
-            "already imported with " + ", ".join(f"{k}={os.environ.get(k)!r}" for k in _ENV))
-    os.environ.update(_ENV)
+    """Names the CUDA platform for JAX (before JAX starts) and selects Keras's JAX backend;
+    a RuntimeError if JAX has started without the platform."""
+    _xla_plan.prepare_environment(TOOL)
     os.environ["KERAS_BACKEND"] = "jax"
 
 
 def target_sharding(target):
     """The sharding of one device of `target` (a name of `TARGETS`): what the step's
     abstract arguments carry so that `jax.jit` lowers and compiles for that GPU."""
-    from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    try:
-        topology = topologies.get_topology_desc(
-            platform="cuda", target_config=_CARD.format(**TARGETS[target]), topology="1x1x1")
-    except Exception as e:  # the plugin is missing or cannot compile for CUDA here
-        raise RuntimeError(
-            f"{TOOL}: JAX cannot compile for a CUDA target here: install jax-cuda12-pjrt and "
-            "jax-cuda12-plugin of jax's exact version with --no-deps (the [test] extra). "
-            f"Received: {type(e).__name__}: {e}") from e
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
-    return NamedSharding(mesh, PartitionSpec())
+    return _xla_plan.target_sharding(target, TOOL)
 
 
 def compile_plan(fn, args, sharding):
     """`fn(*args)` (arrays or shapes) compiled by XLA:GPU for `sharding`'s device: a dict of
-    its planned bytes (temp, arguments, outputs) and the optimized module's text."""
-    import jax
-
-    def abstract(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    compiled = jax.jit(fn).trace(*jax.tree.map(abstract, args)).lower(
-        lowering_platforms=("cuda",)).compile()
-    analysis = compiled.memory_analysis()
-    return {"temp": analysis.temp_size_in_bytes, "arguments": analysis.argument_size_in_bytes,
-            "outputs": analysis.output_size_in_bytes, "hlo": compiled.as_text()}
+    its planned bytes (temp, arguments, outputs, aliases, peak) and the optimized module's
+    text."""
+    return _xla_plan.compile_plan(fn, args, sharding)
 
 
 def count_module(hlo, keys):
@@ -299,4 +249,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    # Keras started (on TensorFlow, by the package's imports) before the CUDA platform could
+    # be named: run again with both set; JAX is the tool's backend whatever the shell says
+    _xla_plan.rerun_with_environment(TOOL, sys.argv[1:], force_backend=True)
     sys.exit(main())

@@ -17,15 +17,24 @@ for a policy) on rows of the sample batch (x, y), repeated as needed:
 2. the prediction: the largest divisor b of `effective_batch` with
    a + s * b within the budget (so k = effective_batch / b micro-batches
    make exactly one update of the effective batch);
-3. the check: a real step at b (stepping down the divisors while it does not
-   fit), then at the next divisor up, which must not fit (stepping up while
-   it does).
+3. the check: a real step at b, then at the next divisor up while it fits,
+   bisecting between the largest divisor measured to fit and the smallest
+   measured not to until they are neighbours (the line can be far off).
 
-Each step is measured twice at a batch (the first traces), its peak over both
-steps after a reset, its time from the second. The policy chosen is the one
-with the least time per sample among those whose micro-batch fits.
+Each micro-batch is measured by one step, its peak after a reset; the
+micro-batch a candidate keeps is then timed by two more (the first of them
+on a traced function, the second timed). The policy chosen is the one with
+the least time per sample among those whose micro-batch fits.
 
-The memory (`memory=`): "allocator", TensorFlow's allocator peak
+On Keras's JAX backend (`memory="plan"`, its default) the steps are not run
+but compiled: Keras's own jitted `train_step`, whose `memory_analysis()`
+(arguments + outputs - aliases + temp) is the peak; the micro-batch kept is
+then run for its time. With `target=` ("h100", "a100-40", "l4", "rtx4090") the
+steps are compiled for that GPU on this machine (`recompute._xla_plan`) and
+nothing runs: a plan, said to be one; the policy chosen is then the one that
+recomputes least among those that fit.
+
+The memory (`memory=`): "plan", XLA's plan (above); "allocator", TensorFlow's allocator peak
 (`tf.config.experimental.get_memory_info`, reset before each batch; the
 default with a GPU, whose budget defaults to TensorFlow's memory limit on it;
 on a CPU it needs `TF_ENABLE_ONEDNN_OPTS=1` before TensorFlow is imported), or
@@ -210,14 +219,62 @@ def _tf_gpu():
     return bool(tf.config.list_physical_devices("GPU"))
 
 
-def _meter(memory, backend):
-    if memory not in ("auto", "rss", "allocator"):
-        raise ValueError(f"`memory` must be one of 'auto', 'rss', 'allocator'. "
+class _XlaPlan:
+    """XLA's plan of Keras's JAX training step (`memory_analysis()` of the compiled step:
+    arguments + outputs - aliases + temp), compiled for `target` (a GPU this machine need
+    not have: nothing runs, no time) or for JAX's local device (each step compiled is then
+    also run, for its time; on a GPU the allocator's peak so far is recorded beside it)."""
+
+    name = "plan"
+
+    def __init__(self, target):
+        from . import _xla_plan
+
+        self.target = target
+        if target is not None:
+            self.sharding = _xla_plan.target_sharding(target)
+            self.what = f"XLA's plan for {_xla_plan.TARGETS[target]['name']} (compiled, not run)"
+        else:
+            import jax
+
+            self.sharding = None
+            device = jax.devices()[0]
+            self.what = (f"XLA's plan for the local {device.platform} device "
+                         f"({getattr(device, 'device_kind', device.platform)}; compiled, "
+                         "then run for its time)")
+
+    def reset(self):
+        gc.collect()
+
+    def current(self):
+        return 0.0  # nothing is allocated by a compilation
+
+    def allocator_peak(self):
+        """The local device's allocator peak so far (JAX cannot reset it), or None."""
+        import jax
+
+        stats = jax.devices()[0].memory_stats() if self.target is None else None
+        return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def _meter(memory, backend, target=None):
+    if memory not in ("auto", "rss", "allocator", "plan"):
+        raise ValueError(f"`memory` must be one of 'auto', 'rss', 'allocator', 'plan'. "
                          f"Received: memory={memory!r}")
     tf_backend = backend in ("tensorflow", "tf_keras")
+    if target is not None and (backend != "jax" or memory not in ("auto", "plan")):
+        raise ValueError(
+            f"`target` plans for a GPU this machine does not have with XLA's plan, on Keras's "
+            f"JAX backend (KERAS_BACKEND=jax, memory='plan'): the model runs on Keras's "
+            f"{backend} backend with memory={memory!r}. Received: target={target!r}")
+    if memory == "plan" and backend != "jax":
+        raise ValueError("`memory='plan'` reads XLA's plan of Keras's JAX training step: the "
+                         f"model runs on Keras's {backend} backend. Received: memory={memory!r}")
     if memory == "allocator" and not tf_backend:
         raise ValueError("`memory='allocator'` reads TensorFlow's allocator: the model runs "
                          f"on Keras's {backend} backend. Received: memory={memory!r}")
+    if memory == "plan" or (memory == "auto" and backend == "jax"):
+        return _XlaPlan(target)
     if memory == "allocator" or (memory == "auto" and tf_backend and _tf_gpu()):
         return _TfAllocator("GPU:0" if _tf_gpu() else "CPU:0")
     if memory == "auto" and tf_backend:
@@ -230,14 +287,26 @@ def _meter(memory, backend):
 
         if jax.default_backend() != "cpu":
             raise NotImplementedError(
-                "recompute.plan measures JAX on the CPU only (memory='rss'): JAX's allocator "
-                "peak cannot be reset between candidates. Received: JAX's default backend "
+                "recompute.plan measures JAX's resident memory on the CPU only "
+                "(memory='rss'): on a GPU use memory='plan'. Received: JAX's default backend "
                 f"{jax.default_backend()!r}")
     return _Rss()
 
 
-def default_budget_bytes(backend):
-    """TensorFlow's memory limit on GPU:0 (what its allocator may take), or None on a CPU."""
+def default_budget_bytes(backend, target=None):
+    """The memory of `target` (a card's), JAX's allocator limit on its GPU, TensorFlow's
+    memory limit on GPU:0 (what its allocator may take), or None on a CPU."""
+    if target is not None:
+        from ._xla_plan import TARGETS
+
+        return TARGETS[target]["memory"]
+    if backend == "jax":
+        import jax
+
+        if jax.default_backend() == "cpu":
+            return None
+        stats = jax.devices()[0].memory_stats() or {}
+        return stats.get("bytes_limit")
     if backend in ("tensorflow", "tf_keras") and _tf_gpu():
         from tensorflow.python.client import device_lib
 
@@ -266,6 +335,7 @@ class Candidate:
     refused_batch: int = None
     error: str = None
     baseline: float = None  # bytes alive once the model is built (a previous one not freed shows)
+    leftover: float = 0.0  # of those, left by the previous candidates: taken off its peaks
 
     @property
     def fits(self):
@@ -280,7 +350,8 @@ class Candidate:
 
     @property
     def seconds_per_sample(self):
-        return self.points[self.micro_batch][1] / self.micro_batch if self.fits else None
+        seconds = self.points[self.micro_batch][1] if self.fits else None
+        return None if seconds is None else seconds / self.micro_batch
 
     def as_dict(self):
         return dict(policy=self.policy, micro_batch=self.micro_batch,
@@ -290,6 +361,7 @@ class Candidate:
                     measured_peak_mib=None if not self.fits else self.measured_peak / MiB,
                     seconds_per_sample=self.seconds_per_sample, error=self.error,
                     baseline_mib=None if self.baseline is None else self.baseline / MiB,
+                    leftover_mib=self.leftover / MiB,
                     points={str(b): dict(peak_mib=p / MiB, seconds=t)
                             for b, (p, t) in sorted(self.points.items())})
 
@@ -315,6 +387,12 @@ class Plan:
     memory: str
     candidates: list
     seconds: float = None
+    target: str = None
+
+    @property
+    def planned(self):
+        """Whether the peaks are XLA's plan (compiled, `memory="plan"`) rather than measured."""
+        return self.memory.startswith("XLA's plan")
 
     # -- applying it
 
@@ -358,6 +436,7 @@ class Plan:
                     predicted_peak_gib=self.predicted_peak / GiB,
                     measured_peak_gib=self.measured_peak / GiB,
                     seconds_per_sample=self.seconds_per_sample, plan_seconds=self.seconds,
+                    target=self.target, planned=self.planned,
                     candidates=[c.as_dict() for c in self.candidates])
 
     def to_json(self, **kwargs):
@@ -365,24 +444,30 @@ class Plan:
 
     def table(self):
         """The candidates as a Markdown table, then the choice."""
+        peak = "planned peak GiB" if self.planned else "measured peak GiB"
         lines = [f"Plan for effective batch {self.effective_batch} within "
                  f"{self.budget / GiB:.2f} GiB ({self.memory}):", "",
                  "| policy | MiB at 0 | MiB / sample | predicted | micro-batch | "
-                 "measured peak GiB | next divisor | s / sample |",
+                 f"{peak} | next divisor | s / sample |",
                  "|---|---|---|---|---|---|---|---|"]
         for c in self.candidates:
             fmt = (lambda v, f: "-" if v is None else format(v, f))
             lines.append(
                 f"| {_policy_name(c.policy)} | {fmt(c.intercept and c.intercept / MiB, '.0f')} | "
                 f"{fmt(c.slope and c.slope / MiB, '.1f')} | {fmt(c.predicted_batch, 'd')} | "
-                f"{fmt(c.micro_batch, 'd') if c.error is None else 'error'} | "
+                f"{fmt(c.micro_batch, 'd') if c.error is None else c.error.split(':')[0]} | "
                 f"{fmt(c.measured_peak and c.measured_peak / GiB, '.3f')} | "
                 f"{'-' if c.refused_batch is None else f'{c.refused_batch} refused'} | "
                 f"{fmt(c.seconds_per_sample, '.4f')} |")
+        time_text = "no time: nothing ran, the policy that recomputes least was chosen" \
+            if self.seconds_per_sample is None else f"{self.seconds_per_sample:.4f} s/sample"
         lines += ["", f"Chosen: policy {_policy_name(self.policy)}, micro-batch "
                       f"{self.micro_batch} x {self.steps_per_update} steps per update "
-                      f"(measured peak {self.measured_peak / GiB:.3f} GiB, "
-                      f"{self.seconds_per_sample:.4f} s/sample)"]
+                      f"({peak.replace(' GiB', '')} {self.measured_peak / GiB:.3f} GiB, "
+                      f"{time_text})"]
+        if self.target is not None:
+            lines.append(f"This is a plan: XLA compiled each step for {self.target} here and "
+                         "nothing ran; check it on the card before relying on it.")
         return "\n".join(lines)
 
     def __str__(self):
@@ -452,17 +537,25 @@ def _is_oom(error):
 
 class _Planner:
     def __init__(self, build_model, x, y, effective_batch, budget, batches, policies, memory,
-                 verbose, step_down_limit=64):
+                 verbose, target=None):
         self.build_model, self.x, self.y = build_model, x, y
         self.effective_batch, self.budget, self.batches = effective_batch, budget, batches
         self.policies, self.memory, self.verbose = policies, memory, verbose
         self.meter = None
+        self.start = time.perf_counter()
+        self.target = target
+        self.compiled = {}  # (policy, batch): (executable, XLA's plan) (memory="plan")
+        self.sizes_seen = {}  # id(model): the batch sizes its train function has seen
+        self.leftover = 0.0  # bytes the previous candidates left alive (taken off the peaks)
+        self.reference = 0.0  # bytes alive before the first candidate's build
+        self.done = []  # the candidates measured so far
         self.previous = None
         self.calls = 0
 
     def say(self, message):
         if self.verbose:
-            print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
+            elapsed = time.perf_counter() - self.start
+            print(f"{PREFIX} {elapsed:4.0f} s  {message}", file=sys.stderr, flush=True)
 
     def build(self, policy):
         self.calls += 1
@@ -485,46 +578,115 @@ class _Planner:
         self.previous = weakref.ref(model)
         return model
 
-    def step(self, model, policy, batch):
-        """(peak bytes, seconds of the second step) of two training steps at `batch`,
-        or (None, None) when it ran out of memory."""
+    def step(self, model, policy, batch, timed=False):
+        """(peak bytes, seconds or None) of a training step at `batch` (its peak after a
+        reset), or (None, None) when it ran out of memory. The seconds are the step's own
+        unless it traced: Keras's train function (`reduce_retracing`) traces at the first
+        two batch sizes a model sees, then runs one function relaxed to any batch size; with
+        `timed`, a second step is timed after a tracing one."""
         from ._config import recompute_scope
 
         x, y = _rows(self.x, batch), _rows(self.y, batch)
+        if self.meter.name == "plan":
+            return self.plan_step(model, policy, batch, x, y, timed)
         self.meter.reset()
+        sizes = self.sizes_seen.setdefault(id(model), set())
+        traces = len(sizes) < 2 and batch not in sizes
+        sizes.add(batch)
         try:
             with recompute_scope(policy is not None):
-                model.train_on_batch(x, y)
                 t0 = time.perf_counter()
                 model.train_on_batch(x, y)
-                seconds = time.perf_counter() - t0
+                seconds = None if traces else time.perf_counter() - t0
+                if timed and seconds is None:
+                    t0 = time.perf_counter()
+                    model.train_on_batch(x, y)
+                    seconds = time.perf_counter() - t0
         except Exception as e:
             if not _is_oom(e):
                 raise
             self.say(f"policy {_policy_name(policy)}, micro-batch {batch}: out of memory")
             return None, None
-        return self.meter.peak(), seconds
+        return self.meter.peak() - self.leftover, seconds
+
+    def plan_step(self, model, policy, batch, x, y, timed):
+        """(planned peak bytes, None) of the step compiled at `batch`; with `timed` (the local
+        device only), the compiled step also runs twice: (planned, seconds of the second)."""
+        from . import _xla_plan
+        from ._config import recompute_scope
+
+        if (policy, batch) not in self.compiled:
+            with recompute_scope(policy is not None):
+                self.compiled[policy, batch] = _xla_plan.train_step_plan(
+                    model, x, y, self.meter.sharding)
+        compiled, planned = self.compiled[policy, batch]
+        if not timed or self.meter.target is not None:
+            return planned["peak"], None
+        try:
+            _xla_plan.run_step(model, compiled, x, y)  # the first run (allocations, caches)
+            t0 = time.perf_counter()
+            _xla_plan.run_step(model, compiled, x, y)
+            seconds = time.perf_counter() - t0
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+            self.say(f"policy {_policy_name(policy)}, micro-batch {batch}: out of memory")
+            return None, None
+        planned["allocator_peak"] = self.meter.allocator_peak()
+        return planned["peak"], seconds
+
+    def time(self, cand, model):
+        """Times the candidate's micro-batch where its measured step has no time (it traced,
+        or it was compiled only): more steps, whose peak joins the one measured; out of
+        memory there, the candidate does not fit."""
+        if not cand.fits or (self.meter.name == "plan" and self.meter.target is not None):
+            return
+        batch = cand.micro_batch
+        if cand.points[batch][1] is not None:
+            return
+        peak, seconds = self.step(model, cand.policy, batch, timed=True)
+        if peak is None:
+            cand.error = f"out of memory when timed at micro-batch {batch}"
+            cand.refused_batch, cand.micro_batch = batch, None
+            return
+        cand.points[batch] = (max(peak, cand.points[batch][0]), seconds)
+        self.say(f"policy {_policy_name(cand.policy)}, micro-batch {batch}: "
+                 f"{seconds / batch:.4f} s/sample")
 
     def measure(self, cand, model, batch):
         if batch not in cand.points:
             peak, seconds = self.step(model, cand.policy, batch)
             cand.points[batch] = (float("inf") if peak is None else peak, seconds)
             if peak is not None:
-                self.say(f"policy {_policy_name(cand.policy)}, micro-batch {batch}: peak "
-                         f"{peak / GiB:.3f} GiB, {seconds / batch:.4f} s/sample "
+                time_text = "" if seconds is None else f", {seconds / batch:.4f} s/sample"
+                self.say(f"policy {_policy_name(cand.policy)}, micro-batch {batch}: "
+                         f"{'planned' if getattr(self.meter, 'name', '') == 'plan' else 'peak'} "
+                         f"{peak / GiB:.3f} GiB{time_text} "
                          f"({'fits' if peak <= self.budget else 'over the budget'})")
         return cand.points[batch][0] <= self.budget
 
     def candidate(self, policy, first):
         cand = Candidate(policy)
+        before = None
+        if self.meter is not None and self.meter.name != "plan":
+            self.meter.reset()
+            before = self.meter.current()  # the previous candidates' leftovers, if any
         self.say(f"policy {_policy_name(policy)}: building the model")
         model = self.build(policy)
         if self.meter is None:
-            self.meter = _meter(self.memory, _backend_of(model))
+            self.meter = _meter(self.memory, _backend_of(model), self.target)
         self.meter.reset()
-        cand.baseline = self.meter.current()
-        self.say(f"policy {_policy_name(policy)}: {cand.baseline / GiB:.3f} GiB alive after "
-                 f"the build ({self.meter.what.replace(' peak', '')})")
+        self.leftover = 0.0
+        if self.meter.name != "plan":  # a compilation allocates nothing: no baseline
+            cand.baseline = self.meter.current()
+            if before is None:  # the first: what the process held before its build
+                self.reference = cand.baseline - sum(int(_size(v)) for v in model.weights)
+            else:
+                self.leftover = cand.leftover = max(0.0, before - self.reference)
+            self.say(f"policy {_policy_name(policy)}: {cand.baseline / GiB:.3f} GiB alive "
+                     f"after the build ({self.meter.what.replace(' peak', '')}), of which "
+                     f"{self.leftover / GiB:.3f} GiB left by the previous candidates "
+                     "(not counted)")
         if first:
             weights = sum(int(_size(v)) for v in model.weights)
             if weights > self.budget:
@@ -534,7 +696,15 @@ class _Planner:
                     f"Received: budget_gib={self.budget / GiB:g}")
         # The accumulation buffers are part of the peak; their size does not depend on k.
         _wrap_optimizer(model, 2)
+        dominant = self.dominant(cand)
         try:
+            if dominant is not None and dominant.micro_batch >= self.effective_batch:
+                cand.error = (f"no larger: policy {_policy_name(dominant.policy)}, which "
+                              f"recomputes less, fits the effective batch")
+                self.say(f"policy {_policy_name(policy)}: not measured, {cand.error}")
+                return cand
+            # the line's small steps also take the train function's two traces (Keras
+            # traces at a model's first two batch sizes): the check's steps are then timed
             for b in self.batches:
                 self.measure(cand, model, b)
             (b1, (p1, _)), (b2, (p2, _)) = sorted(cand.points.items())[:2]
@@ -547,31 +717,87 @@ class _Planner:
             self.say(f"policy {_policy_name(policy)}: peak ~ {cand.intercept / MiB:.0f} MiB + "
                      f"{cand.slope / MiB:.2f} MiB x batch; predicted micro-batch "
                      f"{cand.predicted_batch}")
-            self.check(cand, model)
+            if dominant is not None:  # at or below its micro-batch, this one is no faster
+                self.say(f"policy {_policy_name(policy)}: checked above micro-batch "
+                         f"{dominant.micro_batch}, which policy "
+                         f"{_policy_name(dominant.policy)} fits recomputing less")
+            self.check(cand, model, floor=dominant.micro_batch if dominant else None)
+            if dominant is not None and not cand.fits:
+                cand.error = (f"no larger: policy {_policy_name(dominant.policy)}, which "
+                              f"recomputes less, fits micro-batch {dominant.micro_batch}; "
+                              f"this one does not fit {cand.refused_batch}")
+                self.say(f"policy {_policy_name(policy)}: {cand.error}")
+                return cand
+            self.time(cand, model)
         finally:
+            self.compiled.clear()
+            self.sizes_seen.clear()
             family = _backend_of(model)
             del model
             _clear_session(family)
         return cand
 
-    def check(self, cand, model):
+    def check(self, cand, model, floor=None):
+        """Measures the predicted divisor, then steps up while the largest divisor measured
+        to fit has nothing refused above it, and, once one is refused, narrows the bracket
+        between the largest divisor measured to fit and the smallest measured not to by
+        interpolating their peaks (the line can be far off: XLA's plan of a small batch can
+        be held up by buffers the size of the weights) until they are neighbours. The
+        points measured for the line count.
+
+        `floor`: a micro-batch a policy that recomputes less fits: the divisors up to it
+        are taken as fitting, unmeasured (`cand` would not be faster there); if the one
+        above it does not fit, `cand` keeps no micro-batch."""
         divs = divisors(self.effective_batch)
+
+        floor_index = divs.index(floor) if floor in divs else -1
+
+        def bracket():
+            fit, refused = floor_index, len(divs)  # indices: largest known to fit, smallest not
+            for b, (peak, _) in cand.points.items():
+                if b in divs:
+                    if peak <= self.budget:
+                        fit = max(fit, divs.index(b))
+                    else:
+                        refused = min(refused, divs.index(b))
+            return fit, refused
+
+        fit, refused = bracket()
         i = divs.index(cand.predicted_batch) if cand.predicted_batch else 0
-        while not self.measure(cand, model, divs[i]):
-            if i == 0:
-                cand.refused_batch = divs[0]
-                return  # not even 1 fits
-            i -= 1
-        while i + 1 < len(divs):
-            if not self.measure(cand, model, divs[i + 1]):
-                cand.refused_batch = divs[i + 1]
-                break
-            i += 1
-        cand.micro_batch = divs[i]
+        while refused - fit > 1:
+            if not fit < i < refused:
+                i = self._between(cand, divs, fit, refused)
+            self.measure(cand, model, divs[i])
+            fit, refused = bracket()
+            i = -1
+        cand.refused_batch = divs[refused] if refused < len(divs) else None
+        measured = fit >= 0 and cand.points.get(divs[fit], (float("inf"),))[0] <= self.budget
+        cand.micro_batch = divs[fit] if measured else None
+
+    def _between(self, cand, divs, fit, refused):
+        """The next divisor to measure strictly between the indices `fit` and `refused`:
+        the one above `fit` while nothing is refused; else where the line through the two
+        ends' peaks crosses the budget (the largest divisor below the crossing)."""
+        if refused == len(divs) or fit < 0 or divs[fit] not in cand.points:
+            return fit + 1 if refused == len(divs) or fit >= 0 else (fit + refused) // 2
+        (b0, p0), (b1, p1) = [(divs[j], cand.points[divs[j]][0]) for j in (fit, refused)]
+        if p1 == float("inf"):
+            return (fit + refused) // 2
+        crossing = b0 + (self.budget - p0) * (b1 - b0) / max(p1 - p0, 1e-9)
+        below = [j for j in range(fit + 1, refused) if divs[j] <= crossing]
+        return below[-1] if below else fit + 1
+
+    def dominant(self, cand):
+        """The candidate already checked with the largest micro-batch among those that
+        recompute less than `cand` (at that micro-batch or below, `cand` cannot be faster
+        per sample), or None."""
+        rank = _recompute_rank(cand.policy)
+        less = [c for c in self.done if c.fits and _recompute_rank(c.policy) < rank]
+        return max(less, key=lambda c: c.micro_batch) if less else None
 
     def run(self):
         start = time.perf_counter()
-        candidates = []
+        candidates = self.done = []
         for n, policy in enumerate(self.policies):
             candidates.append(self.candidate(policy, first=n == 0))
         fitting = [c for c in candidates if c.fits]
@@ -583,17 +809,26 @@ class _Planner:
                 f"measured peaks: " + ", ".join(
                     f"{_policy_name(c.policy)} {min(p for p, _ in c.points.values()) / GiB:.3f} "
                     f"GiB" for c in candidates if c.points))
-        best = min(fitting, key=lambda c: (c.seconds_per_sample, c.measured_peak))
+        if any(c.seconds_per_sample is None for c in fitting):  # a target's plan: no time
+            best = min(fitting, key=lambda c: (_recompute_rank(c.policy), -c.micro_batch))
+        else:
+            best = min(fitting, key=lambda c: (c.seconds_per_sample, c.measured_peak))
         plan = Plan(policy=best.policy, micro_batch=best.micro_batch,
                     steps_per_update=self.effective_batch // best.micro_batch,
                     effective_batch=self.effective_batch,
                     predicted_peak=best.predicted_peak(best.micro_batch),
                     measured_peak=best.measured_peak, seconds_per_sample=best.seconds_per_sample,
                     budget=self.budget, memory=self.meter.what, candidates=candidates,
-                    seconds=time.perf_counter() - start)
+                    seconds=time.perf_counter() - start, target=self.target)
         self.say(f"chosen: policy {_policy_name(plan.policy)}, micro-batch {plan.micro_batch} "
                  f"x {plan.steps_per_update} ({plan.seconds:.0f} s)")
         return plan
+
+
+def _recompute_rank(policy):
+    """How much a policy recomputes: None nothing, "attention" the attention core, others
+    (a block, "full") more."""
+    return {None: 0, "attention": 1}.get(policy, 2)
 
 
 def _clear_session(family):
@@ -623,7 +858,7 @@ def _size(variable):
 
 
 def plan(build_model, x, y, effective_batch, budget_gib=None, *, policies=DEFAULT_POLICIES,
-         batches=DEFAULT_BATCHES, memory="auto", verbose=True):
+         batches=DEFAULT_BATCHES, memory="auto", target=None, verbose=True):
     """Measures which policy, micro-batch and accumulation steps train `effective_batch` fastest
     within a memory budget.
 
@@ -645,12 +880,19 @@ def plan(build_model, x, y, effective_batch, budget_gib=None, *, policies=DEFAUL
         x, y: a sample batch (arrays, or a dict/list of arrays); its rows are repeated to
             make each micro-batch measured.
         effective_batch: the batch one update should see: micro_batch x steps_per_update.
-        budget_gib: the memory budget in GiB. Default: TensorFlow's memory limit on the GPU;
-            required on a CPU.
+        budget_gib: the memory budget in GiB. Default: the GPU's (TensorFlow's memory limit
+            on it, JAX's allocator limit, or the `target` card's memory); required on a CPU.
         policies: the candidates (default None, "attention", "full"; a bert4keras builder
             maps "full" to "block").
         batches: the two micro-batches the line is measured at (default 2, 4).
-        memory: "auto", "allocator" or "rss" (the module docstring says which is which).
+        memory: "auto", "allocator", "rss" or "plan" (the module docstring says which is
+            which; "auto" is "plan" on Keras's JAX backend).
+        target: on Keras's JAX backend, a GPU to plan for that this machine need not have:
+            "h100", "a100-40", "l4" or "rtx4090". Every step is compiled by XLA for it and
+            read from `memory_analysis()`, nothing runs: the result is a plan
+            (`Plan.planned`), and with no time measured the policy that recomputes least
+            among those that fit is chosen. Needs JAX's CUDA plugin and JAX started with
+            JAX_PLATFORMS=cpu,cuda (set here if JAX has not started).
         verbose: progress lines on stderr ("[recompute.plan] ...").
 
     Returns:
@@ -658,7 +900,10 @@ def plan(build_model, x, y, effective_batch, budget_gib=None, *, policies=DEFAUL
 
     Raises:
         ValueError: bad arguments, a budget below the weights, a `build_model` that cannot
-            build twice, or no micro-batch that fits under any policy.
+            build twice, no micro-batch that fits under any policy, or a `target` off Keras's
+            JAX backend.
+        RuntimeError: a `target` JAX cannot compile for here (no CUDA plugin, or JAX started
+            without the CUDA platform).
     """
     effective_batch = _check_effective_batch(effective_batch)
     batches = _check_batches(batches, effective_batch)
@@ -672,9 +917,15 @@ def plan(build_model, x, y, effective_batch, budget_gib=None, *, policies=DEFAUL
     if _num_rows(x) < 1:
         raise ValueError("`x` must be a sample batch with at least one row. "
                          f"Received: x of shape {getattr(x, 'shape', None)}")
+    meter = None
+    if target is not None:
+        from . import _xla_plan
+
+        _xla_plan.check_target(target)
+        meter = _meter(memory, _backend_guess(), target)  # the backend, the plugin: now
     if budget is None:
         backend = _backend_guess()
-        default = default_budget_bytes(backend)
+        default = default_budget_bytes(backend, target)
         if default is None:
             raise ValueError(
                 "`budget_gib` is required on a CPU (the default is the accelerator's memory, "
@@ -682,8 +933,10 @@ def plan(build_model, x, y, effective_batch, budget_gib=None, *, policies=DEFAUL
         budget_bytes = float(default)
     else:
         budget_bytes = budget * GiB
-    return _Planner(build_model, x, y, effective_batch, budget_bytes, batches, policies, memory,
-                    verbose).run()
+    planner = _Planner(build_model, x, y, effective_batch, budget_bytes, batches, policies,
+                       memory, verbose, target)
+    planner.meter = meter
+    return planner.run()
 
 
 def _backend_guess():
@@ -704,13 +957,26 @@ def _bert4keras_builder(folder, seq, learning_rate):
     off."""
     import recompute.bert4keras
 
-    config_path = os.path.join(folder, "bert_config.json")
+    if folder == "bert-base":  # BERT-base's shape, random weights: a config, no checkpoint
+        import tempfile
+
+        config_path = os.path.join(tempfile.mkdtemp(prefix="recompute_plan_"),
+                                   "bert_config.json")
+        with open(config_path, "w") as f:
+            json.dump(dict(vocab_size=BERT_BASE["vocabulary_size"], hidden_size=768,
+                           num_hidden_layers=12, num_attention_heads=12,
+                           intermediate_size=3072, hidden_act="gelu",
+                           hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                           max_position_embeddings=max(seq, 512), type_vocab_size=2), f)
+        checkpoint = None
+    else:
+        config_path = os.path.join(folder, "bert_config.json")
+        checkpoint = os.path.join(folder, "bert_model.ckpt")
     with open(config_path) as f:
         config = json.load(f)
     if config.get("max_position_embeddings", 512) < seq:
         raise ValueError(f"--seq {seq} exceeds the checkpoint's max_position_embeddings "
                          f"{config['max_position_embeddings']}")
-    checkpoint = os.path.join(folder, "bert_model.ckpt")
 
     def build_model(policy):
         recompute.bert4keras.patch(policy={None: "layer", "full": "block"}.get(policy, policy))
@@ -729,9 +995,15 @@ def _bert4keras_builder(folder, seq, learning_rate):
     return build_model, lambda ids: [ids, np.zeros_like(ids)], vocab
 
 
+BERT_BASE = dict(vocabulary_size=30522, num_layers=12, num_heads=12, hidden_dim=768,
+                 intermediate_dim=3072, dropout=0.1)
+
+
 def _keras_hub_builder(folder, seq, learning_rate):
     """build_model(policy) of a keras-hub preset's backbone plus first token -> Dense(2):
-    `recompute.keras_hub.patch(policy)`, or `unpatch()` for None."""
+    `recompute.keras_hub.patch(policy)`, or `unpatch()` for None. `folder` "bert-base":
+    keras-hub's `BertBackbone` at BERT-base's shape (`BERT_BASE`), randomly initialized (no
+    download: for planning, whose memory does not depend on the weights' values)."""
     import keras
     import keras_hub
 
@@ -743,7 +1015,11 @@ def _keras_hub_builder(folder, seq, learning_rate):
         else:
             recompute.keras_hub.patch(policy=policy)
         keras.utils.set_random_seed(0)
-        backbone = keras_hub.models.Backbone.from_preset(folder)
+        if folder == "bert-base":
+            backbone = keras_hub.models.BertBackbone(**BERT_BASE,
+                                                     max_sequence_length=max(seq, 512))
+        else:
+            backbone = keras_hub.models.Backbone.from_preset(folder)
         inputs = {name: keras.Input((seq,), dtype="int32", name=name)
                   for name in backbone.input}
         outputs = backbone(inputs)
@@ -754,8 +1030,11 @@ def _keras_hub_builder(folder, seq, learning_rate):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
-    with open(os.path.join(folder, "config.json")) as f:
-        vocab = json.load(f).get("config", {}).get("vocabulary_size", 30522)
+    if folder == "bert-base":
+        vocab = BERT_BASE["vocabulary_size"]
+    else:
+        with open(os.path.join(folder, "config.json")) as f:
+            vocab = json.load(f).get("config", {}).get("vocabulary_size", 30522)
 
     def inputs(ids):
         return {"token_ids": ids, "segment_ids": np.zeros_like(ids),
@@ -775,8 +1054,11 @@ def _sample(seq, vocab, rows=4, seed=0):
 
 
 def _preset_folder(preset):
-    """The folder of `--preset`: a path, or `minilm` (the converted MiniLM: keras-hub's preset,
-    or bert4keras's checkpoint under TF_USE_LEGACY_KERAS=1)."""
+    """The folder of `--preset`: a path, `minilm` (the converted MiniLM: keras-hub's preset,
+    or bert4keras's checkpoint under TF_USE_LEGACY_KERAS=1), or `bert-base` (itself: keras-hub's
+    BertBackbone at BERT-base's shape, random weights)."""
+    if preset == "bert-base":
+        return preset
     if preset != "minilm":
         return os.path.abspath(os.path.expanduser(preset))
     if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
@@ -813,7 +1095,8 @@ def _int_pair(text):
 
 
 def main(argv=None):
-    """`python -m recompute.planner --preset PATH --seq N --effective-batch N [--budget-gib G]`.
+    """`python -m recompute.planner --preset PATH --seq N --effective-batch N [--budget-gib G]
+    [--target h100|a100-40|l4|rtx4090]`.
 
     Plans a keras-hub preset (a folder with config.json) or a bert4keras checkpoint (a
     folder with bert_config.json; run with TF_KERAS=1 TF_USE_LEGACY_KERAS=1) with a 2-way
@@ -840,12 +1123,29 @@ def main(argv=None):
                         help="comma-separated from none,attention,full (default all three)")
     parser.add_argument("--batches", type=_int_pair, default=DEFAULT_BATCHES,
                         help="the two micro-batches of the line (default 2,4)")
-    parser.add_argument("--memory", choices=("auto", "rss", "allocator"), default="auto")
+    parser.add_argument("--memory", choices=("auto", "rss", "allocator", "plan"), default="auto")
+    parser.add_argument("--target", choices=sorted(_TARGET_NAMES),
+                        help="on JAX: plan for this GPU with XLA's plan, compiled here, nothing "
+                             "run (a plan, not a measurement; sets JAX_PLATFORMS=cpu,cuda)")
     parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
     args = parser.parse_args(argv)
+    if args.target is not None:
+        import keras
+
+        if keras.backend.backend() != "jax":
+            parser.error(f"--target plans with XLA on Keras's JAX backend; Keras runs on "
+                         f"{keras.backend.backend()!r} here (KERAS_BACKEND="
+                         f"{os.environ.get('KERAS_BACKEND')!r}): unset KERAS_BACKEND or set it "
+                         "to jax")
     folder = _preset_folder(args.preset)
-    if os.path.isfile(os.path.join(folder, "bert_config.json")):
+    if folder == "bert-base" and os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+        build_model, make_inputs, vocab = _bert4keras_builder(folder, args.seq, args.learning_rate)
+        kind = "bert4keras BERT at BERT-base's shape (random weights)"
+    elif folder == "bert-base":
+        build_model, make_inputs, vocab = _keras_hub_builder(folder, args.seq, args.learning_rate)
+        kind = "keras-hub BertBackbone at BERT-base's shape (random weights)"
+    elif os.path.isfile(os.path.join(folder, "bert_config.json")):
         if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") != "1":
             parser.error("a bert4keras checkpoint needs TF_KERAS=1 TF_USE_LEGACY_KERAS=1 in the "
                          "environment: TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m "
@@ -863,7 +1163,7 @@ def main(argv=None):
     try:
         result = plan(build_model, make_inputs(ids), labels, args.effective_batch,
                       args.budget_gib, policies=args.policies, batches=args.batches,
-                      memory=args.memory)
+                      memory=args.memory, target=args.target)
     except (ValueError, RuntimeError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -874,5 +1174,12 @@ def main(argv=None):
     return 0
 
 
+_TARGET_NAMES = ("a100-40", "h100", "l4", "rtx4090")  # recompute._xla_plan.TARGETS' names
+
+
 if __name__ == "__main__":
+    if any(a == "--target" or a.startswith("--target=") for a in sys.argv[1:]):
+        from recompute import _xla_plan  # the package's imports started Keras: run again
+
+        _xla_plan.rerun_with_environment("recompute.planner", sys.argv[1:])
     sys.exit(main())

@@ -124,6 +124,25 @@ def test_check_when_nothing_fits_or_everything_fits():
     assert cand.micro_batch == 8 and cand.refused_batch is None
 
 
+def test_a_policy_that_recomputes_more_is_checked_above_the_micro_batch_of_one_that_does_not():
+    """At or below the micro-batch a policy that recomputes less fits, a policy cannot be
+    faster per sample: its check starts at the divisor above (whatever its line predicts),
+    and keeps no micro-batch if that does not fit."""
+    none = planner.Candidate(None, micro_batch=8, points={8: (340, 0.8)})
+    fake = _FakePlanner(lambda b: 100 + 20 * b, 64, 400.0)  # "full": 8 fits, 16 does not
+    fake.done = [none]
+    full = planner.Candidate("full", predicted_batch=4)
+    assert fake.dominant(full) is none
+    assert fake.dominant(planner.Candidate(None, predicted_batch=4)) is None  # not more
+    fake.check(full, model=None, floor=8)
+    assert not full.fits and full.refused_batch == 16 and sorted(full.points) == [16]
+    fake = _FakePlanner(lambda b: 100 + 5 * b, 64, 400.0)  # "full": 32 fits, 64 does not
+    full = planner.Candidate("full", predicted_batch=4)
+    fake.check(full, model=None, floor=8)
+    assert (full.micro_batch, full.refused_batch) == (32, 64)
+    assert sorted(full.points) == [16, 32, 64]
+
+
 # --------------------------------------------------------------------------
 # A real plan of the tiny model.
 
@@ -305,8 +324,36 @@ def test_a_model_that_is_not_compiled():
 def test_memory_must_be_known():
     x, y = data(2)
     with pytest.raises(ValueError, match=re.escape(
-            "`memory` must be one of 'auto', 'rss', 'allocator'. Received: memory='gpu'")):
+            "`memory` must be one of 'auto', 'rss', 'allocator', 'plan'. "
+            "Received: memory='gpu'")):
         recompute.plan(build_model, x, y, 4, budget_gib=1, memory="gpu", verbose=False)
+
+
+def test_target_and_xla_plan_need_keras_on_jax():
+    """`target` (a GPU XLA plans for) and memory="plan" read XLA's plan of Keras's JAX step:
+    on TensorFlow, one clear error each, before anything is measured."""
+    x, y = data(2)
+    with pytest.raises(ValueError, match=re.escape(
+            "`target` plans for a GPU this machine does not have with XLA's plan, on Keras's "
+            "JAX backend")):
+        recompute.plan(build_model, x, y, 4, budget_gib=1, target="h100", verbose=False)
+    with pytest.raises(ValueError, match=re.escape(
+            "`memory='plan'` reads XLA's plan of Keras's JAX training step: the model runs on "
+            "Keras's tensorflow backend. Received: memory='plan'")):
+        recompute.plan(build_model, x, y, 4, budget_gib=1, memory="plan", verbose=False)
+
+
+def test_check_interpolates_when_the_line_is_far_off():
+    """XLA's plan of a small batch can be held up by weight-sized buffers: the line then
+    predicts the whole effective batch. Once 256 is refused, the check measures where the
+    line through the bracket's ends crosses the budget instead of stepping down one divisor
+    at a time: 256 refused, then 8 (fits), 16 (refused) -- not 128, 64, 32, 16, 8."""
+    fake = _FakePlanner(lambda b: max(300, 100 + 30 * b), 256, 400.0)
+    cand = planner.Candidate(None, predicted_batch=256)
+    cand.points = {2: (300, 0.2), 4: (300, 0.4)}  # the line's points count
+    fake.check(cand, model=None)
+    assert (cand.micro_batch, cand.refused_batch) == (8, 16)
+    assert sorted(cand.points) == [2, 4, 8, 16, 256]
 
 
 # --------------------------------------------------------------------------
