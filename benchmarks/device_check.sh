@@ -16,10 +16,11 @@
 #   lm_gemma7b  benchmarks.lm_step, Gemma-7B shape, seq 8192, "full" with and without the
 #               chunked loss: XLA:GPU's plan compiled on the device and the allocator's peak
 #   lm_gemma2b  the same at Gemma-2B shape
-#   plan_bert   benchmarks.device_plan_check: the planner on BERT-base seq 512, 16 GiB
+#   plan_bert, plan_bert_full  benchmarks.device_plan_check: the h100 plan of BERT-base seq 512
+#               in 16 GiB (docs/plan.md) checked by real steps at its micro-batch and the next
 #   offload_probe  benchmarks.offload_probe on the device: does XLA:GPU keep offloaded inputs
 #               on the host (the CPU-side plan says it keeps them on the device too)?
-#   peer        benchmarks.peer, BERT-base seq 512: RECOMPUTE=0 and "full" (our side only:
+#   peer        benchmarks.peer, BERT-base seq 512: "full" (our side only; RECOMPUTE=0 and
 #               PyTorch's rows were measured on an H100 before, docs/attention.md)
 #
 # Each section's output goes to OUT_FOLDER/device.log (and its JSON beside it); the end of
@@ -39,7 +40,7 @@ fi
 export KERAS_BACKEND=jax PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 
-sections=" ${SECTIONS:-versions lm_gemma7b lm_gemma2b offload_probe plan_bert peer} "
+sections=" ${SECTIONS:-versions lm_gemma7b lm_gemma2b offload_probe plan_bert plan_bert_full peer} "
 
 section() {  # name, seconds, command...
     local name=$1 limit=$2 start=$SECONDS
@@ -58,22 +59,30 @@ if [ -n "${DEVICE_CHECK_TINY:-}" ]; then
     lm="--model tiny --seq 64 --vocab 1000 --layers 2 --dtype float32 --steps 2"
     lm2=$lm
     peer="--layers 2 --hidden 64 --heads 2 --ffn 128 --seq 32 --batches 2,4 --steps 2 --no-peer"
-    plan="--tiny"
+    plan="--layers 1 --hidden 32 --heads 2 --ffn 64 --seq 16 --vocab 2000 --effective-batch 16 --budget-gib 0.02"
+    plan_none=2,4
+    plan_full=2,4
 else
     lm="--model gemma-7b --seq 8192 --steps 3"
     lm2="--model gemma-2b --seq 8192 --steps 3"
     peer="--batches 8,32 --steps 3 --no-peer"
     plan=""
+    # docs/plan.md's h100 plan of BERT-base (16 GiB, effective batch 256): None at 16 (32
+    # refused), "full" at 128 (256 refused): each checked at its micro-batch and the next
+    plan_none=16,32
+    plan_full=128,256
 fi
 
-section versions 40 sh -c "nvidia-smi -L; $python -c 'import jax, keras, keras_hub, recompute, tensorflow as tf; print(\"jax\", jax.__version__, jax.devices(), \"keras\", keras.__version__, \"keras-hub\", keras_hub.__version__, \"tensorflow\", tf.__version__)'"
+section versions 30 sh -c "nvidia-smi -L; $python -c 'import jax, keras, keras_hub, recompute, tensorflow as tf; print(\"jax\", jax.__version__, jax.devices(), \"keras\", keras.__version__, \"keras-hub\", keras_hub.__version__, \"tensorflow\", tf.__version__)'"
 # shellcheck disable=SC2086
-section lm_gemma7b 260 "$python" -m benchmarks.lm_step $lm --modes chunked,full --json "$out/lm_gemma7b.json"
+section lm_gemma7b 225 "$python" -m benchmarks.lm_step $lm --modes chunked,full --json "$out/lm_gemma7b.json"
 # shellcheck disable=SC2086
-section lm_gemma2b 90 "$python" -m benchmarks.lm_step $lm2 --modes chunked,full --json "$out/lm_gemma2b.json"
-section offload_probe 40 "$python" -m benchmarks.offload_probe
+section lm_gemma2b 80 "$python" -m benchmarks.lm_step $lm2 --modes chunked,full --json "$out/lm_gemma2b.json"
+section offload_probe 30 "$python" -m benchmarks.offload_probe
 # shellcheck disable=SC2086
-section plan_bert 110 "$python" -m benchmarks.device_plan_check $plan --json "$out/plan_bert.json"
+section plan_bert 55 "$python" -m benchmarks.device_plan_check $plan --policies none --start-sizes $plan_none --target none --deadline 50 --json "$out/plan_bert.json"
 # shellcheck disable=SC2086
-section peer 110 "$python" -m benchmarks.peer $peer --policies 0,full --json "$out/peer.json"
+section plan_bert_full 55 "$python" -m benchmarks.device_plan_check $plan --policies full --start-sizes $plan_full --target none --deadline 50 --json "$out/plan_bert_full.json"
+# shellcheck disable=SC2086
+section peer 70 "$python" -m benchmarks.peer $peer --policies full --json "$out/peer.json"
 echo "=== done $(date -u +%FT%TZ)" | tee -a "$log"

@@ -27,5 +27,4 @@ def test_device_check_script_is_valid_and_names_existing_tools():
     assert subprocess.run(["bash", "-n", script]).returncode == 0
     text = open(script).read()
     for tool in set(re.findall(r"-m benchmarks\.(\w+)", text)):
-        assert os.path.exists(os.path.join(ROOT, "benchmarks", tool + ".py")) or \
-            tool == "device_plan_check", tool
+        assert os.path.exists(os.path.join(ROOT, "benchmarks", tool + ".py")), tool
