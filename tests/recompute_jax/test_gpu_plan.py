@@ -48,7 +48,9 @@ def test_chosen_core_plans_no_more_than_keras_core(tmp_path):
 
 
 def test_refuses_a_process_whose_jax_started_without_cuda():
-    code = ("import os; os.environ['JAX_PLATFORMS'] = 'cpu'; import jax; "
+    # started: its backends initialized (importing jax alone is not starting it, and the
+    # platform can still be named then)
+    code = ("import os; os.environ['JAX_PLATFORMS'] = 'cpu'; import jax; jax.devices(); "
             "from benchmarks import gpu_plan; gpu_plan.prepare_environment()")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
