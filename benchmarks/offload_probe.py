@@ -13,10 +13,17 @@ and host temporaries in MiB at 8 and 16 samples. Offloading works where the thir
 device temporaries are at most the second's and its host temporaries hold the
 inputs (8 blocks x 0.5 MiB per sample).
 
-Found 2026-11-28 on the CPU-side h100 target (jax 0.10.2): JAX's residuals are the
-host copies (`print_saved_residuals`), but XLA:GPU's plan then keeps as much device
-memory as no checkpoint at all (296 MiB against 72 at 8 samples): this probe is
-what decides whether such an option can exist, on a real GPU.
+Found 2026-11-28 (device and host temporaries, MiB, at 8 / 16 samples):
+
+| where | no checkpoint | checkpoint | checkpoint + offload |
+|---|---|---|---|
+| CPU-side h100 target, jax 0.10.2 | 296 / 584 | 72 / 136 | 296 / 584, host 8 / 16 |
+| a lent H200, jax 0.11.2 | 452 / 880 | 128 / 192 | 344 / 624, host 8 / 16 |
+
+JAX's residuals are the host copies (`print_saved_residuals`), but XLA:GPU keeps
+more device memory with the offloading policy than with a plain checkpoint, on
+the card too, and moves only a quarter of the inputs (8 MiB of 32 at 8 samples):
+so the library offers no `offload=` option (docs/limitations.md).
 """
 
 import sys
