@@ -9,9 +9,8 @@ import contextlib
 
 import keras
 
-from . import _families
-
-name = _families.KERAS3
+# `accum._families.KERAS3`, not imported: `_families` reads `optimizer_base_class` here
+name = "keras3"
 UPDATE_STEPS = ("update_step",)  # public, but hooked by name
 WEIGHT_DECAY = "_apply_weight_decay"
 
