@@ -41,8 +41,9 @@ saves the figures):
   inputs in host memory under JAX's offloading policy (device and host
   temporaries of a small residual stack; `--target h100` or the local GPU).
 - `bash benchmarks/device_check.sh OUT`: the prepared run for a lent GPU
-  machine (lm_step at Gemma-7B and 2B, the planner, peer, the offload probe),
-  each section time-limited; `DEVICE_CHECK_TINY=1` runs it in seconds anywhere.
+  machine (the offload probe, the planner's check, peer's "full" row; lm_step at
+  Gemma-7B and 2B when named), each section time-limited; `DEVICE_CHECK_TINY=1`
+  runs it in minutes anywhere.
 - `python -m benchmarks.lm_head`: peak memory and CPU time of one training
   step of a keras-hub causal LM with full logits against
   `recompute.keras_hub.chunked_loss`, paired in one process (TensorFlow;
