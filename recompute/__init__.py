@@ -45,7 +45,10 @@ restores, on exit, what its entry found); `_jax` (Keras 3's JAX backend: the cal
 `planner` (`plan`: the policy, micro-batch and accumulation steps of an
 effective batch within a memory budget, measured; its command is
 `python -m recompute.planner` -- the module is not named `plan`, so that
-importing it never rebinds the function `recompute.plan`).
+importing it never rebinds the function `recompute.plan`), with `_xla_plan`
+(XLA's plan of Keras's jitted JAX `train_step` for the local device or a GPU
+described by its facts: the cards, the compilation for a target;
+`benchmarks.gpu_plan` uses it too).
 """
 
 from ._config import ENV_VAR, is_enabled, recompute_scope
