@@ -66,15 +66,6 @@ DTYPES = ("bfloat16", "float16", "float32")
 _progress = harness.Progress(TOOL)
 
 
-def plan_bytes(analysis):
-    """XLA's plan of a compiled step (`memory_analysis()`): arguments + outputs not aliased to
-    an argument + temporaries; None where the backend gives none."""
-    if analysis is None:
-        return None
-    return int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-               - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
-
-
 def _stats(device):
     stats = device.memory_stats() or {}
     return stats.get("peak_bytes_in_use"), stats.get("bytes_in_use")
@@ -120,21 +111,16 @@ def train_state(lm, data, abstract):
 
 
 def compile_step(lm, state, data, sharding):
-    """Keras's own JAX `train_step` of `lm` (what `fit` runs), jitted with the state donated,
-    lowered and compiled for the local device, or for `sharding`'s GPU (a
-    `benchmarks.gpu_plan` target: the arguments as shapes, nothing run)."""
-    import jax
+    """(executable, XLA's plan: `recompute._xla_plan.compile_step`'s dict) of Keras's own JAX
+    `train_step` of `lm` (what `fit` runs), jitted with the state donated, for the local
+    device, or for `sharding`'s GPU (a `benchmarks.gpu_plan` target: nothing run)."""
+    from recompute import _xla_plan
 
     def step(state, data):
         logs, state = lm.train_step(state, data)
         return logs["loss"], state
 
-    jitted = jax.jit(step, donate_argnums=0)
-    if sharding is None:
-        return jitted.lower(state, data).compile()
-    abstract = jax.tree.map(
-        lambda v: jax.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=sharding), (state, data))
-    return jitted.trace(*abstract).lower(lowering_platforms=("cuda",)).compile()
+    return _xla_plan.compile_step(step, (state, data), sharding, donate_argnums=0)
 
 
 def measure(args):
@@ -180,17 +166,14 @@ def measure(args):
             recompute.keras_hub.chunked_loss(lm, chunk_tokens=args.chunk_tokens)
         t1 = time.perf_counter()
         with recompute.recompute_scope(mode != "0"):
-            compiled[mode] = compile_step(lm, state, data, sharding)
-        analysis = compiled[mode].memory_analysis()
+            compiled[mode], plan = compile_step(lm, state, data, sharding)
         modes[mode] = dict(compile_s=round(time.perf_counter() - t1, 1),
-                           plan_bytes=plan_bytes(analysis),
-                           temp_bytes=None if analysis is None else int(analysis.temp_size_in_bytes))
-        plan = modes[mode]["plan_bytes"]
+                           plan_bytes=plan["peak"], temp_bytes=plan["temp"])
         _progress(f"mode {mode}: compiled in {modes[mode]['compile_s']:.0f} s; XLA's plan "
-                  + ("none" if plan is None else f"{plan / GiB:.2f} GiB"))
+                  f"{plan['peak'] / GiB:.2f} GiB")
     modes = {mode: modes[mode] for mode in args.modes}
     measurable = not args.target and _stats(device)[0] is not None
-    order = [] if args.target else sorted(args.modes, key=lambda m: modes[m]["plan_bytes"] or 0)
+    order = [] if args.target else sorted(args.modes, key=lambda m: modes[m]["plan_bytes"])
     for mode in order:
         losses, times = [], []
         modes[mode]["peak_before_bytes"] = _stats(device)[0]
@@ -242,8 +225,7 @@ def format_report(result, budget_gib):
              "|---|---|---|---|---|---|"]
     note = False
     for mode, r in result["modes"].items():
-        plan = "-" if r["plan_bytes"] is None else (
-            f"{r['plan_bytes'] / GiB:.2f} (temporaries {r['temp_bytes'] / GiB:.2f})")
+        plan = f"{r['plan_bytes'] / GiB:.2f} (temporaries {r['temp_bytes'] / GiB:.2f})"
         if "oom" in r:
             peak, step, loss = "out of memory", "-", "-"
         elif "skipped" in r:
@@ -257,7 +239,7 @@ def format_report(result, budget_gib):
                 note = True
             step, loss = f"{r['step_s']:.3f}", ", ".join(f"{v:.5f}" for v in r["losses"])
         used = r.get("peak_bytes") or r["plan_bytes"]
-        fits = "-" if used is None else ("yes" if used <= budget_gib * GiB else "no")
+        fits = "yes" if used <= budget_gib * GiB else "no"
         name = _MODE_NAMES.get(mode, f'`"{mode}"`')
         lines.append(f"| {name} | {plan} | {peak} | {fits} | {step} | {loss} |")
     if note:
