@@ -18,10 +18,21 @@ one-device topology described by the card's facts (a `GpuTargetConfigProto`). Th
 platform must be named before JAX starts: `prepare_environment()` sets
 `JAX_PLATFORMS=cpu,cuda` and `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`, and refuses a process
 whose JAX started without them.
+
+Two private names are read here, listed in `PRIVATE_NAMES` (the format of
+`recompute._keras_private`'s; tests/recompute_jax/test_private_interface_jax.py checks
+them on the installed versions): whether JAX has started its backends (JAX's
+`xla_bridge`), and Keras's `Model._symbolic_build`, which builds what `fit` builds
+before its first step.
 """
 
 import os
 import sys
+
+PRIVATE_NAMES = (
+    ("backends_are_initialized", ("jax._src.xla_bridge",)),
+    ("_symbolic_build", ("keras.Model",)),
+)
 
 # Each card's facts as XLA:GPU reads them (`stream_executor.GpuTargetConfigProto`):
 # the data sheet's numbers (SMs, L2, memory, clocks, compute capability).
