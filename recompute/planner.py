@@ -603,11 +603,15 @@ class _Planner:
                     model.train_on_batch(x, y)
                     seconds = time.perf_counter() - t0
         except Exception as e:
-            if not _is_oom(e):
-                raise
-            self.say(f"policy {_policy_name(policy)}, micro-batch {batch}: out of memory")
-            return None, None
+            return self.out_of_memory(e, policy, batch)
         return self.meter.peak() - self.leftover, seconds
+
+    def out_of_memory(self, error, policy, batch):
+        """(None, None) for a step that ran out of memory, said; any other error raised."""
+        if not _is_oom(error):
+            raise error
+        self.say(f"policy {_policy_name(policy)}, micro-batch {batch}: out of memory")
+        return None, None
 
     def plan_step(self, model, policy, batch, x, y, timed):
         """(planned peak bytes, None) of the step compiled at `batch`; with `timed` (the local
@@ -628,10 +632,7 @@ class _Planner:
             _xla_plan.run_step(model, compiled, x, y)
             seconds = time.perf_counter() - t0
         except Exception as e:
-            if not _is_oom(e):
-                raise
-            self.say(f"policy {_policy_name(policy)}, micro-batch {batch}: out of memory")
-            return None, None
+            return self.out_of_memory(e, policy, batch)
         planned["allocator_peak"] = self.meter.allocator_peak()
         return planned["peak"], seconds
 
