@@ -63,6 +63,9 @@ MiB = 1024.0 ** 2
 DEFAULT_POLICIES = (None, "attention", "full")
 DEFAULT_BATCHES = (2, 4)
 PREFIX = "[recompute.plan]"
+# A candidate whose estimated time per sample is this many times the fastest measured so far
+# is not checked (the estimate, from two small steps, is noisier than a measurement).
+SKIP_MARGIN = 1.1
 
 
 # --------------------------------------------------------------------------
@@ -336,6 +339,11 @@ class Candidate:
     error: str = None
     baseline: float = None  # bytes alive once the model is built (a previous one not freed shows)
     leftover: float = 0.0  # of those, left by the previous candidates: taken off its peaks
+    time_intercept: float = None  # seconds per step ~ time_intercept + time_slope * batch,
+    time_slope: float = None  # through the line's two timed steps
+    estimated_seconds_per_sample: float = None  # that line's, at the predicted micro-batch
+    checked: bool = False  # whether the prediction was checked by real steps
+    accumulating: set = dataclasses.field(default_factory=set)  # points of accumulating steps
 
     @property
     def fits(self):
@@ -353,13 +361,25 @@ class Candidate:
         seconds = self.points[self.micro_batch][1] if self.fits else None
         return None if seconds is None else seconds / self.micro_batch
 
+    def estimate(self, batch):
+        """Seconds per sample at `batch` from the time line of the two small steps, or None.
+        A slope <= 0 (noise) gives the larger small step's time per sample."""
+        if self.time_slope is None:
+            return None
+        if self.time_slope <= 0:
+            b = max(b for b, (_, t) in self.points.items() if t is not None)
+            return self.points[b][1] / b
+        return (self.time_intercept + self.time_slope * batch) / batch
+
     def as_dict(self):
         return dict(policy=self.policy, micro_batch=self.micro_batch,
                     predicted_batch=self.predicted_batch, refused_batch=self.refused_batch,
                     intercept_mib=None if self.intercept is None else self.intercept / MiB,
                     mib_per_sample=None if self.slope is None else self.slope / MiB,
                     measured_peak_mib=None if not self.fits else self.measured_peak / MiB,
-                    seconds_per_sample=self.seconds_per_sample, error=self.error,
+                    seconds_per_sample=self.seconds_per_sample, checked=self.checked,
+                    estimated_seconds_per_sample=self.estimated_seconds_per_sample,
+                    error=self.error,
                     baseline_mib=None if self.baseline is None else self.baseline / MiB,
                     leftover_mib=self.leftover / MiB,
                     points={str(b): dict(peak_mib=p / MiB, seconds=t)
@@ -388,6 +408,7 @@ class Plan:
     candidates: list
     seconds: float = None
     target: str = None
+    clock: str = "s"  # what the seconds per sample are: "CPU s" (a CPU's steps) or "s" (wall)
 
     @property
     def planned(self):
@@ -436,7 +457,7 @@ class Plan:
                     predicted_peak_gib=self.predicted_peak / GiB,
                     measured_peak_gib=self.measured_peak / GiB,
                     seconds_per_sample=self.seconds_per_sample, plan_seconds=self.seconds,
-                    target=self.target, planned=self.planned,
+                    target=self.target, planned=self.planned, clock=self.clock,
                     candidates=[c.as_dict() for c in self.candidates])
 
     def to_json(self, **kwargs):
@@ -448,7 +469,7 @@ class Plan:
         lines = [f"Plan for effective batch {self.effective_batch} within "
                  f"{self.budget / GiB:.2f} GiB ({self.memory}):", "",
                  "| policy | MiB at 0 | MiB / sample | predicted | micro-batch | "
-                 f"{peak} | next divisor | s / sample |",
+                 f"{peak} | next divisor | {self.clock} / sample |",
                  "|---|---|---|---|---|---|---|---|"]
         for c in self.candidates:
             fmt = (lambda v, f: "-" if v is None else format(v, f))
@@ -458,9 +479,10 @@ class Plan:
                 f"{fmt(c.micro_batch, 'd') if c.error is None else c.error.split(':')[0]} | "
                 f"{fmt(c.measured_peak and c.measured_peak / GiB, '.3f')} | "
                 f"{'-' if c.refused_batch is None else f'{c.refused_batch} refused'} | "
-                f"{fmt(c.seconds_per_sample, '.4f')} |")
+                f"{_seconds_cell(c)} |")
         time_text = "no time: nothing ran, the policy that recomputes least was chosen" \
-            if self.seconds_per_sample is None else f"{self.seconds_per_sample:.4f} s/sample"
+            if self.seconds_per_sample is None else \
+            f"{self.seconds_per_sample:.4f} {self.clock}/sample"
         lines += ["", f"Chosen: policy {_policy_name(self.policy)}, micro-batch "
                       f"{self.micro_batch} x {self.steps_per_update} steps per update "
                       f"({peak.replace(' GiB', '')} {self.measured_peak / GiB:.3f} GiB, "
@@ -476,6 +498,15 @@ class Plan:
 
 def _policy_name(policy):
     return "None" if policy is None else repr(policy)
+
+
+def _seconds_cell(cand):
+    """Measured seconds per sample at the micro-batch kept, or "~" the line's estimate."""
+    if cand.seconds_per_sample is not None:
+        return f"{cand.seconds_per_sample:.4f}"
+    if cand.estimated_seconds_per_sample is not None:
+        return f"~{cand.estimated_seconds_per_sample:.4f}"
+    return "-"
 
 
 # --------------------------------------------------------------------------
@@ -543,6 +574,7 @@ class _Planner:
         self.policies, self.memory, self.verbose = policies, memory, verbose
         self.meter = None
         self.start = time.perf_counter()
+        self.clock, self.clock_name = time.perf_counter, "s"  # the steps': `_meter_clock`
         self.target = target
         self.compiled = {}  # (policy, batch): (executable, XLA's plan) (memory="plan")
         self.sizes_seen = {}  # id(model): the batch sizes its train function has seen
@@ -578,33 +610,77 @@ class _Planner:
         self.previous = weakref.ref(model)
         return model
 
-    def step(self, model, policy, batch, timed=False):
+    def step(self, model, policy, batch, timed=False, update=True):
         """(peak bytes, seconds or None) of a training step at `batch` (its peak after a
-        reset), or (None, None) when it ran out of memory. The seconds are the step's own
-        unless it traced: Keras's train function (`reduce_retracing`) traces at the first
-        two batch sizes a model sees, then runs one function relaxed to any batch size; with
-        `timed`, a second step is timed after a tracing one."""
-        from ._config import recompute_scope
+        reset), or (None, None) when it ran out of memory.
 
+        The optimizer is wrapped in `AccumOptimizer(k=2)`: a step either accumulates or
+        updates (the inner optimizer's update and its temporaries on top of the backward
+        pass's peak). `update`: True, the step measured updates (an accumulating step is
+        run first, unmeasured, where the next one would not): what the check measures, so
+        that the micro-batch kept was measured at its highest; False, it accumulates: what
+        the line measures (the update's peak does not grow with the batch and would flatten
+        it at small micro-batches). The seconds are the step's own unless it traced
+        (`_Planner.run_step`); with `timed`, a step that traced is run again, timed."""
         x, y = _rows(self.x, batch), _rows(self.y, batch)
         if self.meter.name == "plan":
             return self.plan_step(model, policy, batch, x, y, timed)
-        self.meter.reset()
-        sizes = self.sizes_seen.setdefault(id(model), set())
-        traces = len(sizes) < 2 and batch not in sizes
-        sizes.add(batch)
         try:
-            with recompute_scope(policy is not None):
-                t0 = time.perf_counter()
-                model.train_on_batch(x, y)
-                seconds = None if traces else time.perf_counter() - t0
+            with _recompute_scope(policy):
+                self.to_step(model, update)
+                self.meter.reset()
+                seconds = self.run_step(model, x, y, batch)
                 if timed and seconds is None:
-                    t0 = time.perf_counter()
-                    model.train_on_batch(x, y)
-                    seconds = time.perf_counter() - t0
+                    seconds = self.run_step(model, x, y, batch)
         except Exception as e:
             return self.out_of_memory(e, policy, batch)
         return self.meter.peak() - self.leftover, seconds
+
+    def run_step(self, model, x, y, batch):
+        """One training step on (x, y); its seconds, or None when it traced or compiled.
+
+        On TensorFlow (Keras 3's and tf_keras), as `fit` runs it: the model's train function
+        on an iterator of a dataset whose batch dimension is unknown, so that one trace
+        serves every micro-batch (`train_on_batch` traces at a model's first two batch
+        sizes). On JAX, `train_on_batch`, which compiles at each new batch size."""
+        sizes = self.sizes_seen.setdefault(id(model), set())
+        family = _backend_of(model)
+        traces = not sizes if family in ("tensorflow", "tf_keras") else batch not in sizes
+        sizes.add(batch)
+        t0 = self.clock()
+        if family in ("tensorflow", "tf_keras"):
+            import tensorflow as tf
+
+            inputs = tuple(x) if isinstance(x, list) else x  # a list would be one tensor
+            iterator = iter(tf.data.Dataset.from_tensor_slices((inputs, y)).batch(batch))
+            if family == "tf_keras":
+                model.train_function = model.make_train_function()
+                with model.distribute_strategy.scope():
+                    model.train_function(iterator)
+            else:
+                model.make_train_function()
+                model.train_function(iterator)
+        else:
+            model.train_on_batch(x, y)
+        return None if traces else self.clock() - t0
+
+    def to_step(self, model, update):
+        """Runs one step, unmeasured, if the next step would not be an update (`update`
+        True: the micro-steps of `AccumOptimizer(k=2)` so far are even) or would be one
+        (`update` False: they are odd), at `small_batch`."""
+        counter = getattr(model.optimizer, "micro_steps", None)
+        if counter is None:
+            return
+        import numpy as np
+
+        if (int(np.asarray(counter)) % 2 == 1) != update:
+            batch = self.small_batch(model)
+            self.run_step(model, _rows(self.x, batch), _rows(self.y, batch), batch)
+
+    def small_batch(self, model):
+        """The micro-batch of the unmeasured steps: 1 on TensorFlow (one trace serves every
+        size), else the line's smaller one (compiled by the first step)."""
+        return 1 if _backend_of(model) in ("tensorflow", "tf_keras") else self.batches[0]
 
     def out_of_memory(self, error, policy, batch):
         """(None, None) for a step that ran out of memory, said; any other error raised."""
@@ -628,9 +704,9 @@ class _Planner:
             return planned["peak"], None
         try:
             _xla_plan.run_step(model, compiled, x, y)  # the first run (allocations, caches)
-            t0 = time.perf_counter()
+            t0 = self.clock()
             _xla_plan.run_step(model, compiled, x, y)
-            seconds = time.perf_counter() - t0
+            seconds = self.clock() - t0
         except Exception as e:
             return self.out_of_memory(e, policy, batch)
         planned["allocator_peak"] = self.meter.allocator_peak()
@@ -652,19 +728,53 @@ class _Planner:
             return
         cand.points[batch] = (max(peak, cand.points[batch][0]), seconds)
         self.say(f"policy {_policy_name(cand.policy)}, micro-batch {batch}: "
-                 f"{seconds / batch:.4f} s/sample")
+                 f"{seconds / batch:.4f} {self.clock_name}/sample")
 
-    def measure(self, cand, model, batch):
+    def measure(self, cand, model, batch, timed=False, update=True):
+        """Whether a step at `batch` fits, measured once (`step`); a step that accumulated
+        and fit is measured again when an update is asked for (an update holds more)."""
+        known = cand.points.get(batch)
+        if known is not None and update and batch in cand.accumulating and \
+                known[0] <= self.budget:
+            del cand.points[batch]
+            cand.accumulating.discard(batch)
         if batch not in cand.points:
-            peak, seconds = self.step(model, cand.policy, batch)
+            plan = getattr(self.meter, "name", None) == "plan"
+            if not update and not plan:
+                cand.accumulating.add(batch)
+            peak, seconds = self.step(model, cand.policy, batch, timed, update) \
+                if timed or not update else self.step(model, cand.policy, batch)
             cand.points[batch] = (float("inf") if peak is None else peak, seconds)
             if peak is not None:
-                time_text = "" if seconds is None else f", {seconds / batch:.4f} s/sample"
-                self.say(f"policy {_policy_name(cand.policy)}, micro-batch {batch}: "
-                         f"{'planned' if getattr(self.meter, 'name', '') == 'plan' else 'peak'} "
+                time_text = "" if seconds is None else f", {seconds / batch:.4f} {self.clock_name}/sample"
+                kind = "" if plan else " (updating)" if update else " (accumulating)"
+                self.say(f"policy {_policy_name(cand.policy)}, micro-batch {batch}{kind}: "
+                         f"{'planned' if plan else 'peak'} "
                          f"{peak / GiB:.3f} GiB{time_text} "
                          f"({'fits' if peak <= self.budget else 'over the budget'})")
         return cand.points[batch][0] <= self.budget
+
+    def line(self, cand, model):
+        """The two small steps of the line, accumulating, each timed. On a meter that runs
+        steps, a first step at `small_batch` and an update before them, unmeasured: the
+        first traces the train function; optimizers build their state (Adam's moments)
+        at their first update."""
+        b1, b2 = self.batches
+        if self.meter.name != "plan":
+            t0 = time.perf_counter()
+            batch = self.small_batch(model)
+            try:
+                with _recompute_scope(cand.policy):
+                    self.run_step(model, _rows(self.x, batch), _rows(self.y, batch), batch)
+                    self.to_step(model, update=False)
+            except Exception as e:
+                self.out_of_memory(e, cand.policy, batch)
+                cand.points[b1] = (float("inf"), None)
+                return
+            self.say(f"policy {_policy_name(cand.policy)}: first steps (micro-batch {batch}, "
+                     f"trace the train function, unmeasured) {time.perf_counter() - t0:.1f} s")
+        for b in (b2, b1):
+            self.measure(cand, model, b, timed=True, update=False)
 
     def candidate(self, policy, first):
         cand = Candidate(policy)
@@ -672,10 +782,13 @@ class _Planner:
         if self.meter is not None and self.meter.name != "plan":
             self.meter.reset()
             before = self.meter.current()  # the previous candidates' leftovers, if any
-        self.say(f"policy {_policy_name(policy)}: building the model")
+        t0 = time.perf_counter()
         model = self.build(policy)
+        self.say(f"policy {_policy_name(policy)}: model built in "
+                 f"{time.perf_counter() - t0:.1f} s")
         if self.meter is None:
             self.meter = _meter(self.memory, _backend_of(model), self.target)
+        self.clock, self.clock_name = _meter_clock(self.meter)
         self.meter.reset()
         self.leftover = 0.0
         if self.meter.name != "plan":  # a compilation allocates nothing: no baseline
@@ -704,24 +817,41 @@ class _Planner:
                               f"recomputes less, fits the effective batch")
                 self.say(f"policy {_policy_name(policy)}: not measured, {cand.error}")
                 return cand
-            # the line's small steps also take the train function's two traces (Keras
-            # traces at a model's first two batch sizes): the check's steps are then timed
-            for b in self.batches:
-                self.measure(cand, model, b)
-            (b1, (p1, _)), (b2, (p2, _)) = sorted(cand.points.items())[:2]
+            self.line(cand, model)
+            (b1, (p1, t1)), (b2, (p2, t2)) = sorted(cand.points.items())[:2] \
+                if len(cand.points) >= 2 else ((None, (float("inf"), None)),) * 2
             if p1 == float("inf") or p2 == float("inf"):
                 cand.error = "out of memory at a measured micro-batch"
                 return cand
             cand.intercept, cand.slope = fit_line([(b1, p1), (b2, p2)])
             cand.predicted_batch = predict(cand.intercept, cand.slope, self.effective_batch,
                                            self.budget)
+            if t1 is not None and t2 is not None:
+                cand.time_intercept, cand.time_slope = fit_line([(b1, t1), (b2, t2)])
+            divs = divisors(self.effective_batch)
+            above = [d for d in divs if dominant is None or d > dominant.micro_batch]
+            target = max(cand.predicted_batch or 1, above[0])
+            cand.estimated_seconds_per_sample = cand.estimate(target)
+            estimate = "" if cand.estimated_seconds_per_sample is None else \
+                f", ~{cand.estimated_seconds_per_sample:.4f} {self.clock_name}/sample there"
             self.say(f"policy {_policy_name(policy)}: peak ~ {cand.intercept / MiB:.0f} MiB + "
                      f"{cand.slope / MiB:.2f} MiB x batch; predicted micro-batch "
-                     f"{cand.predicted_batch}")
+                     f"{cand.predicted_batch}{estimate}")
+            fastest = self.fastest()
+            if fastest is not None and cand.estimated_seconds_per_sample is not None and \
+                    cand.estimated_seconds_per_sample >= SKIP_MARGIN * fastest.seconds_per_sample:
+                cand.error = (f"not checked: its estimate at micro-batch {target}, "
+                              f"{cand.estimated_seconds_per_sample:.4f} {self.clock_name}/sample, "
+                              f"is over {SKIP_MARGIN:g} x policy {_policy_name(fastest.policy)}'s "
+                              f"measured {fastest.seconds_per_sample:.4f} at "
+                              f"{fastest.micro_batch}")
+                self.say(f"policy {_policy_name(policy)}: {cand.error}")
+                return cand
             if dominant is not None:  # at or below its micro-batch, this one is no faster
                 self.say(f"policy {_policy_name(policy)}: checked above micro-batch "
                          f"{dominant.micro_batch}, which policy "
                          f"{_policy_name(dominant.policy)} fits recomputing less")
+            cand.checked = True
             self.check(cand, model, floor=dominant.micro_batch if dominant else None)
             if dominant is not None and not cand.fits:
                 cand.error = (f"no larger: policy {_policy_name(dominant.policy)}, which "
@@ -737,6 +867,11 @@ class _Planner:
             del model
             _clear_session(family)
         return cand
+
+    def fastest(self):
+        """The candidate checked so far with the least measured time per sample, or None."""
+        timed = [c for c in self.done if c.fits and c.seconds_per_sample is not None]
+        return min(timed, key=lambda c: c.seconds_per_sample) if timed else None
 
     def check(self, cand, model, floor=None):
         """Measures the predicted divisor, then steps up while the largest divisor measured
@@ -757,6 +892,8 @@ class _Planner:
             fit, refused = floor_index, len(divs)  # indices: largest known to fit, smallest not
             for b, (peak, _) in cand.points.items():
                 if b in divs:
+                    if peak <= self.budget and b in cand.accumulating:
+                        continue  # an accumulating step fit: the update is not measured
                     if peak <= self.budget:
                         fit = max(fit, divs.index(b))
                     else:
@@ -777,11 +914,18 @@ class _Planner:
 
     def _between(self, cand, divs, fit, refused):
         """The next divisor to measure strictly between the indices `fit` and `refused`:
-        the one above `fit` while nothing is refused; else where the line through the two
-        ends' peaks crosses the budget (the largest divisor below the crossing)."""
-        if refused == len(divs) or fit < 0 or divs[fit] not in cand.points:
-            return fit + 1 if refused == len(divs) or fit >= 0 else (fit + refused) // 2
-        (b0, p0), (b1, p1) = [(divs[j], cand.points[divs[j]][0]) for j in (fit, refused)]
+        the one above `fit` while nothing is refused; else where the line through the
+        peaks of the largest divisor measured under the budget (an accumulating step's
+        counts here, not as a verdict) and the smallest measured over it crosses the budget
+        (the largest divisor below the crossing)."""
+        if refused == len(divs):
+            return fit + 1
+        under = [divs.index(b) for b, (peak, _) in cand.points.items()
+                 if b in divs and peak <= self.budget and divs.index(b) < refused]
+        low = max(under + [fit])
+        if low < 0 or divs[low] not in cand.points:
+            return fit + 1 if fit >= 0 else (fit + refused) // 2
+        (b0, p0), (b1, p1) = [(divs[j], cand.points[divs[j]][0]) for j in (low, refused)]
         if p1 == float("inf"):
             return (fit + refused) // 2
         crossing = b0 + (self.budget - p0) * (b1 - b0) / max(p1 - p0, 1e-9)
@@ -820,10 +964,29 @@ class _Planner:
                     predicted_peak=best.predicted_peak(best.micro_batch),
                     measured_peak=best.measured_peak, seconds_per_sample=best.seconds_per_sample,
                     budget=self.budget, memory=self.meter.what, candidates=candidates,
-                    seconds=time.perf_counter() - start, target=self.target)
+                    seconds=time.perf_counter() - start, target=self.target,
+                    clock=self.clock_name)
         self.say(f"chosen: policy {_policy_name(plan.policy)}, micro-batch {plan.micro_batch} "
                  f"x {plan.steps_per_update} ({plan.seconds:.0f} s)")
         return plan
+
+
+def _meter_clock(meter):
+    """(clock, its name) of the steps' time: the process's CPU seconds (all threads) where
+    the steps run on a CPU -- on a shared machine they count the work done, not the waits
+    for a core --, else wall seconds."""
+    cpu = isinstance(meter, _Rss) or getattr(meter, "device", None) == "CPU:0"
+    if isinstance(meter, _XlaPlan) and meter.target is None:
+        import jax
+
+        cpu = jax.default_backend() == "cpu"
+    return (time.process_time, "CPU s") if cpu else (time.perf_counter, "s")
+
+
+def _recompute_scope(policy):
+    from ._config import recompute_scope
+
+    return recompute_scope(policy is not None)
 
 
 def _recompute_rank(policy):
