@@ -1,5 +1,6 @@
-"""benchmarks.batchfit without measuring: the search logic, the report and plot, the
-command line, and --quick's fine-tuning demo (own process: TF_KERAS=1 TF_USE_LEGACY_KERAS=1)."""
+"""benchmarks.batchfit without measuring: the call of `recompute.plan`, the report and plot,
+the command line, and --quick's fine-tuning demo (own process: TF_KERAS=1
+TF_USE_LEGACY_KERAS=1)."""
 
 import os
 import subprocess
@@ -14,25 +15,55 @@ from benchmarks import batchfit  # noqa: E402  (does not import bert4keras)
 from tests.helpers.commands import run_module  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OPTS = dict(seq_len=256, steps=1, accum_steps=1, max_batch=64, abort_factor=1.5)
 
 
-def test_search_logic_without_processes():
-    # Peak RSS = 1000 + 10 x batch MiB with a +-15 MiB wobble; budget 1500 MiB.
-    def fake(model, shape, mode, batch, opts, paths):
-        peak = 1000 + 10 * batch + (15 if batch % 3 == 0 else -15 if batch % 3 == 1 else 0)
-        return dict(batch=batch, ok=True, fits=peak <= 1500, peak_rss_mib=float(peak),
-                    cpu_s_per_sample=0.1)
+def _plan(policies=(None, "attention", "block")):
+    """A `recompute.Plan` as the planner records one: None fits 12 (16 refused), "attention"
+    fits 32 (64 refused), "block" not checked (its estimate is slower)."""
+    from recompute import planner
 
-    opts = dict(OPTS, budget_gib=1500 / 1024.0, max_batch=512)
-    result = batchfit.search("base", batchfit.SHAPES["base"], "0", opts, measure_fn=fake)
-    runs = {r["batch"]: r for r in result["runs"]}
-    best = result["max_batch"]
-    assert runs[best]["fits"] and not runs[best + 1]["fits"]
-    assert 47 <= best <= 51 and len(runs) <= 8
-    capped = batchfit.search("base", batchfit.SHAPES["base"], "0", dict(opts, max_batch=20),
-                             measure_fn=fake)
-    assert capped["max_batch"] == 20 and capped["capped"]
+    gib = 1024.0 ** 3
+    none = planner.Candidate(None, points={2: (0.9 * gib, 0.8), 4: (1.1 * gib, 1.6),
+                                           12: (1.4 * gib, 4.8), 16: (1.7 * gib, 6.4)},
+                             intercept=0.7 * gib, slope=0.1 * gib, predicted_batch=12,
+                             micro_batch=12, refused_batch=16, checked=True)
+    attention = planner.Candidate("attention", points={2: (0.8 * gib, 0.7), 4: (0.9 * gib, 1.4),
+                                                       32: (1.45 * gib, 11.2),
+                                                       64: (2.2 * gib, 22.4)},
+                                  intercept=0.7 * gib, slope=0.05 * gib, predicted_batch=32,
+                                  micro_batch=32, refused_batch=64, checked=True)
+    block = planner.Candidate("block", points={2: (0.75 * gib, 1.5), 4: (0.8 * gib, 3.0)},
+                              intercept=0.7 * gib, slope=0.025 * gib, predicted_batch=64,
+                              estimated_seconds_per_sample=0.75,
+                              error="not checked: its estimate is slower")
+    cands = [c for c in (none, attention, block) if c.policy in policies]
+    return planner.Plan(policy="attention", micro_batch=32, steps_per_update=2,
+                        effective_batch=64, predicted_peak=1.45 * gib, measured_peak=1.45 * gib,
+                        seconds_per_sample=0.35, budget=1.5 * gib,
+                        memory="TensorFlow's CPU:0 allocator peak", candidates=cands,
+                        seconds=12.0, clock="CPU s")
+
+
+def test_the_choice_is_recompute_plans(monkeypatch):
+    """batchfit does not search: it calls `recompute.plan` with its model builder, the
+    policies (None first), the effective batch, the budget and the line's micro-batches."""
+    import recompute
+
+    calls = []
+
+    def fake_plan(build_model, x, y, effective_batch, budget_gib, **kwargs):
+        calls.append((build_model, x, y, effective_batch, budget_gib, kwargs))
+        return _plan()
+
+    monkeypatch.setattr(recompute, "plan", fake_plan)
+    opts = dict(seq_len=32, effective_batch=64, budget_gib=1.5, policies=("attention", "block"),
+                batches=(2, 4), memory="auto")
+    result = batchfit.plan_model("tiny", opts)
+    (build_model, x, y, effective, budget, kwargs), = calls
+    assert callable(build_model) and (effective, budget) == (64, 1.5)
+    assert kwargs == dict(policies=(None, "attention", "block"), batches=(2, 4), memory="auto")
+    assert [a.shape for a in x] == [(4, 32), (4, 32)] and y.shape == (4,)
+    assert result["plan"].policy == "attention" and result["wall_s"] >= 0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -41,7 +72,13 @@ def test_search_logic_without_processes():
     (["--seq-len", "0"], "--seq-len: expected a positive integer, got '0'"),
     (["--budget-gib", "-2"], "--budget-gib: expected a positive number, got '-2'"),
     (["--budget-gib", "lots"], "--budget-gib: expected a positive number, got 'lots'"),
-    (["--accum-steps", "1.5"], "--accum-steps: expected a positive integer, got '1.5'"),
+    (["--effective-batch", "1.5"], "--effective-batch/--max-batch: expected a positive integer, "
+                                   "got '1.5'"),
+    (["--batches", "4,4"], "--batches: expected distinct values, got '4,4'"),
+    (["--batches", "2,4,8"], "--batches: expected two different positive integers such as 2,4, "
+                             "got '2,4,8'"),
+    (["--effective-batch", "1", "--batches", "2,4"], "--effective-batch: expected at least the "
+                                                     "smallest of --batches (2, 4), got 1"),
     (["--plot", "out.jpg"], "--plot: expected a path ending in .png, got 'out.jpg'"),
     (["--json", "/no/such/dir/x.json"], "--json: directory '/no/such/dir' does not exist"),
 ])
@@ -85,36 +122,23 @@ def test_quick_ends_with_the_finetuning_example(tmp_path, capfd):
 
 
 def test_report_and_plot_have_a_line_per_policy(tmp_path):
-    """Without processes: RECOMPUTE=0 and two policies, each searched, summarized,
-    printed as a table row with its ratios, and drawn as a line of the PNG."""
+    """Without measuring: a plan's table (one row per policy, the chosen line under it) and
+    its cost, and one line per policy in the PNG."""
     import io
 
-    slopes = {"0": 40.0, "attention": 20.0, "block": 5.0}
-
-    def fake(model, shape, mode, batch, opts, paths):
-        peak = 1000 + slopes[mode] * batch
-        return dict(batch=batch, mode=mode, ok=True, fits=peak <= 1500, peak_rss_mib=float(peak),
-                    cpu_s_per_sample=0.1 * (1.0 + 0.05 * list(slopes).index(mode)))
-
-    opts = dict(OPTS, models=("base",), modes=("0", "attention", "block"),
-                budget_gib=1500 / 1024.0, max_batch=512)
-    shape = batchfit.SHAPES["base"]
-    results = {("base", "0"): batchfit.search("base", shape, "0", opts, measure_fn=fake)}
-    for policy in ("attention", "block"):
-        results[("base", policy)] = batchfit.search(
-            "base", shape, policy, opts, first=results[("base", "0")]["max_batch"], measure_fn=fake)
-    rows = batchfit.summarize(results, opts)
-    assert [r["mode"] for r in rows] == ["0", "attention", "block"]
-    assert [r["max_batch"] for r in rows] == [12, 25, 100]
-    assert rows[1]["batch_ratio"] == 25 / 12 and rows[2]["batch_ratio"] == 100 / 12
+    opts = dict(seq_len=256, effective_batch=64, budget_gib=1.5)
+    results = [dict(model="base", plan=_plan(), wall_s=100.0, cpu_s=150.0)]
     out = io.StringIO()
-    batchfit.print_report(rows, opts, out=out)
+    batchfit.print_report(results, opts, out=out)
     table = out.getvalue()
-    for policy, ratio in (("off", "-"), ("attention", "2.08"), ("block", "8.33")):
-        assert any(line.split()[3:4] == [policy] and ratio in line for line in table.splitlines()), table
-    assert "base policy=block: CPU time per sample over RECOMPUTE=0's at the same batch 12: x1.100" in table
+    for row in ("| None | 717 | 102.4 | 12 | 12 | 1.400 | 16 refused | 0.4000 |",
+                "| 'attention' |", "| 'block' | 717 | 25.6 | 64 | not checked |"):
+        assert row in table, table
+    assert "~0.7500 |" in table  # the estimate of the policy not checked
+    assert "Chosen: policy 'attention', micro-batch 32 x 2 steps per update" in table
+    assert "base: planned in 100 s wall, 150 CPU s" in table
     png = tmp_path / "fit.png"
-    batchfit.plot(rows, opts, str(png))
+    batchfit.plot(results, opts, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
