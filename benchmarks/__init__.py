@@ -54,10 +54,10 @@ saves the figures):
 - `python -m benchmarks.xla_remat_temp`: whether XLA's compiled temp buffer
   shrinks when blocks are recomputed (`jax.checkpoint`, and a recomputation
   that waits for the cotangent); JAX only.
-- `TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.batchfit`: the
-  largest micro-batch of a bert4keras BERT (base, large, the real MiniLM)
-  whose training keeps the peak RSS within a memory budget, off vs on, each
-  candidate in a fresh process; a table and a plot. `--quick` ends with the
+- `TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.batchfit`:
+  `recompute.plan` measured on a bert4keras BERT (base, large, the real
+  MiniLM): the policy, micro-batch and accumulation steps it chooses within a
+  memory budget and what the plan cost; a table and a plot. `--quick` ends with the
   fine-tuning example (`examples/bert_finetune.py`) run with
   `--recompute --accum-steps 4`.
 - `TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.cpu_split`: where

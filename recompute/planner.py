@@ -7,24 +7,31 @@ plan.fit(model, x, y, epochs=3)           # model.fit(batch_size=micro_batch) in
 ```
 
 `plan(build_model, x, y, effective_batch, budget_gib=None)` builds the model once
-per candidate policy (`build_model(policy)`: None, "attention", "full"), wraps
-its optimizer in `accum.AccumOptimizer` (its buffers are part of what is
-measured), and runs real training steps (`train_on_batch`, recomputation on
-for a policy) on rows of the sample batch (x, y), repeated as needed:
+per candidate policy (`build_model(policy)`: None, "attention", "full", in that
+order), wraps its optimizer in `accum.AccumOptimizer(k=2)` (its buffers are part
+of what is measured), and runs real training steps (recomputation on for a
+policy) on rows of the sample batch (x, y), repeated as needed. On TensorFlow
+the steps run as `fit` runs them, the train function on a dataset whose batch
+dimension is unknown: one trace per candidate serves every micro-batch.
 
-1. two small micro-batches (`batches`, default 2 and 4): the line
-   peak = a + s * batch through them;
-2. the prediction: the largest divisor b of `effective_batch` with
-   a + s * b within the budget (so k = effective_batch / b micro-batches
-   make exactly one update of the effective batch);
-3. the check: a real step at b, then at the next divisor up while it fits,
-   bisecting between the largest divisor measured to fit and the smallest
-   measured not to until they are neighbours (the line can be far off).
+1. the line: after a first step and an update, unmeasured (the trace; the
+   optimizer's state), one accumulating step at each of two small micro-batches
+   (`batches`, default 2 and 4): peak = a + s * batch and seconds = c + t * batch
+   through them;
+2. the prediction: the largest divisor b of `effective_batch` with a + s * b
+   within the budget (so k = effective_batch / b micro-batches make exactly one
+   update), and the estimate (c + t * b) / b seconds per sample there;
+3. a candidate whose estimate is over `SKIP_MARGIN` (1.1) times the time per
+   sample measured for a candidate checked before is not checked (it cannot win);
+4. the check: a real updating step at b, then at the next divisor up while it
+   fits, bisecting between the largest divisor measured to fit and the smallest
+   measured not to until they are neighbours (the line can be far off). The step
+   at the micro-batch kept is its timed step.
 
-Each micro-batch is measured by one step, its peak after a reset; the
-micro-batch a candidate keeps is then timed by two more (the first of them
-on a traced function, the second timed). The policy chosen is the one with
-the least time per sample among those whose micro-batch fits.
+Each step's peak is read after a reset; its time is CPU seconds on a CPU (all
+threads: steadier than wall seconds on a shared machine), wall seconds on a
+GPU. The policy chosen is the one with the least measured time per sample among
+those checked whose micro-batch fits.
 
 On Keras's JAX backend (`memory="plan"`, its default) the steps are not run
 but compiled: Keras's own jitted `train_step`, whose `memory_analysis()`
@@ -392,8 +399,10 @@ class Plan:
 
     `policy` (None: no recomputation), `micro_batch`, `steps_per_update`
     (micro_batch x steps_per_update = `effective_batch`), `predicted_peak` and
-    `measured_peak` (bytes, at the micro-batch), `seconds_per_sample`, `budget`
-    (bytes), `memory` (what was measured), `candidates` (a `Candidate` per policy).
+    `measured_peak` (bytes, at the micro-batch), `seconds_per_sample` (measured at the
+    micro-batch, in `clock`: "CPU s" on a CPU, "s" wall otherwise), `budget` (bytes),
+    `memory` (what was measured), `candidates` (a `Candidate` per policy), `seconds` (what
+    planning took, wall).
     """
 
     policy: object
@@ -1024,7 +1033,7 @@ def _size(variable):
 def plan(build_model, x, y, effective_batch, budget_gib=None, *, policies=DEFAULT_POLICIES,
          batches=DEFAULT_BATCHES, memory="auto", target=None, verbose=True):
     """Measures which policy, micro-batch and accumulation steps train `effective_batch` fastest
-    within a memory budget.
+    within a memory budget (the module docstring says how, docs/plan.md when to trust it).
 
     ```python
     def build_model(policy):                 # None: no recomputation
@@ -1048,7 +1057,8 @@ def plan(build_model, x, y, effective_batch, budget_gib=None, *, policies=DEFAUL
             on it, JAX's allocator limit, or the `target` card's memory); required on a CPU.
         policies: the candidates (default None, "attention", "full"; a bert4keras builder
             maps "full" to "block").
-        batches: the two micro-batches the line is measured at (default 2, 4).
+        batches: the two micro-batches the line is measured at (default 2, 4), on
+            accumulating steps, each timed.
         memory: "auto", "allocator", "rss" or "plan" (the module docstring says which is
             which; "auto" is "plan" on Keras's JAX backend).
         target: on Keras's JAX backend, a GPU to plan for that this machine need not have:
@@ -1061,6 +1071,12 @@ def plan(build_model, x, y, effective_batch, budget_gib=None, *, policies=DEFAUL
 
     Returns:
         A `Plan`.
+
+    Limits: each candidate costs a build, one trace of its train function (on TensorFlow),
+    two small steps for its line and two unmeasured ones; a candidate checked adds real
+    steps at its micro-batch and at the next divisor up, which dominate for large models
+    (seconds per sample x (b + the next divisor)). A candidate not checked was left out on
+    its time line's estimate (`Candidate.estimated_seconds_per_sample`), not a measurement.
 
     Raises:
         ValueError: bad arguments, a budget below the weights, a `build_model` that cannot
