@@ -846,14 +846,9 @@ class _Planner:
             self.say(f"policy {_policy_name(policy)}: peak ~ {cand.intercept / MiB:.0f} MiB + "
                      f"{cand.slope / MiB:.2f} MiB x batch; predicted micro-batch "
                      f"{cand.predicted_batch}{estimate}")
-            fastest = self.fastest()
-            if fastest is not None and cand.estimated_seconds_per_sample is not None and \
-                    cand.estimated_seconds_per_sample >= SKIP_MARGIN * fastest.seconds_per_sample:
-                cand.error = (f"not checked: its estimate at micro-batch {target}, "
-                              f"{cand.estimated_seconds_per_sample:.4f} {self.clock_name}/sample, "
-                              f"is over {SKIP_MARGIN:g} x policy {_policy_name(fastest.policy)}'s "
-                              f"measured {fastest.seconds_per_sample:.4f} at "
-                              f"{fastest.micro_batch}")
+            reason = self.cannot_win(cand, target)
+            if reason is not None:
+                cand.error = reason
                 self.say(f"policy {_policy_name(policy)}: {cand.error}")
                 return cand
             if dominant is not None:  # at or below its micro-batch, this one is no faster
@@ -876,6 +871,19 @@ class _Planner:
             del model
             _clear_session(family)
         return cand
+
+    def cannot_win(self, cand, batch):
+        """Why `cand` is not checked -- its estimate at `batch` is over `SKIP_MARGIN` times
+        the time per sample measured for a candidate checked before --, or None."""
+        fastest = self.fastest()
+        estimate = cand.estimated_seconds_per_sample
+        if fastest is None or estimate is None or \
+                estimate < SKIP_MARGIN * fastest.seconds_per_sample:
+            return None
+        return (f"not checked: its estimate at micro-batch {batch}, {estimate:.4f} "
+                f"{self.clock_name}/sample, is over {SKIP_MARGIN:g} x policy "
+                f"{_policy_name(fastest.policy)}'s measured {fastest.seconds_per_sample:.4f} "
+                f"at {fastest.micro_batch}")
 
     def fastest(self):
         """The candidate checked so far with the least measured time per sample, or None."""

@@ -143,6 +143,26 @@ def test_a_policy_that_recomputes_more_is_checked_above_the_micro_batch_of_one_t
     assert sorted(full.points) == [16, 32, 64]
 
 
+def test_a_candidate_estimated_slower_than_one_measured_is_not_checked():
+    """The time line of the two small steps (seconds = c + t * batch) estimates a candidate's
+    time per sample at its predicted micro-batch; over 1.1 x the fastest measured so far, it
+    is not checked (it cannot win); under, it is."""
+    none = planner.Candidate(None, micro_batch=16, points={16: (340, 4.8)}, checked=True)
+    fake = _FakePlanner(lambda b: 100 + 20 * b, 64, 400.0)
+    fake.done = [none]  # 0.3 s per sample measured at 16
+    full = planner.Candidate("full", points={2: (140, 0.9), 4: (180, 1.7)})
+    full.time_intercept, full.time_slope = planner.fit_line([(2, 0.9), (4, 1.7)])
+    full.estimated_seconds_per_sample = full.estimate(32)  # (0.1 + 0.4 * 32) / 32
+    assert full.estimated_seconds_per_sample == pytest.approx(0.403125)
+    assert fake.cannot_win(full, 32) == (
+        "not checked: its estimate at micro-batch 32, 0.4031 s/sample, is over 1.1 x policy "
+        "None's measured 0.3000 at 16")
+    attention = planner.Candidate("attention", estimated_seconds_per_sample=0.32)
+    assert fake.cannot_win(attention, 32) is None  # within the margin: checked
+    assert _FakePlanner(lambda b: b, 64, 400.0).cannot_win(full, 32) is None  # none measured
+    assert planner._seconds_cell(full) == "~0.4031"  # the table shows an estimate so
+
+
 # --------------------------------------------------------------------------
 # A real plan of the tiny model.
 
