@@ -787,6 +787,11 @@ class _Planner:
 
     def candidate(self, policy, first):
         cand = Candidate(policy)
+        reason = self.bounded(policy)
+        if reason is not None:
+            cand.error = reason
+            self.say(f"policy {_policy_name(policy)}: {reason}")
+            return cand
         before = None
         if self.meter is not None and self.meter.name != "plan":
             self.meter.reset()
@@ -871,6 +876,32 @@ class _Planner:
             del model
             _clear_session(family)
         return cand
+
+    def bounded(self, policy):
+        """Why `policy` is not even built, or None: a candidate checked before that
+        recomputes less, L, bounds it. At a micro-batch above L's, `policy` does at least
+        L's work per sample, so its time per sample is at least L's time line's there
+        ((c + t * b) / b, the least over those divisors); when the fastest time per sample
+        measured is within `SKIP_MARGIN` of that bound, `policy` cannot win by more."""
+        fastest = self.fastest()
+        if fastest is None:
+            return None
+        divs = divisors(self.effective_batch)
+        for light in self.done:
+            if not light.fits or light.time_slope is None or \
+                    _recompute_rank(light.policy) >= _recompute_rank(policy):
+                continue
+            above = [b for b in divs if b > light.micro_batch]
+            if not above:
+                continue  # it fits the effective batch: `candidate` says "no larger"
+            bound = min((light.time_intercept + light.time_slope * b) / b for b in above)
+            if fastest.seconds_per_sample <= SKIP_MARGIN * bound:
+                return (f"not measured: above micro-batch {light.micro_batch}, policy "
+                        f"{_policy_name(light.policy)}'s time line gives at least {bound:.4f} "
+                        f"{self.clock_name}/sample to a policy that recomputes more, and the "
+                        f"fastest measured, policy {_policy_name(fastest.policy)}'s "
+                        f"{fastest.seconds_per_sample:.4f}, is within {SKIP_MARGIN:g} x that")
+        return None
 
     def cannot_win(self, cand, batch):
         """Why `cand` is not checked -- its estimate at `batch` is over `SKIP_MARGIN` times
