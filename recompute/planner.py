@@ -879,28 +879,32 @@ class _Planner:
 
     def bounded(self, policy):
         """Why `policy` is not even built, or None: a candidate checked before that
-        recomputes less, L, bounds it. At a micro-batch above L's, `policy` does at least
-        L's work per sample, so its time per sample is at least L's time line's there
-        ((c + t * b) / b, the least over those divisors); when the fastest time per sample
-        measured is within `SKIP_MARGIN` of that bound, `policy` cannot win by more."""
+        recomputes less, L, bounds it. At a micro-batch b above L's, `policy` does at least
+        L's work per sample, and L's time per sample there is at least its measured one at
+        its micro-batch b_L less what its time line's intercept c would spread over more
+        samples: S_L - c * (1 / b_L - 1 / b), the least at the effective batch (c <= 0:
+        nothing to spread). When the fastest time per sample measured is within
+        `SKIP_MARGIN` of that bound, `policy` cannot win by more."""
         fastest = self.fastest()
         if fastest is None:
             return None
-        divs = divisors(self.effective_batch)
         for light in self.done:
-            if not light.fits or light.time_slope is None or \
+            if not light.fits or light.time_intercept is None or \
+                    light.seconds_per_sample is None or \
                     _recompute_rank(light.policy) >= _recompute_rank(policy):
                 continue
-            above = [b for b in divs if b > light.micro_batch]
-            if not above:
-                continue  # it fits the effective batch: `candidate` says "no larger"
-            bound = min((light.time_intercept + light.time_slope * b) / b for b in above)
+            if light.micro_batch >= self.effective_batch:
+                continue  # nothing above: `candidate` says "no larger"
+            bound = light.seconds_per_sample - max(light.time_intercept, 0.0) * (
+                1.0 / light.micro_batch - 1.0 / self.effective_batch)
             if fastest.seconds_per_sample <= SKIP_MARGIN * bound:
                 return (f"not measured: above micro-batch {light.micro_batch}, policy "
-                        f"{_policy_name(light.policy)}'s time line gives at least {bound:.4f} "
-                        f"{self.clock_name}/sample to a policy that recomputes more, and the "
-                        f"fastest measured, policy {_policy_name(fastest.policy)}'s "
-                        f"{fastest.seconds_per_sample:.4f}, is within {SKIP_MARGIN:g} x that")
+                        f"{_policy_name(light.policy)}'s time per sample stays above "
+                        f"{bound:.4f} {self.clock_name} (measured {light.seconds_per_sample:.4f}"
+                        f", less its time line's intercept spread over more samples), so a "
+                        f"policy that recomputes more cannot beat the fastest measured, policy "
+                        f"{_policy_name(fastest.policy)}'s {fastest.seconds_per_sample:.4f}, "
+                        f"by more than {SKIP_MARGIN:g} x")
         return None
 
     def cannot_win(self, cand, batch):

@@ -163,19 +163,21 @@ def test_a_candidate_estimated_slower_than_one_measured_is_not_checked():
     assert planner._seconds_cell(full) == "~0.4031"  # the table shows an estimate so
 
 
-def test_a_policy_bounded_by_a_lighter_ones_time_line_is_not_built():
+def test_a_policy_bounded_by_a_lighter_ones_time_is_not_built():
     """Above the micro-batch of a policy that recomputes less, a policy does at least its work
-    per sample: that policy's time line bounds it. Within 1.1 x of the bound, the fastest
-    measured cannot be beaten by more: the policy is not even built."""
+    per sample: that policy's measured time per sample, less its time line's intercept spread
+    over more samples, bounds it. Within 1.1 x of the bound, the fastest measured cannot be
+    beaten by more: the policy is not even built."""
     none = planner.Candidate(None, micro_batch=16, points={16: (340, 4.8)}, checked=True,
                              time_intercept=0.2, time_slope=0.28)
     fake = _FakePlanner(lambda b: b, 64, 400.0)
-    fake.done = [none]  # 0.3 s/sample measured at 16; its line gives >= 0.28 + 0.2 / 64 above
+    fake.done = [none]  # 0.3 s/sample at 16; at 64 at least 0.3 - 0.2 * (1/16 - 1/64)
     assert fake.bounded("full") == (
-        "not measured: above micro-batch 16, policy None's time line gives at least 0.2831 "
-        "s/sample to a policy that recomputes more, and the fastest measured, policy None's "
-        "0.3000, is within 1.1 x that")
-    none.time_intercept, none.time_slope = 4.0, 0.05  # much to gain above 16: >= 0.1125
+        "not measured: above micro-batch 16, policy None's time per sample stays above 0.2906 "
+        "s (measured 0.3000, less its time line's intercept spread over more samples), so a "
+        "policy that recomputes more cannot beat the fastest measured, policy None's 0.3000, "
+        "by more than 1.1 x")
+    none.time_intercept = 4.0  # much to spread above 16: at least 0.3 - 4 * 3/64 = 0.1125
     assert fake.bounded("full") is None
     assert fake.bounded(None) is None  # not lighter than itself
 
