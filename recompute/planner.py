@@ -347,7 +347,8 @@ class Candidate:
     baseline: float = None  # bytes alive once the model is built (a previous one not freed shows)
     leftover: float = 0.0  # of those, left by the previous candidates: taken off its peaks
     time_intercept: float = None  # seconds per step ~ time_intercept + time_slope * batch,
-    time_slope: float = None  # through the line's two timed steps
+    time_slope: float = None  # through the line's two timed steps; once checked, through the
+    # micro-batch kept and the divisor refused where both were timed
     estimated_seconds_per_sample: float = None  # that line's, at the predicted micro-batch
     checked: bool = False  # whether the prediction was checked by real steps
     accumulating: set = dataclasses.field(default_factory=set)  # points of accumulating steps
@@ -739,6 +740,22 @@ class _Planner:
         self.say(f"policy {_policy_name(cand.policy)}, micro-batch {batch}: "
                  f"{seconds / batch:.4f} {self.clock_name}/sample")
 
+    def retime(self, cand):
+        """The time line through the micro-batch kept and the divisor refused when both
+        steps were timed (updating steps, larger and steadier than the line's): what
+        `bounded` reads of `cand` from then on."""
+        if not cand.fits or cand.refused_batch is None:
+            return
+        kept, refused = cand.points[cand.micro_batch], cand.points.get(cand.refused_batch)
+        if kept[1] is None or refused is None or refused[1] is None:
+            return
+        cand.time_intercept, cand.time_slope = fit_line(
+            [(cand.micro_batch, kept[1]), (cand.refused_batch, refused[1])])
+        self.say(f"policy {_policy_name(cand.policy)}: seconds per step ~ "
+                 f"{cand.time_intercept:.3f} + {cand.time_slope:.4f} x batch "
+                 f"({self.clock_name}, micro-batches {cand.micro_batch} and "
+                 f"{cand.refused_batch})")
+
     def measure(self, cand, model, batch, timed=False, update=True):
         """Whether a step at `batch` fits, measured once (`step`); a step that accumulated
         and fit is measured again when an update is asked for (an update holds more)."""
@@ -869,6 +886,7 @@ class _Planner:
                 self.say(f"policy {_policy_name(policy)}: {cand.error}")
                 return cand
             self.time(cand, model)
+            self.retime(cand)
         finally:
             self.compiled.clear()
             self.sizes_seen.clear()
@@ -881,8 +899,8 @@ class _Planner:
         """Why `policy` is not even built, or None: a candidate checked before that
         recomputes less, L, bounds it. At a micro-batch b above L's, `policy` does at least
         L's work per sample, and L's time per sample there is at least its measured one at
-        its micro-batch b_L less what its time line's intercept c would spread over more
-        samples: S_L - c * (1 / b_L - 1 / b), the least at the effective batch (c <= 0:
+        its micro-batch b_L less what its time line's intercept c (`retime`'s, through b_L
+        and the divisor refused, where both were timed) would spread over more samples: S_L - c * (1 / b_L - 1 / b), the least at the effective batch (c <= 0:
         nothing to spread). When the fastest time per sample measured is within
         `SKIP_MARGIN` of that bound, `policy` cannot win by more."""
         fastest = self.fastest()
