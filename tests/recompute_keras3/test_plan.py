@@ -180,6 +180,10 @@ def test_a_policy_bounded_by_a_lighter_ones_time_is_not_built():
     none.time_intercept = 4.0  # much to spread above 16: at least 0.3 - 4 * 3/64 = 0.1125
     assert fake.bounded("full") is None
     assert fake.bounded(None) is None  # not lighter than itself
+    # once checked, the line runs through the kept and the refused micro-batches
+    none.points[32], none.refused_batch = (600, 8.8), 32
+    fake.retime(none)
+    assert (none.time_intercept, none.time_slope) == pytest.approx((0.8, 0.25))
 
 
 # --------------------------------------------------------------------------
