@@ -23,6 +23,9 @@ dimension is unknown: one trace per candidate serves every micro-batch.
    update), and the estimate (c + t * b) / b seconds per sample there;
 3. a candidate whose estimate is over `SKIP_MARGIN` (1.1) times the time per
    sample measured for a candidate checked before is not checked (it cannot win);
+   a policy that recomputes more than one checked before is not even built when
+   that one's time per sample, less its time line's intercept spread over larger
+   micro-batches, is within `SKIP_MARGIN` of the fastest measured (`_Planner.bounded`);
 4. the check: a real updating step at b, then at the next divisor up while it
    fits, bisecting between the largest divisor measured to fit and the smallest
    measured not to until they are neighbours (the line can be far off). The step
