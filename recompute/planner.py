@@ -581,8 +581,9 @@ def _is_oom(error):
 
 class _Planner:
     def __init__(self, build_model, x, y, effective_batch, budget, batches, policies, memory,
-                 verbose, target=None):
+                 verbose, target=None, every_policy=False):
         self.build_model, self.x, self.y = build_model, x, y
+        self.every_policy = every_policy  # no candidate left out on a bound or an estimate
         self.effective_batch, self.budget, self.batches = effective_batch, budget, batches
         self.policies, self.memory, self.verbose = policies, memory, verbose
         self.meter = None
@@ -907,7 +908,7 @@ class _Planner:
         nothing to spread). When the fastest time per sample measured is within
         `SKIP_MARGIN` of that bound, `policy` cannot win by more."""
         fastest = self.fastest()
-        if fastest is None:
+        if fastest is None or self.every_policy:
             return None
         for light in self.done:
             if not light.fits or light.time_intercept is None or \
@@ -933,7 +934,7 @@ class _Planner:
         the time per sample measured for a candidate checked before --, or None."""
         fastest = self.fastest()
         estimate = cand.estimated_seconds_per_sample
-        if fastest is None or estimate is None or \
+        if fastest is None or estimate is None or self.every_policy or \
                 estimate < SKIP_MARGIN * fastest.seconds_per_sample:
             return None
         return (f"not checked: its estimate at micro-batch {batch}, {estimate:.4f} "
@@ -1095,7 +1096,8 @@ def _size(variable):
 
 
 def plan(build_model, x, y, effective_batch, budget_gib=None, *, policies=DEFAULT_POLICIES,
-         batches=DEFAULT_BATCHES, memory="auto", target=None, verbose=True):
+         batches=DEFAULT_BATCHES, memory="auto", target=None, every_policy=False,
+         verbose=True):
     """Measures which policy, micro-batch and accumulation steps train `effective_batch` fastest
     within a memory budget (the module docstring says how, docs/plan.md when to trust it).
 
@@ -1131,6 +1133,11 @@ def plan(build_model, x, y, effective_batch, budget_gib=None, *, policies=DEFAUL
             (`Plan.planned`), and with no time measured the policy that recomputes least
             among those that fit is chosen. Needs JAX's CUDA plugin and JAX started with
             JAX_PLATFORMS=cpu,cuda (set here if JAX has not started).
+        every_policy: True: every candidate is built, measured and checked; none is left
+            out on the bound of a lighter policy or on its time line's estimate (item 3 of
+            the module docstring). Slower: bert4keras BERT-base at seq 256, an estimated
+            250 s against 152 s measured without it on 2 CPU cores (docs/plan.md). The
+            default leaves them out.
         verbose: progress lines on stderr ("[recompute.plan] ...").
 
     Returns:
@@ -1153,6 +1160,9 @@ def plan(build_model, x, y, effective_batch, budget_gib=None, *, policies=DEFAUL
     batches = _check_batches(batches, effective_batch)
     budget = _check_budget(budget_gib)
     policies = tuple(policies)
+    if not isinstance(every_policy, bool):
+        raise TypeError(f"`every_policy` must be True or False. "
+                        f"Received: every_policy={every_policy!r}")
     if not policies:
         raise ValueError(f"`policies` must name at least one policy. Received: policies={policies}")
     if not callable(build_model):
@@ -1178,7 +1188,7 @@ def plan(build_model, x, y, effective_batch, budget_gib=None, *, policies=DEFAUL
     else:
         budget_bytes = budget * GiB
     planner = _Planner(build_model, x, y, effective_batch, budget_bytes, batches, policies,
-                       memory, verbose, target)
+                       memory, verbose, target, every_policy)
     planner.meter = meter
     return planner.run()
 
@@ -1371,6 +1381,9 @@ def main(argv=None):
     parser.add_argument("--target", choices=sorted(_TARGET_NAMES),
                         help="on JAX: plan for this GPU with XLA's plan, compiled here, nothing "
                              "run (a plan, not a measurement; sets JAX_PLATFORMS=cpu,cuda)")
+    parser.add_argument("--every-policy", action="store_true",
+                        help="build, measure and check every policy (none left out on a "
+                             "lighter policy's bound or on its time line's estimate)")
     parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
     args = parser.parse_args(argv)
@@ -1407,7 +1420,8 @@ def main(argv=None):
     try:
         result = plan(build_model, make_inputs(ids), labels, args.effective_batch,
                       args.budget_gib, policies=args.policies, batches=args.batches,
-                      memory=args.memory, target=args.target)
+                      memory=args.memory, target=args.target,
+                      every_policy=args.every_policy)
     except (ValueError, RuntimeError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

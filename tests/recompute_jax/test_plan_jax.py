@@ -90,7 +90,7 @@ def check_plan(p, effective, budget_bytes):
 def local_plan():
     x, y = data(4)
     return recompute.plan(build_model, x, y, effective_batch=EFFECTIVE, budget_gib=BUDGET_GIB,
-                          policies=(None, "full"), verbose=False)
+                          policies=(None, "full"), every_policy=True, verbose=False)
 
 
 @pytest.mark.slow  # 8 compilations and runs of the step: about 40 s on 2 cores

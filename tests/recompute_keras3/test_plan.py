@@ -161,6 +161,8 @@ def test_a_candidate_estimated_slower_than_one_measured_is_not_checked():
     assert fake.cannot_win(attention, 32) is None  # within the margin: checked
     assert _FakePlanner(lambda b: b, 64, 400.0).cannot_win(full, 32) is None  # none measured
     assert planner._seconds_cell(full) == "~0.4031"  # the table shows an estimate so
+    fake.every_policy = True  # plan(..., every_policy=True): every candidate is checked
+    assert fake.cannot_win(full, 32) is None
 
 
 def test_a_policy_bounded_by_a_lighter_ones_time_is_not_built():
@@ -180,6 +182,12 @@ def test_a_policy_bounded_by_a_lighter_ones_time_is_not_built():
     none.time_intercept = 4.0  # much to spread above 16: at least 0.3 - 4 * 3/64 = 0.1125
     assert fake.bounded("full") is None
     assert fake.bounded(None) is None  # not lighter than itself
+    none.time_intercept = 0.2
+    assert fake.bounded("full") is not None
+    fake.every_policy = True  # plan(..., every_policy=True): every policy is built
+    assert fake.bounded("full") is None
+    fake.every_policy = False
+    none.time_intercept = 4.0
     # once checked, the line runs through the kept and the refused micro-batches
     none.points[32], none.refused_batch = (600, 8.8), 32
     fake.retime(none)
@@ -195,7 +203,8 @@ def tiny_plan():
     x, y = data(4)
     # None keeps about 1.7 MiB per sample here, "full" about half of that
     return planner.plan(build_model, x, y, effective_batch=EFFECTIVE, budget_gib=24 / 1024,
-                        policies=(None, "full"), batches=(4, 8), memory="allocator")
+                        policies=(None, "full"), batches=(4, 8), memory="allocator",
+                        every_policy=True)  # each candidate measured, whatever the times
 
 
 @pytest.mark.slow  # the plan: about 30 s on 2 cores
