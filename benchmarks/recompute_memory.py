@@ -325,19 +325,22 @@ def run_paired_worker(cfg, model_name, modes, batch_sizes, steps, out_path, buil
 # Parent: spawn the workers, summarise.
 
 
-def _spawn(cfg, model_name, mode, batch, steps, backend="tensorflow", malloc="default"):
+def _spawn(cfg, model_name, mode, batch, steps, backend="tensorflow", malloc="default",
+           core="auto"):
     _progress(f"{model_name} mode={mode} batch={batch}: starting a fresh worker process")
-    return _run_worker(cfg, model_name, ["--modes", mode, "--batch-sizes", str(batch)], steps,
+    return _run_worker(cfg, model_name, ["--modes", mode, "--batch-sizes", str(batch),
+                                         "--core", core], steps,
                        "0" if mode == "0" else "1", backend, malloc,
                        f"benchmark worker {model_name} mode={mode} batch={batch}")
 
 
-def _spawn_paired(cfg, model_name, modes, batch_sizes, steps, malloc="default"):
+def _spawn_paired(cfg, model_name, modes, batch_sizes, steps, malloc="default", core="auto"):
     _progress(f"{model_name}: modes {', '.join(modes)} at batch {', '.join(map(str, batch_sizes))} "
               f"in one fresh worker process, {steps} rounds")
     return _run_worker(cfg, model_name, ["--modes", ",".join(modes), "--paired", "--batch-sizes",
-                                         ",".join(map(str, batch_sizes))], steps, None,
-                       "tensorflow", malloc, f"paired benchmark worker {model_name}")["runs"]
+                                         ",".join(map(str, batch_sizes)), "--core", core],
+                       steps, None, "tensorflow", malloc,
+                       f"paired benchmark worker {model_name}")["runs"]
 
 
 def _run_worker(cfg, model_name, configuration, steps, recompute, backend, malloc, what):
@@ -480,6 +483,10 @@ def parse_args(argv=None):
                         help="measure every configuration in one process, a step of each in "
                              "turn for --steps rounds: the CPU time ratios are the medians "
                              "of the rounds' ratios (TensorFlow backend)")
+    parser.add_argument("--core", choices=("auto", "blocked", "keras"), default="auto",
+                        help="the attention core (`recompute.attention_core`) in every worker: "
+                             "auto (default, the library's rule), blocked, or keras (the "
+                             "layer's own)")
     harness.add_output_arguments(parser, TOOL, malloc=True)
     args = parser.parse_args(argv)
     harness.check_docs_page(parser, args.docs, TOOL)
@@ -522,6 +529,10 @@ def _main(argv=None):
     args = parse_args(argv)
     cfg = encoder.shape_config(args)
     batch_sizes = sorted(args.batch_sizes)
+    if args.worker:
+        import recompute
+
+        recompute.attention_core(args.core)  # read when a core is traced
     if args.worker and args.paired:
         run_paired_worker(cfg, args.model, args.modes, batch_sizes, args.steps, args.out)
         return 0
@@ -532,21 +543,25 @@ def _main(argv=None):
 
     start = time.perf_counter()
     if args.paired:
-        runs = _spawn_paired(cfg, args.model, args.modes, batch_sizes, args.steps, args.malloc)
+        runs = _spawn_paired(cfg, args.model, args.modes, batch_sizes, args.steps, args.malloc,
+                             args.core)
     else:
         # Interleaved (off, on at each batch size) so that a change in the load of
         # the machine during the run does not bias the time ratio.
-        runs = [_spawn(cfg, args.model, mode, batch, args.steps, args.backend, args.malloc)
-                for batch in batch_sizes for mode in args.modes]
+        runs = [_spawn(cfg, args.model, mode, batch, args.steps, args.backend, args.malloc,
+                       args.core) for batch in batch_sizes for mode in args.modes]
     runs.sort(key=lambda r: (args.modes.index(r["mode"]), r["batch"]))
     summary, ratios = summarize(runs, args.modes, batch_sizes)
     _progress(f"done in {time.perf_counter() - start:.0f} s wall")
     with harness.report_to_docs(args.docs, TOOL, argv):
+        if args.core != "auto":
+            print(f"attention core: {args.core} (recompute.attention_core({args.core!r}))")
         print_report(cfg, runs, summary, ratios)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=dict(cfg, model=args.model, backend=args.backend, batch_sizes=batch_sizes,
-                                       steps=args.steps, malloc=args.malloc, paired=args.paired),
+                                       steps=args.steps, malloc=args.malloc, paired=args.paired,
+                                       core=args.core),
                            runs=runs, summary=summary, ratios=ratios), f, indent=2)
         _progress(f"results saved to {args.json}")
     return 0
