@@ -158,7 +158,7 @@ def test_block_rows_default_and_override():
     assert _flash.block_rows(2048, 2048) == 128  # key blocks of 512 beyond 1024 keys
     assert _flash.key_block(2048) == 512 and _flash.key_block(1024) is None
     assert _flash.block_rows(6, 6) == 6  # short sequences: one block
-    assert _flash.block_rows(100000, 100000) == 1
+    assert _flash.block_rows(100000, 100000) == 128
     with recompute.attention_block_size(4):
         assert _flash.block_rows(512, 512) == 4
         with recompute.attention_block_size(None):
