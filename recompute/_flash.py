@@ -1,34 +1,41 @@
-"""Blocked attention: an attention core that never holds [seq, seq] floats beyond one block.
+"""FlashAttention-2 in framework ops: an attention core that never holds [seq, seq] floats
+beyond one block, and keeps its output and a per-row log-sum-exp for the backward pass.
 
-FlashAttention's idea (Dao et al., 2022) written in framework ops, once, for
-both engines (`_flash_tf` for TensorFlow, `_flash_jax` for JAX: each an
-`Engine` below). The core computes, per head,
+The algorithm of FlashAttention-2 (Dao, 2023), written once, for both engines
+(`_flash_tf` for TensorFlow, `_flash_jax` for JAX: each an `Engine` below). Per
+head, with the layer's logits `S = mask(scale * Q K^T)` (`logits`: its scale, its
+mask as its softmax applies it) and its dropout `drop` (the decision drawn once, by
+the layer's own dropout op, the masks those of RECOMPUTE=0, held as bits packed along
+the keys),
 
-    P = masked_softmax(scale * Q K^T),    O = drop(P) V
+    P = softmax(S) (zeroed where the layer's softmax zeroes),    O = drop(P) V.
 
-where `drop` is the layer's dropout, its decision drawn once, by the layer's
-own dropout op (so the masks are those of RECOMPUTE=0), and held as bits (1 bit
-per entry, packed along the key axis). The query axis is cut into blocks of
-`block` rows:
+The queries are cut into row blocks of `block` rows; beyond `LONG_KEYS` keys the
+keys are cut into key blocks of `KEY_BLOCK` (`key_block`):
 
-- forward: block by block, `P_j = probabilities(Q_j, K)` (the layer's own
-  scores, mask and softmax over all keys: no running maximum is needed when a
-  block spans every key), `O_j = drop(P_j) V`; only O is kept, and the inputs.
-- backward (the gradient `dO` arrives): block by block, `P_j` again, then
-  `dV += drop(P_j)^T dO_j`, `dP_j = drop'(dO_j V^T)` (the dropout is linear:
-  its gradient is the same selection and scaling), and the vector-Jacobian
-  product of `probabilities` at `(Q_j, K)` with `dP_j` gives `dQ_j` and adds
-  to `dK` -- the softmax's gradient `P ∘ (dP - rowsum(dP ∘ P))` and the
-  mask's, as autodiff takes them for the layer's own ops.
+- forward: per row block, with one key block (every key) the row's softmax in one
+  pass, `exp(S_j - max) / sum` as the layer computes it; with key blocks, a running
+  maximum `m` and sum `l` over the key blocks, the partial output rescaled by
+  `exp(m_old - m_new)` at each one, divided by `l` at the end. Kept for the backward
+  pass: Q, K, V, the mask, the bits, the output O and the per-row log-sum-exp
+  `lse = m + log(l)` ([batch, heads, queries]).
+- backward (the gradient `dO` arrives): `D = rowsum(dO * O)` once; per tile,
+  `P = exp(S - lse)` (no softmax over whole rows), `dV += drop(P)^T dO`,
+  `dP = drop(dO V^T)` (the dropout is linear: its gradient is the same selection and
+  scaling), `dS = P * (dP - D)` -- which equals the softmax's `P * (dP - rowsum(dP *
+  P))`, the dropout included -- and the vector-Jacobian product of `logits` with `dS`
+  gives `dQ` and adds to `dK` (the scale and the mask, as autodiff takes them for the
+  layer's own ops).
 
-One block's [batch, heads, block, seq] tensors are alive at a time (a loop of
-the engine's: `tf.while_loop`, `jax.lax.fori_loop`), in the forward pass and in the
-backward pass. The blocks' results equal the unblocked core's to float
-rounding (the sums over keys are the same; dK and dV add the blocks' parts).
+Up to `UNROLL` (8) blocks run as straight-line code, each block's inputs made after
+the block before it (`Engine.after`: an optimization barrier on JAX, a data
+dependency on TensorFlow), so that one block is alive at a time and the compiler
+sees no loop; beyond, a loop of the engine's (`tf.while_loop`, `jax.lax.fori_loop`).
+Results equal the unblocked core's to float rounding (each entry is the same sum over
+keys; dK and dV add the tiles' parts).
 
-Block size: `block_rows(queries, keys)`, by default the rows that make a block
-of at most `DEFAULT_BLOCK_ELEMENTS` (query, key) pairs; `attention_block_size`
-overrides it.
+Block size: `block_rows(queries, keys)`, by default the rows that make a tile of at
+most `DEFAULT_BLOCK_ELEMENTS` (query, key) pairs; `attention_block_size` overrides it.
 
 Besides its `ENGINE`, each engine module gives `_attention` the same four
 functions: `attention(...)` (the core with its gradient), `pack(mask)` (bits),
@@ -55,7 +62,8 @@ class attention_block_size(Setting):
     The blocked core (docs/recompute.md, "Blocked attention") serves the
     `MultiHeadAttention` layers of every call that `recompute_grad` recomputes,
     under every policy. By default a block holds at most 65,536 (query, key)
-    pairs per batch entry and head: 128 rows at seq 512, 32 at seq 2048.
+    pairs per batch entry and head: 128 rows at seq 512, and 128 rows of 512 keys
+    beyond 1024 keys (`key_block`).
     Smaller blocks keep less, larger ones loop less. As a statement it holds
     for the rest of the process; as a context manager, inside the block
     (applied again at each entry), and on exit the size in force when the
