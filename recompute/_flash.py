@@ -247,6 +247,10 @@ class Engine:
     def row_sum(self, x):
         """The sum over the last axis, kept as an axis of 1."""
 
+    def softmax(self, x):
+        """The framework's softmax over the last axis (the one Keras's and bert4keras's
+        layers call: `tf.nn.softmax`, `jax.nn.softmax`)."""
+
     def exp(self, x):
         """`exp(x)`."""
 
@@ -401,18 +405,18 @@ def _key_part(E, c, kb, k, v, mask, bits, columns):
 
 
 def _softmax_block(E, logits, q_j, k, mask_j, keep, v, rate):
-    """One block of every key: `(O_j, lse_j)` -- the row's softmax in one pass, as the
-    layer computes it (`exp(s - max) / sum`), dropped, times V."""
+    """One block of every key: `(O_j, lse_j)` -- the row's softmax in one pass, the
+    framework's own (so the output is the layer's, bit for bit where the ops are), dropped,
+    times V; `lse = max - log(max of the softmax)`, no second pass of exponentials."""
     s, valid = logits(q_j, k, mask_j)
-    m = E.row_max(s)
-    e = E.exp(s - m)
-    total = E.row_sum(e)
-    p = e / total
+    p = E.softmax(s)
+    # lse = max + log(sum): the softmax's largest entry is exp(0) / sum
+    lse = (E.row_max(s) - E.log(E.row_max(p)))[..., 0]
     if valid is not None:
         p = E.where(valid, p, 0.0)
     if keep is not None:
         p = E.drop(p, keep, rate)
-    return E.einsum(COMBINE, p, v), (m + E.log(total))[..., 0]
+    return E.einsum(COMBINE, p, v), lse
 
 
 def _online_block(E, logits, q_j, mask_j, bits_j, parts, anchor, rate):

@@ -126,6 +126,11 @@ class _Engine(_flash.Engine):
 
         return jnp.sum(x, axis=-1, keepdims=True)
 
+    def softmax(self, x):
+        import jax
+
+        return jax.nn.softmax(x, axis=-1)
+
     def exp(self, x):
         import jax.numpy as jnp
 

@@ -140,6 +140,9 @@ class _Engine(_flash.Engine):
     def row_sum(self, x):
         return tf.reduce_sum(x, axis=-1, keepdims=True)
 
+    def softmax(self, x):
+        return tf.nn.softmax(x, axis=-1)
+
     def exp(self, x):
         return tf.exp(x)
 
