@@ -18,9 +18,10 @@ keys are cut into key blocks of `KEY_BLOCK` (`key_block`):
   maximum `m` and sum `l` over the key blocks, the partial output rescaled by
   `exp(m_old - m_new)` at each one, divided by `l` at the end. Kept for the backward
   pass: Q, K, V, the mask, the bits, the output O and the per-row log-sum-exp
-  `lse = m + log(l)` ([batch, heads, queries]).
+  `lse = m + log(l)`, as its two terms ([2, batch, heads, queries]: near -1e9, an
+  additive mask's fully masked row, their sum would round `log(l)` away).
 - backward (the gradient `dO` arrives): `D = rowsum(dO * O)` once; per tile,
-  `P = exp(S - lse)` (no softmax over whole rows), `dV += drop(P)^T dO`,
+  `P = exp((S - m) - log(l))` (no softmax over whole rows), `dV += drop(P)^T dO`,
   `dP = drop(dO V^T)` (the dropout is linear: its gradient is the same selection and
   scaling), `dS = P * (dP - D)` -- which equals the softmax's `P * (dP - rowsum(dP *
   P))`, the dropout included -- and the vector-Jacobian product of `logits` with `dS`
@@ -410,8 +411,8 @@ def _softmax_block(E, logits, q_j, k, mask_j, keep, v, rate):
     times V; `lse = max - log(max of the softmax)`, no second pass of exponentials."""
     s, valid = logits(q_j, k, mask_j)
     p = E.softmax(s)
-    # lse = max + log(sum): the softmax's largest entry is exp(0) / sum
-    lse = (E.row_max(s) - E.log(E.row_max(p)))[..., 0]
+    # log(sum): the softmax's largest entry is exp(0) / sum
+    lse = E.stack([E.row_max(s)[..., 0], -E.log(E.row_max(p))[..., 0]])
     if valid is not None:
         p = E.where(valid, p, 0.0)
     if keep is not None:
@@ -448,13 +449,15 @@ def _online_block(E, logits, q_j, mask_j, bits_j, parts, anchor, rate):
     acc = E.zeros(q_j, [heads, rows, v.shape[3]], v.dtype, anchor)
     (m, total, acc), _ = _blocks(E, body, (zeros + NEG_INF, zeros, acc), nk, (), anchor)
     m_use = E.where(m == NEG_INF, 0.0, m)
-    return E.transpose(acc / total, [0, 2, 1, 3]), (m_use + E.log(total))[..., 0]
+    return E.transpose(acc / total, [0, 2, 1, 3]), E.stack([m_use[..., 0], E.log(total)[..., 0]])
 
 
 def forward(E, logits, q, k, v, mask, bits, rate, block, key_block=None):
     """FlashAttention-2's forward pass: `(O, lse)`, the attended values
-    `drop(softmax(logits(q, k, mask))) v` and the per-row log-sum-exp of the logits
-    ([batch, heads, queries]), row block by row block (and key block by key block with a
+    `drop(softmax(logits(q, k, mask))) v` and the per-row log-sum-exp of the logits as
+    its two terms, the row's maximum and the log of its sum of exponentials
+    ([2, batch, heads, queries]: a row of logits near -1e9 would lose the second to
+    rounding in their sum), row block by row block (and key block by key block with a
     running maximum and sum when `key_block` is given).
 
     Args:
@@ -493,7 +496,7 @@ def forward(E, logits, q, k, v, mask, bits, rate, block, key_block=None):
                                     (kp, vp, columns, nk, key_block), q, rate)
 
     _, (outs, lses) = _blocks(E, body, (), n, (v.dtype, q.dtype), q)
-    return E.join(outs, queries, 1), E.join(lses, queries, 2)
+    return E.join(outs, queries, 1), E.join(lses, queries, 3)
 
 
 def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_block=None):
@@ -508,7 +511,7 @@ def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_b
     known = q.shape[1] is not None
     row_dot = E.einsum(ROW_DOT, d_out, out)  # rowsum(dO * O): [batch, heads, queries]
     qp, maskp, bitsp, (d_outp, row_dotp, lsep), n = _padded(
-        E, q, mask, bits, block, ((d_out, 1), (row_dot, 2), (lse, 2)))
+        E, q, mask, bits, block, ((d_out, 1), (row_dot, 2), (lse, 3)))
     if key_block is not None and (not isinstance(keys, int) or key_block >= keys):
         key_block = None
     kp, vp, maskp, bitsp, nk, columns = _keys_padded(E, k, v, maskp, bitsp, keys, key_block)
@@ -522,7 +525,9 @@ def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_b
             return s, valid
 
         s, valid, pullback = E.vjp(scores, q_j, k_c)
-        p = E.exp(s - lse_j[..., None])
+        # (s - max) - log(sum), not s - lse: a row of logits near -1e9 (a fully masked
+        # row, additive masks) would lose log(sum) to rounding in lse
+        p = E.exp((s - lse_j[0][..., None]) - lse_j[1][..., None])
         if valid is not None:
             p = E.where(valid, p, 0.0)
         dropped = p if keep is None else E.drop(p, keep, rate)
@@ -535,7 +540,7 @@ def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_b
     def body(carry, i, gate):
         d_k, d_v = carry
         q_j, d_out_j = _gated(E, _query_rows(E, i, block, known, [(qp, 1), (d_outp, 1)]), gate)
-        dot_j, lse_j = _query_rows(E, i, block, known, [(row_dotp, 2), (lsep, 2)])
+        dot_j, lse_j = _query_rows(E, i, block, known, [(row_dotp, 2), (lsep, 3)])
         mask_j = _cut(E, maskp, 2, i * block, block) if block is not None and known else maskp
         bits_j = _bits_rows(E, bitsp, i, block, known)
         if key_block is None:

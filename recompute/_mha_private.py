@@ -69,7 +69,7 @@ def masked_logits(layer, scores, mask):
     if mask is None:
         return scores, None
     axis = -len(attention_axes(layer) or (1,)) * 2 - 1
-    if type(layer).__module__.startswith("tf_keras."):
+    if any(c.__module__.startswith("tf_keras.") for c in type(layer).__mro__):
         import tensorflow as tf
 
         while mask.shape.rank < scores.shape.rank:
