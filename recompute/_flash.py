@@ -165,9 +165,9 @@ def runs_blocked(engine, dtype, queries, keys):
     - `attention_core("keras")` / `("blocked")`: that core.
     - `"auto"`: the blocked core on TensorFlow; the layer's own core on JAX,
       where XLA:GPU's plan for an H100 of keras-hub BERT-base (12 blocks,
-      seq 512, float32) holds 231.0 MiB per sample under `"full"` with the
-      blocked core against 78.0 with Keras's (`python -m benchmarks.gpu_plan`,
-      docs/attention.md).
+      seq 512, float32) holds 145.5 MiB per sample under `"full"` with the
+      FlashAttention-2 core against 78.0 with Keras's (`"attention"`: 275.1
+      against 295.6; `python -m benchmarks.gpu_plan`, docs/attention.md).
 
     Args:
         engine: the `Engine` of the call (`_flash_tf.ENGINE`, `_flash_jax.ENGINE`;
