@@ -111,6 +111,10 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
     factor = 1.0 / math.sqrt(float(_mha.key_dim(layer)))
     dtype = getattr(_mha.softmax(layer), "compute_dtype", None) or query.dtype
 
+    def logits(q, k, mask):
+        q = q * engine.ENGINE.cast_scalar(factor, q)
+        return _mha.masked_logits(layer, engine.ENGINE.einsum(_flash.SCORES, q, k), mask)
+
     def probabilities(q, k, mask):
         q = q * engine.ENGINE.cast_scalar(factor, q)
         return _mha.masked_softmax(layer, engine.ENGINE.einsum(_flash.SCORES, q, k), mask)
@@ -127,7 +131,14 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
         return engine.pack(dropped != 0)
 
     bits = _core.kept(decide)
-    output = engine.attention(probabilities, query, key, value, mask, bits, rate,
-                              _flash.block_rows(queries, keys))
+    output = engine.attention(logits, query, key, value, mask, bits, rate,
+                              _flash.block_rows(queries, keys), _flash.key_block(keys),
+                              **_names(engine))
     scores = probabilities(query, key, mask) if scores_asked else None
     return output, scores
+
+
+def _names(engine):
+    """`attention`'s keyword on JAX: the output and log-sum-exp carry names
+    (`_flash_jax.OUTPUT_NAME`, `LSE_NAME`), which `_jax.full`'s checkpoint may keep."""
+    return {"name": True} if engine.ENGINE.name == "jax" else {}

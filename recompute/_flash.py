@@ -1,34 +1,42 @@
-"""Blocked attention: an attention core that never holds [seq, seq] floats beyond one block.
+"""FlashAttention-2 in framework ops: an attention core that never holds [seq, seq] floats
+beyond one block, and keeps its output and a per-row log-sum-exp for the backward pass.
 
-FlashAttention's idea (Dao et al., 2022) written in framework ops, once, for
-both engines (`_flash_tf` for TensorFlow, `_flash_jax` for JAX: each an
-`Engine` below). The core computes, per head,
+The algorithm of FlashAttention-2 (Dao, 2023), written once, for both engines
+(`_flash_tf` for TensorFlow, `_flash_jax` for JAX: each an `Engine` below). Per
+head, with the layer's logits `S = mask(scale * Q K^T)` (`logits`: its scale, its
+mask as its softmax applies it) and its dropout `drop` (the decision drawn once, by
+the layer's own dropout op, the masks those of RECOMPUTE=0, held as bits packed along
+the keys),
 
-    P = masked_softmax(scale * Q K^T),    O = drop(P) V
+    P = softmax(S) (zeroed where the layer's softmax zeroes),    O = drop(P) V.
 
-where `drop` is the layer's dropout, its decision drawn once, by the layer's
-own dropout op (so the masks are those of RECOMPUTE=0), and held as bits (1 bit
-per entry, packed along the key axis). The query axis is cut into blocks of
-`block` rows:
+The queries are cut into row blocks of `block` rows; beyond `LONG_KEYS` keys the
+keys are cut into key blocks of `KEY_BLOCK` (`key_block`):
 
-- forward: block by block, `P_j = probabilities(Q_j, K)` (the layer's own
-  scores, mask and softmax over all keys: no running maximum is needed when a
-  block spans every key), `O_j = drop(P_j) V`; only O is kept, and the inputs.
-- backward (the gradient `dO` arrives): block by block, `P_j` again, then
-  `dV += drop(P_j)^T dO_j`, `dP_j = drop'(dO_j V^T)` (the dropout is linear:
-  its gradient is the same selection and scaling), and the vector-Jacobian
-  product of `probabilities` at `(Q_j, K)` with `dP_j` gives `dQ_j` and adds
-  to `dK` -- the softmax's gradient `P ∘ (dP - rowsum(dP ∘ P))` and the
-  mask's, as autodiff takes them for the layer's own ops.
+- forward: per row block, with one key block (every key) the row's softmax in one
+  pass, `exp(S_j - max) / sum` as the layer computes it; with key blocks, a running
+  maximum `m` and sum `l` over the key blocks, the partial output rescaled by
+  `exp(m_old - m_new)` at each one, divided by `l` at the end. Kept for the backward
+  pass: Q, K, V, the mask, the bits, the output O and the per-row log-sum-exp
+  `lse = m + log(l)`, as its two terms ([2, batch, heads, queries]: near -1e9, an
+  additive mask's fully masked row, their sum would round `log(l)` away).
+- backward (the gradient `dO` arrives): `D = rowsum(dO * O)` once; per tile,
+  `P = exp((S - m) - log(l))` (no softmax over whole rows), `dV += drop(P)^T dO`,
+  `dP = drop(dO V^T)` (the dropout is linear: its gradient is the same selection and
+  scaling), `dS = P * (dP - D)` -- which equals the softmax's `P * (dP - rowsum(dP *
+  P))`, the dropout included -- and the vector-Jacobian product of `logits` with `dS`
+  gives `dQ` and adds to `dK` (the scale and the mask, as autodiff takes them for the
+  layer's own ops).
 
-One block's [batch, heads, block, seq] tensors are alive at a time (a loop of
-the engine's: `tf.while_loop`, `jax.lax.fori_loop`), in the forward pass and in the
-backward pass. The blocks' results equal the unblocked core's to float
-rounding (the sums over keys are the same; dK and dV add the blocks' parts).
+Up to `UNROLL` (8) blocks run as straight-line code, each block's inputs made after
+the block before it (`Engine.after`: an optimization barrier on JAX, a data
+dependency on TensorFlow), so that one block is alive at a time and the compiler
+sees no loop; beyond, a loop of the engine's (`tf.while_loop`, `jax.lax.fori_loop`).
+Results equal the unblocked core's to float rounding (each entry is the same sum over
+keys; dK and dV add the tiles' parts).
 
-Block size: `block_rows(queries, keys)`, by default the rows that make a block
-of at most `DEFAULT_BLOCK_ELEMENTS` (query, key) pairs; `attention_block_size`
-overrides it.
+Block size: `block_rows(queries, keys)`, by default the rows that make a tile of at
+most `DEFAULT_BLOCK_ELEMENTS` (query, key) pairs; `attention_block_size` overrides it.
 
 Besides its `ENGINE`, each engine module gives `_attention` the same four
 functions: `attention(...)` (the core with its gradient), `pack(mask)` (bits),
@@ -55,7 +63,8 @@ class attention_block_size(Setting):
     The blocked core (docs/recompute.md, "Blocked attention") serves the
     `MultiHeadAttention` layers of every call that `recompute_grad` recomputes,
     under every policy. By default a block holds at most 65,536 (query, key)
-    pairs per batch entry and head: 128 rows at seq 512, 32 at seq 2048.
+    pairs per batch entry and head: 128 rows at seq 512, and 128 rows of 512 keys
+    beyond 1024 keys (`key_block`).
     Smaller blocks keep less, larger ones loop less. As a statement it holds
     for the rest of the process; as a context manager, inside the block
     (applied again at each entry), and on exit the size in force when the
@@ -85,8 +94,8 @@ class attention_block_size(Setting):
 def block_rows(queries, keys):
     """The query rows of one block for `queries` x `keys` attention."""
     rows = _block_size[0]
-    if rows is None:
-        rows = max(1, DEFAULT_BLOCK_ELEMENTS // max(1, keys))
+    if rows is None:  # (`key_block`: the keys of one tile, where the keys are cut)
+        rows = max(1, DEFAULT_BLOCK_ELEMENTS // max(1, key_block(keys) or keys))
         if rows >= 8:
             rows -= rows % 8
     return max(1, min(rows, queries))
@@ -156,9 +165,9 @@ def runs_blocked(engine, dtype, queries, keys):
     - `attention_core("keras")` / `("blocked")`: that core.
     - `"auto"`: the blocked core on TensorFlow; the layer's own core on JAX,
       where XLA:GPU's plan for an H100 of keras-hub BERT-base (12 blocks,
-      seq 512, float32) holds 231.0 MiB per sample under `"full"` with the
-      blocked core against 78.0 with Keras's (`python -m benchmarks.gpu_plan`,
-      docs/attention.md).
+      seq 512, float32) holds 145.5 MiB per sample under `"full"` with the
+      FlashAttention-2 core against 78.0 with Keras's (`"attention"`: 275.1
+      against 295.6; `python -m benchmarks.gpu_plan`, docs/attention.md).
 
     Args:
         engine: the `Engine` of the call (`_flash_tf.ENGINE`, `_flash_jax.ENGINE`;
@@ -188,13 +197,19 @@ class Engine:
     def pad(self, x, axis, amount, value):
         """`x` with `amount` entries of `value` appended along `axis`."""
 
-    def scan(self, body, carry, n, y_dtype, anchor):
-        """`body(carry, i) -> (carry, y)` for i in 0..n-1, one at a time:
-        `(carry, ys)`, the ys stacked on a new axis 0. `anchor` is an input of
-        the core: the loop's buffers need not exist before it (`_flash_jax`)."""
+    def scan(self, body, carry, n, y_dtypes, anchor):
+        """`body(carry, i) -> (carry, ys)` for i in 0..n-1, one at a time, in a loop
+        (`ys` a tuple): `(carry, stacked)`, each of the ys stacked on a new axis 0.
+        `anchor` is an input of the core: the loop's buffers need not exist before
+        it (`_flash_jax`)."""
+
+    def after(self, tensors, gate):
+        """`tensors` (a list), made to exist only once `gate` does: the unrolled blocks
+        are chained so that one block is alive at a time."""
 
     def vjp(self, fn, *primals):
-        """`(fn(*primals), pullback)`: `pullback(cotangent)` is the tuple of gradients."""
+        """`(out, aux, pullback)` of `fn(*primals) -> (out, aux)`: `pullback(cotangent)`
+        is the tuple of the primals' gradients (`aux` is not differentiated)."""
 
     def einsum(self, equation, a, b):
         """The framework's einsum."""
@@ -208,105 +223,342 @@ class Engine:
     def drop(self, x, keep, rate):
         """The layer's dropout of `x` with the decision `keep` (its own arithmetic)."""
 
-    def join(self, ys, rows):
-        """[blocks, batch, block, ...] stacked by `scan` -> [batch, rows, ...] (the first `rows`)."""
+    def join(self, ys, rows, axis):
+        """[blocks, ..., block (at `axis` + 1), ...] stacked by `scan` -> the blocks
+        joined along `axis` (the first `rows`)."""
+
+    def stack(self, ys):
+        """The tensors `ys` stacked on a new axis 0."""
 
     def zeros_like(self, x, after):
         """Zeros of `x`'s shape and dtype, which need not exist before `after` (`_flash_jax`)."""
 
+    def zeros(self, batch_like, shape, dtype, after):
+        """Zeros of `[batch of batch_like] + shape`, which need not exist before `after`."""
+
+    def transpose(self, x, perm):
+        """`x` with its axes permuted."""
+
     def length(self, x, axis):
         """The size of `x` along `axis` when it is known only when run (a tensor)."""
 
+    def row_max(self, x):
+        """The maximum over the last axis, kept as an axis of 1."""
 
-def _rows_of(mask):
-    """Whether `mask` (rank 4, [batch, heads, queries, keys], axes maybe 1) varies along the queries."""
-    return mask is not None and mask.shape[2] is not None and mask.shape[2] != 1
+    def row_sum(self, x):
+        """The sum over the last axis, kept as an axis of 1."""
+
+    def softmax(self, x):
+        """The framework's softmax over the last axis (the one Keras's and bert4keras's
+        layers call: `tf.nn.softmax`, `jax.nn.softmax`)."""
+
+    def exp(self, x):
+        """`exp(x)`."""
+
+    def log(self, x):
+        """`log(x)`."""
+
+    def where(self, condition, x, y):
+        """`x` where `condition`, else `y` (a Python number or a tensor)."""
+
+    def maximum(self, x, y):
+        """The elementwise maximum."""
+
+    def constant(self, array):
+        """A NumPy array as a tensor."""
+
+
+UNROLL = 8  # up to this many blocks run unrolled (straight-line, chained); beyond, a loop
+LONG_KEYS = 1024  # beyond this many keys, the keys are cut into blocks of KEY_BLOCK
+KEY_BLOCK = 512
+
+ROW_DOT = "btnh,btnh->bnt"  # rowsum(dO * O): [batch, heads, queries]
+COMBINE_HEADS = "bnts,bsnh->bnth"  # a key block's part of O, heads before rows
+NEG_INF = float("-inf")
+
+
+def key_block(keys):
+    """The keys of one key block for attention over `keys` keys: None (one block of every key:
+    no running maximum) up to `LONG_KEYS`, else `KEY_BLOCK`. Up to 1024 keys a block of
+    every key holds at least 64 query rows of the default 65,536 pairs, and its softmax is
+    one pass; beyond, a row block would shrink below 64 rows (32 at 2048 keys), so the keys
+    are cut instead and each row block keeps a running maximum and sum."""
+    if keys is None or keys <= LONG_KEYS:
+        return None
+    return KEY_BLOCK
+
+
+def _rank4(mask):
+    return () if mask is None else (mask if isinstance(mask, tuple) else (mask,))
+
+
+def _along(mask, axis):
+    """Whether `mask` (rank 4, [batch, heads, queries, keys], axes maybe 1) varies along `axis`."""
+    return mask is not None and mask.shape[axis] is not None and mask.shape[axis] != 1
+
+
+def _map_mask(mask, fn):
+    """`fn` applied to the mask, or to each mask of a tuple of masks (None kept)."""
+    if isinstance(mask, tuple):
+        return tuple(None if m is None else fn(m) for m in mask)
+    return None if mask is None else fn(mask)
+
+
+def _cut(E, mask, axis, start, size):
+    """The mask(s) cut to `[start, start + size)` along `axis` where they vary along it."""
+    return _map_mask(mask, lambda m: E.rows(m, start, size, axis) if _along(m, axis) else m)
 
 
 def _padded(E, q, mask, bits, block, extra=()):
     """The inputs with their query axis padded to a whole number of blocks
     (padding rows attend to every key: nothing masked, no dropout; their results
-    are cut off). Returns `(q, mask, bits, extra, n_blocks)`."""
+    are cut off). `extra`: `(tensor, axis)` pairs padded with zeros along `axis`.
+    Returns `(q, mask, bits, extra, n_blocks)`."""
     queries = q.shape[1]
     if queries is None or block is None:  # a length known only when run: one block
-        return q, mask, bits, extra, 1
+        return q, mask, bits, tuple(x for x, _ in extra), 1
     n = -(-queries // block)
     amount = n * block - queries
     if amount:
         q = E.pad(q, 1, amount, 0)
-        extra = tuple(E.pad(x, 1, amount, 0) for x in extra)
-        if _rows_of(mask):
-            mask = E.pad(mask, 2, amount, True)  # (1 for a numeric mask)
+        extra = tuple((E.pad(x, axis, amount, 0), axis) for x, axis in extra)
+        mask = _map_mask(mask, lambda m: E.pad(m, 2, amount, True) if _along(m, 2) else m)
         if bits is not None:
             bits = E.pad(bits, 2, amount, 0)
-    return q, mask, bits, extra, n
+    return q, mask, bits, tuple(x for x, _ in extra), n
 
 
-def _block_inputs(E, i, block, q, mask, bits, keys, d_out=None):
-    """Block `i`'s rows: `(q_j, mask_j, keep_j, d_out_j)` (the whole inputs when there is
-    one block of a length known only when run; `d_out_j` None without `d_out`)."""
-    if block is None or q.shape[1] is None:
-        keep = None if bits is None else E.unpack(bits, keys)
-        return q, mask, keep, d_out
-    start = i * block
-    q_j = E.rows(q, start, block, 1)
-    mask_j = E.rows(mask, start, block, 2) if _rows_of(mask) else mask
-    keep_j = None if bits is None else E.unpack(E.rows(bits, start, block, 2), keys)
-    d_out_j = None if d_out is None else E.rows(d_out, start, block, 1)
-    return q_j, mask_j, keep_j, d_out_j
+def _keys_padded(E, k, v, mask, bits, keys, kb):
+    """Keys, values, mask(s) and bits padded along the keys to a whole number of key blocks
+    of `kb` (a multiple of 8: the bits' bytes are cut with them), and `(n_key_blocks,
+    columns)`: columns, where padded, the bool [n * kb] of the real keys, else None."""
+    if kb is None:
+        return k, v, mask, bits, 1, None
+    n = -(-keys // kb)
+    amount = n * kb - keys
+    if not amount:
+        return k, v, mask, bits, n, None
+    import numpy as np
+
+    k, v = E.pad(k, 1, amount, 0), E.pad(v, 1, amount, 0)
+    mask = _map_mask(mask, lambda m: E.pad(m, 3, amount, 0) if _along(m, 3) else m)
+    if bits is not None and bits.shape[-1] < n * kb // 8:
+        bits = E.pad(bits, 3, n * kb // 8 - bits.shape[-1], 0)
+    return k, v, mask, bits, n, E.constant(np.arange(n * kb) < keys)
+
+
+def _blocks(E, body, carry, n, y_dtypes, anchor):
+    """`body(carry, i, gate) -> (carry, ys)` for the blocks i = 0..n-1, one at a time:
+    `(carry, stacked ys)`. Up to `UNROLL` blocks, straight-line code, each block's inputs
+    made after the block before it (`gate`: its carry and ys; `Engine.after`), so that the
+    compiler holds one block at a time; beyond, the engine's loop (`gate` None)."""
+    if n > UNROLL:
+        return E.scan(lambda c, i: body(c, i, None), carry, n, y_dtypes, anchor)
+    stacked, gate = [], None
+    for i in range(n):
+        carry, ys = body(carry, i, gate)
+        stacked.append(ys)
+        gate = [t for t in _flat(carry) + list(ys) if t is not None]
+    return carry, tuple(E.stack([ys[j] for ys in stacked]) for j in range(len(y_dtypes)))
+
+
+def _flat(carry):
+    return list(carry) if isinstance(carry, (tuple, list)) else [carry]
+
+
+def _gated(E, tensors, gate):
+    """`tensors` (a list, None entries kept) made after `gate` (None: as they are)."""
+    if not gate:
+        return tensors
+    present = [i for i, t in enumerate(tensors) if t is not None]
+    made = E.after([tensors[i] for i in present], gate)
+    out = list(tensors)
+    for i, t in zip(present, made):
+        out[i] = t
+    return out
 
 
 def _keys(E, k):
     return k.shape[1] if k.shape[1] is not None else E.length(k, 1)
 
 
-def forward(E, probabilities, q, k, v, mask, bits, rate, block):
-    """The attended values `drop(probabilities(q, k, mask)) v`, block by block.
+def _query_rows(E, i, block, known, tensors):
+    """Block `i`'s rows of `tensors` ((tensor, axis) pairs; the whole tensor where there is
+    one block of a length known only when run)."""
+    if block is None or not known:
+        return [t for t, _ in tensors]
+    return [None if t is None else E.rows(t, i * block, block, axis) for t, axis in tensors]
+
+
+def _bits_rows(E, bits, i, block, known):
+    if bits is None or block is None or not known:
+        return bits
+    return E.rows(bits, i * block, block, 2)
+
+
+def _key_part(E, c, kb, k, v, mask, bits, columns):
+    """Key block `c`: `(k_c, v_c, mask_c, keep_c, columns_c)` (keep_c: the unpacked bits)."""
+    k_c, v_c = E.rows(k, c * kb, kb, 1), E.rows(v, c * kb, kb, 1)
+    mask_c = _cut(E, mask, 3, c * kb, kb)
+    keep = None if bits is None else E.unpack(E.rows(bits, c * (kb // 8), kb // 8, 3), kb)
+    cols = None if columns is None else E.rows(columns, c * kb, kb, 0)
+    return k_c, v_c, mask_c, keep, cols
+
+
+def _softmax_block(E, logits, q_j, k, mask_j, keep, v, rate):
+    """One block of every key: `(O_j, lse_j)` -- the row's softmax in one pass, the
+    framework's own (so the output is the layer's, bit for bit where the ops are), dropped,
+    times V; `lse = max - log(max of the softmax)`, no second pass of exponentials."""
+    s, valid = logits(q_j, k, mask_j)
+    p = E.softmax(s)
+    # log(sum): the softmax's largest entry is exp(0) / sum
+    lse = E.stack([E.row_max(s)[..., 0], -E.log(E.row_max(p))[..., 0]])
+    if valid is not None:
+        p = E.where(valid, p, 0.0)
+    if keep is not None:
+        p = E.drop(p, keep, rate)
+    return E.einsum(COMBINE, p, v), lse
+
+
+def _online_block(E, logits, q_j, mask_j, bits_j, parts, anchor, rate):
+    """Key blocks with a running maximum and sum (FlashAttention-2's forward for one row
+    block): `(O_j, lse_j)`. `parts = (k, v, columns, n_key_blocks, kb)`."""
+    k, v, columns, nk, kb = parts
+
+    def body(carry, c, gate):
+        m, total, acc = carry
+        (q_g,) = _gated(E, [q_j], gate)
+        k_c, v_c, mask_c, keep, cols = _key_part(E, c, kb, k, v, mask_j, bits_j, columns)
+        s, valid = logits(q_g, k_c, mask_c)
+        if cols is not None:  # padded keys: out of every row
+            s = E.where(cols, s, NEG_INF)
+        m_new = E.maximum(m, E.row_max(s))
+        m_use = E.where(m_new == NEG_INF, 0.0, m_new)  # a row with no key yet (bias of -inf)
+        alpha = E.exp(m - m_use)
+        e = E.exp(s - m_use)
+        total = alpha * total + E.row_sum(e)
+        if valid is not None:
+            e = E.where(valid, e, 0.0)
+        if keep is not None:
+            e = E.drop(e, keep, rate)
+        acc = acc * alpha + E.einsum(COMBINE_HEADS, e, v_c)
+        return (m_new, total, acc), ()
+
+    heads, rows = q_j.shape[2], q_j.shape[1]  # (static: `Engine.rows` keeps the size)
+    zeros = E.zeros(q_j, [heads, rows, 1], q_j.dtype, anchor)  # [batch, heads, rows, 1]
+    acc = E.zeros(q_j, [heads, rows, v.shape[3]], v.dtype, anchor)
+    (m, total, acc), _ = _blocks(E, body, (zeros + NEG_INF, zeros, acc), nk, (), anchor)
+    m_use = E.where(m == NEG_INF, 0.0, m)
+    return E.transpose(acc / total, [0, 2, 1, 3]), E.stack([m_use[..., 0], E.log(total)[..., 0]])
+
+
+def forward(E, logits, q, k, v, mask, bits, rate, block, key_block=None):
+    """FlashAttention-2's forward pass: `(O, lse)`, the attended values
+    `drop(softmax(logits(q, k, mask))) v` and the per-row log-sum-exp of the logits as
+    its two terms, the row's maximum and the log of its sum of exponentials
+    ([2, batch, heads, queries]: a row of logits near -1e9 would lose the second to
+    rounding in their sum), row block by row block (and key block by key block with a
+    running maximum and sum when `key_block` is given).
 
     Args:
         E: the `Engine`.
-        probabilities: `(q_j, k, mask_j) -> P_j`, the layer's scaled scores,
-            mask and softmax for a block of queries: [batch, heads, rows, keys].
+        logits: `(q_j, k_c, mask_jc) -> (s, valid)`: the layer's scaled, masked scores
+            for a block of queries and keys ([batch, heads, rows, keys]; what enters its
+            softmax) and None or the bool entries its softmax keeps (Keras zeroes the
+            others after the softmax: a fully masked row is all zeros).
         q, k, v: [batch, queries, heads, dim], [batch, keys, heads, dim],
             [batch, keys, heads, value_dim].
-        mask: None or a mask of rank 4 broadcastable to [batch, heads, queries,
-            keys] (the layer's own, as its softmax takes it).
+        mask: None, a mask of rank 4 broadcastable to [batch, heads, queries, keys],
+            or a tuple of such (None entries allowed), cut into blocks along the axes
+            where it varies and handed to `logits`.
         bits: None (no dropout) or the dropout's decision packed along the keys
             ([batch, heads, queries, ceil(keys / 8)] uint8).
         rate: the dropout's rate.
         block: query rows per block (None: one block; so too when the queries'
             number is known only when the core runs).
+        key_block: keys per key block (a multiple of 8), or None: every key in one block.
     """
     queries, keys = q.shape[1], _keys(E, k)
+    known = q.shape[1] is not None
     qp, maskp, bitsp, _, n = _padded(E, q, mask, bits, block)
+    if key_block is not None and (not isinstance(keys, int) or key_block >= keys):
+        key_block = None
+    kp, vp, maskp, bitsp, nk, columns = _keys_padded(E, k, v, maskp, bitsp, keys, key_block)
 
-    def body(carry, i):
-        q_j, mask_j, keep_j, _ = _block_inputs(E, i, block, qp, maskp, bitsp, keys)
-        p = probabilities(q_j, k, mask_j)
-        if keep_j is not None:
-            p = E.drop(p, keep_j, rate)
-        return carry, E.einsum(COMBINE, p, v)
+    def body(carry, i, gate):
+        (q_j,) = _gated(E, _query_rows(E, i, block, known, [(qp, 1)]), gate)
+        mask_j = _cut(E, maskp, 2, i * block, block) if block is not None and known else maskp
+        bits_j = _bits_rows(E, bitsp, i, block, known)
+        if key_block is None:
+            keep = None if bits_j is None else E.unpack(bits_j, keys)
+            return carry, _softmax_block(E, logits, q_j, k, mask_j, keep, v, rate)
+        return carry, _online_block(E, logits, q_j, mask_j, bits_j,
+                                    (kp, vp, columns, nk, key_block), q, rate)
 
-    _, ys = E.scan(body, (), n, v.dtype, q)
-    return E.join(ys, queries)
+    _, (outs, lses) = _blocks(E, body, (), n, (v.dtype, q.dtype), q)
+    return E.join(outs, queries, 1), E.join(lses, queries, 3)
 
 
-def backward(E, probabilities, q, k, v, mask, bits, rate, block, d_out):
-    """`(dq, dk, dv)` of `forward` for the gradient `d_out` of its result, block by block."""
+def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_block=None):
+    """FlashAttention-2's backward pass: `(dq, dk, dv)` of `forward` for the gradient
+    `d_out` of its output `out`, from `lse` (no softmax over whole rows): per block,
+    `P = exp(s - lse)` (zeroed where `logits` says the softmax zeroes), `dV += drop(P)^T dO`,
+    `dP = drop(dO V^T)` (the dropout's selection and scaling: it is linear),
+    `dS = P * (dP - rowsum(dO * O))`, and the vector-Jacobian product of `logits` with
+    `dS` gives `dQ` and `dK` (the scale and the mask's gradient, as autodiff takes them for
+    the layer's own ops)."""
     queries, keys = q.shape[1], _keys(E, k)
-    qp, maskp, bitsp, (d_outp,), n = _padded(E, q, mask, bits, block, (d_out,))
+    known = q.shape[1] is not None
+    row_dot = E.einsum(ROW_DOT, d_out, out)  # rowsum(dO * O): [batch, heads, queries]
+    qp, maskp, bitsp, (d_outp, row_dotp, lsep), n = _padded(
+        E, q, mask, bits, block, ((d_out, 1), (row_dot, 2), (lse, 3)))
+    if key_block is not None and (not isinstance(keys, int) or key_block >= keys):
+        key_block = None
+    kp, vp, maskp, bitsp, nk, columns = _keys_padded(E, k, v, maskp, bitsp, keys, key_block)
 
-    def body(carry, i):
+    def part(q_j, k_c, v_c, mask_c, keep, cols, d_out_j, dot_j, lse_j):
+        """A tile's `(dq, dk, dv)`."""
+        def scores(q_j, k_c):
+            s, valid = logits(q_j, k_c, mask_c)
+            if cols is not None:
+                s = E.where(cols, s, NEG_INF)
+            return s, valid
+
+        s, valid, pullback = E.vjp(scores, q_j, k_c)
+        # (s - max) - log(sum), not s - lse: a row of logits near -1e9 (a fully masked
+        # row, additive masks) would lose log(sum) to rounding in lse
+        p = E.exp((s - lse_j[0][..., None]) - lse_j[1][..., None])
+        if valid is not None:
+            p = E.where(valid, p, 0.0)
+        dropped = p if keep is None else E.drop(p, keep, rate)
+        d_v = E.einsum(D_VALUE, dropped, d_out_j)
+        d_dropped = E.einsum(D_PROBS, d_out_j, v_c)
+        d_p = d_dropped if keep is None else E.drop(d_dropped, keep, rate)
+        d_q, d_k = pullback(p * (d_p - dot_j[..., None]))
+        return d_q, d_k, d_v
+
+    def body(carry, i, gate):
         d_k, d_v = carry
-        q_j, mask_j, keep_j, d_out_j = _block_inputs(E, i, block, qp, maskp, bitsp, keys, d_outp)
-        p, pullback = E.vjp(lambda q_j, k: probabilities(q_j, k, mask_j), q_j, k)
-        dropped = p if keep_j is None else E.drop(p, keep_j, rate)
-        d_v = d_v + E.einsum(D_VALUE, dropped, d_out_j)
-        d_dropped = E.einsum(D_PROBS, d_out_j, v)
-        d_p = d_dropped if keep_j is None else E.drop(d_dropped, keep_j, rate)
-        d_q_j, d_k_j = pullback(d_p)
-        return (d_k + d_k_j, d_v), d_q_j
+        q_j, d_out_j = _gated(E, _query_rows(E, i, block, known, [(qp, 1), (d_outp, 1)]), gate)
+        dot_j, lse_j = _query_rows(E, i, block, known, [(row_dotp, 2), (lsep, 3)])
+        mask_j = _cut(E, maskp, 2, i * block, block) if block is not None and known else maskp
+        bits_j = _bits_rows(E, bitsp, i, block, known)
+        if key_block is None:
+            keep = None if bits_j is None else E.unpack(bits_j, keys)
+            d_q_j, d_k_j, d_v_j = part(q_j, k, v, mask_j, keep, None, d_out_j, dot_j, lse_j)
+            return (d_k + d_k_j, d_v + d_v_j), (d_q_j,)
+
+        def inner(d_q_j, c, gate):
+            (q_g,) = _gated(E, [q_j], gate)
+            k_c, v_c, mask_c, keep, cols = _key_part(E, c, key_block, kp, vp, mask_j, bits_j,
+                                                     columns)
+            d_q_c, d_k_c, d_v_c = part(q_g, k_c, v_c, mask_c, keep, cols, d_out_j, dot_j, lse_j)
+            return d_q_j + d_q_c, (d_k_c, d_v_c)
+
+        d_q_j, (d_ks, d_vs) = _blocks(E, inner, E.zeros_like(q_j, d_out), nk,
+                                      (k.dtype, v.dtype), d_out)
+        return (d_k + E.join(d_ks, keys, 1), d_v + E.join(d_vs, keys, 1)), (d_q_j,)
 
     zeros = (E.zeros_like(k, d_out), E.zeros_like(v, d_out))
-    (d_k, d_v), d_qs = E.scan(body, zeros, n, q.dtype, d_out)
-    return E.join(d_qs, queries), d_k, d_v
+    (d_k, d_v), (d_qs,) = _blocks(E, body, zeros, n, (q.dtype,), d_out)
+    return E.join(d_qs, queries, 1), d_k, d_v

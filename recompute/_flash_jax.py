@@ -45,13 +45,19 @@ class _Engine(_flash.Engine):
         widths[axis] = (0, amount)
         return jnp.pad(x, widths, constant_values=jnp.asarray(value, x.dtype))
 
-    def scan(self, body, carry, n, y_dtype, anchor):
+    def scan(self, body, carry, n, y_dtypes, anchor):
         return scan_after(body, carry, n, anchor)
+
+    def after(self, tensors, gate):
+        import jax
+
+        return list(jax.lax.optimization_barrier((list(tensors), list(gate)))[0])
 
     def vjp(self, fn, *primals):
         import jax
 
-        return jax.vjp(fn, *primals)
+        out, pullback, aux = jax.vjp(fn, *primals, has_aux=True)
+        return out, aux, pullback
 
     def einsum(self, equation, a, b):
         import jax.numpy as jnp
@@ -77,12 +83,19 @@ class _Engine(_flash.Engine):
         # Keras's JAX dropout: select(keep, x / (1 - rate), 0).
         return jax.lax.select(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
-    def join(self, ys, rows):
+    def join(self, ys, rows, axis):
         import jax.numpy as jnp
 
-        moved = jnp.moveaxis(ys, 0, 1)
-        joined = moved.reshape((moved.shape[0], -1) + moved.shape[3:])
-        return joined if joined.shape[1] == rows else joined[:, :rows]
+        moved = jnp.moveaxis(ys, 0, axis)
+        joined = moved.reshape(moved.shape[:axis] + (-1,) + moved.shape[axis + 2:])
+        if joined.shape[axis] == rows:
+            return joined
+        return jax_rows(joined, 0, rows, axis)
+
+    def stack(self, ys):
+        import jax.numpy as jnp
+
+        return jnp.stack(ys)
 
     def zeros_like(self, x, after):
         import jax.numpy as jnp
@@ -90,8 +103,65 @@ class _Engine(_flash.Engine):
         # made after `after`, not at the start of the step: `scan_after`
         return jnp.broadcast_to(zero_after(after, x.dtype), x.shape)
 
+    def zeros(self, batch_like, shape, dtype, after):
+        import jax.numpy as jnp
+
+        return jnp.broadcast_to(zero_after(after, dtype), (batch_like.shape[0],) + tuple(shape))
+
+    def transpose(self, x, perm):
+        import jax.numpy as jnp
+
+        return jnp.transpose(x, perm)
+
     def length(self, x, axis):
         return x.shape[axis]  # (static under JAX)
+
+    def row_max(self, x):
+        import jax.numpy as jnp
+
+        return jnp.max(x, axis=-1, keepdims=True)
+
+    def row_sum(self, x):
+        import jax.numpy as jnp
+
+        return jnp.sum(x, axis=-1, keepdims=True)
+
+    def softmax(self, x):
+        import jax
+
+        return jax.nn.softmax(x, axis=-1)
+
+    def exp(self, x):
+        import jax.numpy as jnp
+
+        return jnp.exp(x)
+
+    def log(self, x):
+        import jax.numpy as jnp
+
+        return jnp.log(x)
+
+    def where(self, condition, x, y):
+        import jax.numpy as jnp
+
+        dtype = x.dtype if hasattr(x, "dtype") else y.dtype
+        return jnp.where(condition, jnp.asarray(x, dtype), jnp.asarray(y, dtype))
+
+    def maximum(self, x, y):
+        import jax.numpy as jnp
+
+        return jnp.maximum(x, y)
+
+    def constant(self, array):
+        import jax.numpy as jnp
+
+        return jnp.asarray(array)
+
+
+def jax_rows(x, start, size, axis):
+    import jax
+
+    return jax.lax.slice_in_dim(x, start, start + size, axis=axis)
 
 
 ENGINE = _Engine()
@@ -123,13 +193,15 @@ def scan_after(body, carry, n, anchor):
     import jax
     import jax.numpy as jnp
 
-    y = jax.eval_shape(lambda c: body(c, jnp.asarray(0, jnp.int32))[1], carry)
-    ys = jnp.broadcast_to(zero_after(anchor, y.dtype), (n,) + tuple(y.shape))
+    shapes = jax.eval_shape(lambda c: body(c, jnp.asarray(0, jnp.int32))[1], carry)
+    ys = jax.tree_util.tree_map(
+        lambda y: jnp.broadcast_to(zero_after(anchor, y.dtype), (n,) + tuple(y.shape)), shapes)
 
     def step(i, state):
         carry, ys = state
         carry, y = body(carry, i)
-        return carry, jax.lax.dynamic_update_index_in_dim(ys, y, i, 0)
+        return carry, jax.tree_util.tree_map(
+            lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, i, 0), ys, y)
 
     return jax.lax.fori_loop(0, n, step, (carry, ys))
 
@@ -211,21 +283,38 @@ def keep_bits(dropout, batch_like, shape, rows):
     return joined if n * rows == queries else joined[:, :, :queries]
 
 
-def attention(probabilities, query, key, value, mask, bits, rate, block):
-    """`_flash.forward` as one `jax.custom_vjp` of `query`, `key` and `value`, whose
-    gradient is `_flash.backward` (residuals: the inputs, `mask` and `bits`)."""
+OUTPUT_NAME = "recompute_attention_output"  # the names `_jax.full` keeps (`KEEP_OUTPUT`)
+LSE_NAME = "recompute_attention_lse"
+
+
+def attention(logits, query, key, value, mask, bits, rate, block, key_block=None, name=False):
+    """FlashAttention-2 (`_flash.forward`) as one `jax.custom_vjp` of `query`, `key` and
+    `value`, whose gradient is `_flash.backward` (residuals: the inputs, `mask`, `bits`,
+    the output and the per-row log-sum-exp). With `name`, the output and log-sum-exp carry
+    `jax.ad_checkpoint.checkpoint_name`s (`OUTPUT_NAME`, `LSE_NAME`), which a
+    `jax.checkpoint` policy may keep."""
     import jax
 
     @jax.custom_vjp
     def core(query, key, value, mask, bits):
-        return _flash.forward(ENGINE, probabilities, query, key, value, mask, bits, rate, block)
+        return _flash.forward(ENGINE, logits, query, key, value, mask, bits, rate, block,
+                              key_block)[0]
 
     def core_fwd(query, key, value, mask, bits):
-        return core(query, key, value, mask, bits), (query, key, value, mask, bits)
+        out, lse = _flash.forward(ENGINE, logits, query, key, value, mask, bits, rate, block,
+                                  key_block)
+        if name:
+            from jax.ad_checkpoint import checkpoint_name
+
+            out, lse = checkpoint_name(out, OUTPUT_NAME), checkpoint_name(lse, LSE_NAME)
+        return out, (query, key, value, mask, bits, out, lse)
 
     def core_bwd(residuals, d_out):
-        q, k, v, m, b = residuals
-        d_q, d_k, d_v = _flash.backward(ENGINE, probabilities, q, k, v, m, b, rate, block, d_out)
+        # after the gradient: no common subexpression with the forward pass (XLA would keep
+        # the forward's scores for the backward's)
+        (q, k, v, m, b, o, s), _ = jax.lax.optimization_barrier((residuals, d_out))
+        d_q, d_k, d_v = _flash.backward(ENGINE, logits, q, k, v, m, b, rate, block, d_out, o, s,
+                                        key_block)
         return d_q, d_k, d_v, _no_gradient(m), _no_gradient(b)
 
     core.defvjp(core_fwd, core_bwd)
@@ -234,6 +323,8 @@ def attention(probabilities, query, key, value, mask, bits, rate, block):
 
 def _no_gradient(x):
     """The cotangent of a non-differentiable input of a `custom_vjp` (a mask, bits)."""
+    if isinstance(x, tuple):
+        return tuple(_no_gradient(m) for m in x)
     if x is None:
         return None
     import jax

@@ -41,40 +41,48 @@ class _Engine(_flash.Engine):
     def rows(self, x, start, size, axis):
         index = [slice(None)] * x.shape.rank
         index[axis] = slice(start, start + size)
-        return x[tuple(index)]
+        y = x[tuple(index)]
+        shape = y.shape.as_list()
+        if shape[axis] is None:  # (a traced start: the size is still `size`)
+            shape[axis] = size
+            y.set_shape(shape)
+        return y
 
     def pad(self, x, axis, amount, value):
         paddings = [[0, 0]] * x.shape.rank
         paddings[axis] = [0, amount]
         return tf.pad(x, paddings, constant_values=tf.cast(value, x.dtype))
 
-    def scan(self, body, carry, n, y_dtype, anchor):
-        if n == 1 or tf.executing_eagerly():
-            ys = []
+    def scan(self, body, carry, n, y_dtypes, anchor):
+        if tf.executing_eagerly():
+            stacked = []
             for i in range(n):
-                carry, y = body(carry, tf.constant(i))
-                ys.append(y)
-            return carry, tf.stack(ys)
-        array = tf.TensorArray(y_dtype, size=n, infer_shape=True)
+                carry, ys = body(carry, tf.constant(i))
+                stacked.append(ys)
+            return carry, tuple(tf.stack([ys[j] for ys in stacked]) for j in range(len(y_dtypes)))
+        arrays = tuple(tf.TensorArray(dtype, size=n, infer_shape=True) for dtype in y_dtypes)
 
-        def step(i, carry, array):
-            carry, y = body(carry, i)
-            return i + 1, carry, array.write(i, y)
+        def step(i, carry, arrays):
+            carry, ys = body(carry, i)
+            return i + 1, carry, tuple(a.write(i, y) for a, y in zip(arrays, ys))
 
-        _, carry, array = tf.while_loop(
-            lambda i, *_: i < n, step, (tf.constant(0), carry, array),
+        _, carry, arrays = tf.while_loop(
+            lambda i, *_: i < n, step, (tf.constant(0), carry, arrays),
             parallel_iterations=1, maximum_iterations=n)
-        return carry, array.stack()
+        return carry, tuple(a.stack() for a in arrays)
+
+    def after(self, tensors, gate):
+        return after(tensors, *gate)
 
     def vjp(self, fn, *primals):
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(primals)
-            out = fn(*primals)
+            out, aux = fn(*primals)
 
         def pullback(cotangent):
             return tape.gradient(out, list(primals), output_gradients=cotangent)
 
-        return out, pullback
+        return out, aux, pullback
 
     def einsum(self, equation, a, b):
         return tf.einsum(equation, a, b)
@@ -99,18 +107,57 @@ class _Engine(_flash.Engine):
         # zeroed where dropped.
         return tf.where(keep, x * tf.cast(1.0 / (1.0 - rate), x.dtype), tf.zeros([], x.dtype))
 
-    def join(self, ys, rows):
-        # [blocks, batch, block, heads, dim] -> [batch, blocks * block, heads, dim]
-        moved = tf.transpose(ys, [1, 0] + list(range(2, ys.shape.rank)))
-        shape = tf.concat([tf.shape(moved)[:1], [-1], tf.shape(moved)[3:]], 0)
-        joined = tf.reshape(moved, shape)
-        return joined if joined.shape[1] == rows else joined[:, :rows]
+    def join(self, ys, rows, axis):
+        # [blocks, d0.., block, ...] -> [d0.., blocks * block, ...] (block at `axis` + 1)
+        rank = ys.shape.rank
+        moved = tf.transpose(ys, list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank)))
+        shape = tf.shape(moved)
+        joined = tf.reshape(moved, tf.concat([shape[:axis], [-1], shape[axis + 2:]], 0))
+        if joined.shape[axis] == rows:
+            return joined
+        index = [slice(None)] * (rank - 1)
+        index[axis] = slice(0, rows)
+        return joined[tuple(index)]
+
+    def stack(self, ys):
+        return tf.stack(ys)
 
     def zeros_like(self, x, after):
         return tf.zeros_like(x)
 
+    def zeros(self, batch_like, shape, dtype, after):
+        return tf.zeros(tf.concat([tf.shape(batch_like)[:1], shape], 0), dtype)
+
+    def transpose(self, x, perm):
+        return tf.transpose(x, perm)
+
     def length(self, x, axis):
         return tf.shape(x)[axis]
+
+    def row_max(self, x):
+        return tf.reduce_max(x, axis=-1, keepdims=True)
+
+    def row_sum(self, x):
+        return tf.reduce_sum(x, axis=-1, keepdims=True)
+
+    def softmax(self, x):
+        return tf.nn.softmax(x, axis=-1)
+
+    def exp(self, x):
+        return tf.exp(x)
+
+    def log(self, x):
+        return tf.math.log(x)
+
+    def where(self, condition, x, y):
+        dtype = x.dtype if tf.is_tensor(x) else y.dtype
+        return tf.where(condition, tf.cast(x, dtype), tf.cast(y, dtype))
+
+    def maximum(self, x, y):
+        return tf.maximum(x, y)
+
+    def constant(self, array):
+        return tf.constant(array)
 
 
 ENGINE = _Engine()
@@ -191,18 +238,23 @@ def ones(batch_like, shape, dtype):
     return tf.ones(tf.concat([tf.shape(batch_like)[:1], shape], 0), dtype)
 
 
-def attention(probabilities, query, key, value, mask, bits, rate, block):
-    """`_flash.forward` as one `tf.custom_gradient` of `query`, `key` and `value`,
-    whose gradient is `_flash.backward` (it keeps the inputs, `mask` and `bits`)."""
+def attention(logits, query, key, value, mask, bits, rate, block, key_block=None):
+    """FlashAttention-2 (`_flash.forward`) as one `tf.custom_gradient` of `query`, `key`
+    and `value`, whose gradient is `_flash.backward`: it keeps the inputs, `mask`, `bits`,
+    the output and the per-row log-sum-exp."""
 
     @tf.custom_gradient
     def core(query, key, value):
-        output = _flash.forward(ENGINE, probabilities, query, key, value, mask, bits, rate, block)
+        output, lse = _flash.forward(ENGINE, logits, query, key, value, mask, bits, rate, block,
+                                     key_block)
 
         def grad(d_out):
             # The recomputation waits for the gradient (see `_core.after`).
-            q, k, v, m, b = after([query, key, value, mask, bits], d_out)
-            return _flash.backward(ENGINE, probabilities, q, k, v, m, b, rate, block, d_out)
+            q, k, v, o, s = after([query, key, value, output, lse], d_out)
+            m = _flash._map_mask(mask, lambda x: after([x], d_out)[0])
+            b = None if bits is None else after([bits], d_out)[0]
+            return _flash.backward(ENGINE, logits, q, k, v, m, b, rate, block, d_out, o, s,
+                                   key_block)
 
         return output, grad
 

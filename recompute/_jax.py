@@ -121,8 +121,9 @@ def _is_array(value):
     return isinstance(value, (jax.Array, np.ndarray, np.generic))
 
 
-def recomputed_call(call, layer, args, kwargs):
-    """Runs `call(layer, *args, **kwargs)` under `jax.checkpoint`, state threaded through it."""
+def recomputed_call(call, layer, args, kwargs, policy=None):
+    """Runs `call(layer, *args, **kwargs)` under `jax.checkpoint` (with `policy`: what it
+    may keep; None keeps nothing but the inputs), state threaded through it."""
     import jax
     import keras
     outer = _keras_private.stateless_scope()
@@ -159,7 +160,7 @@ def recomputed_call(call, layer, args, kwargs):
             list(scope.losses),
         )
 
-    results, new_state, losses = jax.checkpoint(pure)(values, [flat[i] for i in dynamic])
+    results, new_state, losses = jax.checkpoint(pure, policy=policy)(values, [flat[i] for i in dynamic])
     for variable, value in zip(traced["assigned"], new_state):
         variable.assign(value)
     if losses:
@@ -181,7 +182,24 @@ def full(fn, layer, args, kwargs):
     layers = _keras3.attention_layers(_keras3.sublayers(layer))
     if layers:
         fn = with_blocked_cores(fn, lambda: _cores_blocked(layers, _keras3.attention_core))
-    return recomputed_call(fn, layer, args, kwargs)
+    return recomputed_call(fn, layer, args, kwargs, _keep_policy() if layers else None)
+
+
+KEEP_ATTENTION_OUTPUT = [False]  # whether "full" keeps the blocked cores' output and lse
+
+
+def _keep_policy():
+    """The `jax.checkpoint` policy of `"full"`: with `KEEP_ATTENTION_OUTPUT`, it keeps the
+    blocked cores' output and log-sum-exp (`_flash_jax.OUTPUT_NAME`, `LSE_NAME`), so that
+    the recomputation does not run their forward pass again; else None (inputs only)."""
+    if not KEEP_ATTENTION_OUTPUT[0]:
+        return None
+    import jax
+
+    from . import _flash_jax
+
+    return jax.checkpoint_policies.save_only_these_names(_flash_jax.OUTPUT_NAME,
+                                                         _flash_jax.LSE_NAME)
 
 
 def attention(fn, layer, args, kwargs):

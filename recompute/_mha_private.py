@@ -57,6 +57,37 @@ def masked_softmax(layer, scores, mask):
     return layer._masked_softmax(scores, mask)
 
 
+def masked_logits(layer, scores, mask):
+    """`(logits, keep)`: what the layer's masked softmax (`_masked_softmax`: its `Softmax`
+    layer with a mask, the mask expanded as the core expands it) takes the softmax of,
+    and None or the bool entries it keeps after the softmax. Keras 3: the scores, -1e9
+    where the mask (numeric: > 0.5) is off, and the softmax's masked entries zeroed after
+    it (a fully masked row is zeros); tf_keras: `scores + (1 - mask) * -1e9`, nothing
+    zeroed (with the `Softmax`'s `robust_masking`, -1e9 where the mask is off). Only for
+    float32 and float64 scores (half precision's large negative differs: the blocked core
+    does not run there)."""
+    if mask is None:
+        return scores, None
+    axis = -len(attention_axes(layer) or (1,)) * 2 - 1
+    if any(c.__module__.startswith("tf_keras.") for c in type(layer).__mro__):
+        import tensorflow as tf
+
+        while mask.shape.rank < scores.shape.rank:
+            mask = tf.expand_dims(mask, axis=axis)
+        if getattr(softmax(layer), "robust_masking", False):
+            if mask.dtype != tf.bool:
+                mask = tf.greater(mask, tf.constant(0.5, dtype=mask.dtype))
+            return tf.where(mask, scores, tf.constant(-1e9, scores.dtype)), None
+        return scores + (1.0 - tf.cast(mask, scores.dtype)) * tf.constant(-1e9, scores.dtype), None
+    from keras import ops
+
+    while len(mask.shape) < len(scores.shape):
+        mask = ops.expand_dims(mask, axis=axis)
+    if ops.dtype(mask) != "bool":
+        mask = ops.greater(mask, ops.cast(0.5, mask.dtype))
+    return ops.where(mask, scores, ops.cast(-1e9, scores.dtype)), mask
+
+
 def attention_axes(layer):
     """The axes attention is applied over (None or missing: the default, the sequence)."""
     return getattr(layer, "_attention_axes", (1,))

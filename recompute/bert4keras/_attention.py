@@ -65,22 +65,32 @@ def _aligned_bias(inputs):
     return bias
 
 
-def _probabilities(layer, mask):
-    """`(qw, kw) -> probs` of bert4keras's core for a block of queries: the scale
-    folded into the queries, the keys' padding an additive bias of 0 and -inf."""
+def _masks(inputs, mask):
+    """The masks `_logits` takes, cut into blocks by the core: `(a_bias, keys)`, the
+    attention bias as rank 4 (or None) and the keys' padding as bool [batch, 1, 1, keys]
+    (or None)."""
     v_mask = mask[1] if mask is not None else None
+    keys = None if v_mask is None else tf.cast(v_mask, tf.bool)[:, None, None, :]
+    return (_aligned_bias(inputs), keys)
 
-    def probabilities(qw, kw, a_bias=None):  # `a_bias`: this block's rows of the attention bias
+
+def _logits(layer):
+    """`(qw, kw, masks) -> (logits, None)` of bert4keras's core for a block of queries and
+    keys: what its softmax takes -- the scale folded into the queries, the keys' padding an
+    additive bias of 0 and -inf, the attention bias (`_masks`) as bert4keras's
+    `sequence_masking` applies it."""
+
+    def logits(qw, kw, masks):
+        a_bias, keys = masks
         a = tf.einsum(SCORES_EINSUM, _scaled(layer, qw), kw)
-        if v_mask is not None:
-            keys = tf.cast(v_mask, tf.bool)[:, None, None, :]
+        if keys is not None:
             a = a + tf.where(keys, tf.zeros([], a.dtype), tf.constant(-float("inf"), a.dtype))
         if a_bias is not None:  # as bert4keras's `sequence_masking`
             a = tf.where(a_bias, a, tf.constant(-float("inf"), a.dtype)) \
                 if a_bias.dtype == tf.bool else a + tf.cast(a_bias, a.dtype)
-        return tf.nn.softmax(a, axis=-1)
+        return a, None
 
-    return probabilities
+    return logits
 
 
 def _scaled(layer, qw):
@@ -126,7 +136,7 @@ def lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked=True):
     bits, rate = _core.kept(lambda: _decision(layer, qw, kw, dropout))
     queries, keys = qw.shape[1], kw.shape[1]
     block = None if None in (queries, keys) else _flash.block_rows(queries, keys)
-    o = _flash_tf.attention(_probabilities(layer, mask), qw, kw, vw, _aligned_bias(inputs), bits,
-                            rate, block)
+    o = _flash_tf.attention(_logits(layer), qw, kw, vw, _masks(inputs, mask), bits, rate, block,
+                            _flash.key_block(keys))
     a = tf.einsum(SCORES_EINSUM, _scaled(layer, qw), kw) if scores_asked else None
     return o, a

@@ -1,6 +1,8 @@
-"""The blocked attention core (`recompute._flash`) on both engines against autodiff of the
-unblocked core: outputs and the gradients of queries, keys and values, with padding and
-causal masks, dropout bits, block sizes that divide the queries and that do not."""
+"""The blocked attention core (`recompute._flash`: FlashAttention-2) on both engines against
+autodiff of the unblocked core: outputs and the gradients of queries, keys and values, with
+padding and causal masks (fully masked rows included), dropout bits, row blocks that divide
+the queries and that do not, key blocks with a running maximum (padded keys), unrolled
+blocks and loops."""
 
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ import recompute
 from recompute import _flash
 from tests.helpers.numerics import assert_all_close
 
-B, T, S, N, H = 2, 7, 9, 3, 4
+B, T, S, N, H = 2, 10, 9, 3, 4  # causal: the first row is fully masked
 RATE = 0.25
 
 
@@ -43,6 +45,10 @@ class _TF:
             return tf.nn.softmax(s)
         return tf.where(mask, tf.nn.softmax(tf.where(mask, s, -1e9)), 0.0)
 
+    def logits(self, q, k, mask):
+        s = self.tf.einsum(_flash.SCORES, q * 0.5, k)
+        return (s, None) if mask is None else (self.tf.where(mask, s, -1e9), mask)
+
     def run(self, fn, q, k, v, d_out):
         tf = self.tf
         q, k, v = (tf.constant(a) for a in (q, k, v))
@@ -61,7 +67,8 @@ class _TF:
         tf = self.tf
         mask = None if mask is None else tf.constant(mask)
         bits = self.engine.pack(tf.constant(keep))
-        fn = lambda q, k, v: self.engine.attention(self.probabilities, q, k, v, mask, bits, RATE, block)
+        rows, keys = block
+        fn = lambda q, k, v: self.engine.attention(self.logits, q, k, v, mask, bits, RATE, rows, keys)
         return tf.function(fn) if graph else fn
 
 
@@ -81,6 +88,10 @@ class _JAX:
             return self.jax.nn.softmax(s)
         return jnp.where(mask, self.jax.nn.softmax(jnp.where(mask, s, -1e9)), 0.0)
 
+    def logits(self, q, k, mask):
+        s = self.jnp.einsum(_flash.SCORES, q * 0.5, k)
+        return (s, None) if mask is None else (self.jnp.where(mask, s, -1e9), mask)
+
     def run(self, fn, q, k, v, d_out):
         # Float32 products: this TensorFlow process imported JAX after conftest pinned
         # precision, so JAX's default (TF32 on a GPU) would hold here.
@@ -95,24 +106,41 @@ class _JAX:
 
     def blocked(self, mask, keep, block, graph):
         bits = self.engine.pack(self.jnp.asarray(keep))
-        fn = lambda q, k, v: self.engine.attention(self.probabilities, q, k, v, mask, bits, RATE, block)
+        rows, keys = block
+        fn = lambda q, k, v: self.engine.attention(self.logits, q, k, v, mask, bits, RATE, rows, keys)
         return self.jax.jit(fn) if graph else fn
 
 
 ENGINES = {"tf": _TF, "jax": _JAX}
 
 
+BLOCKS = {"1": (1, None), "3": (3, None), "7": (7, None), "16": (16, None),  # (rows, keys)
+          "3x8": (3, 8), "1x8": (1, 8)}  # 1: 10 row blocks, a loop; 8 keys of 9: 2 key blocks
+
+
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-@pytest.mark.parametrize("block", [1, 3, 7, 16])
+@pytest.mark.parametrize("block", list(BLOCKS))
 @pytest.mark.parametrize("mask", ["none", "padding", "keys", "causal"])
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_blocked_core_matches_autodiff(engine, mask, block, graph):
     e = ENGINES[engine]()
     q, k, v, d_out, keep, m = _inputs(mask)
     reference = e.run(e.reference(m, keep), q, k, v, d_out)
-    blocked = e.run(e.blocked(m, keep, block, graph), q, k, v, d_out)
+    blocked = e.run(e.blocked(m, keep, BLOCKS[block], graph), q, k, v, d_out)
     assert_all_close(reference, blocked, ["output", "d_query", "d_key", "d_value"])
     assert np.abs(reference[0]).max() > 0.1 and np.abs(reference[1]).max() > 0.01
+
+
+@pytest.mark.parametrize("mask", ["padding", "causal"])
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_key_blocks_in_loops(engine, mask, monkeypatch):
+    """Row blocks and key blocks each a loop of the engine's (beyond `UNROLL` blocks)."""
+    monkeypatch.setattr(_flash, "UNROLL", 1)
+    e = ENGINES[engine]()
+    q, k, v, d_out, keep, m = _inputs(mask)
+    reference = e.run(e.reference(m, keep), q, k, v, d_out)
+    blocked = e.run(e.blocked(m, keep, (3, 8), True), q, k, v, d_out)
+    assert_all_close(reference, blocked, ["output", "d_query", "d_key", "d_value"])
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
@@ -127,9 +155,10 @@ def test_bits_round_trip(engine):
 
 def test_block_rows_default_and_override():
     assert _flash.block_rows(512, 512) == 128
-    assert _flash.block_rows(2048, 2048) == 32
+    assert _flash.block_rows(2048, 2048) == 128  # key blocks of 512 beyond 1024 keys
+    assert _flash.key_block(2048) == 512 and _flash.key_block(1024) is None
     assert _flash.block_rows(6, 6) == 6  # short sequences: one block
-    assert _flash.block_rows(100000, 100000) == 1
+    assert _flash.block_rows(100000, 100000) == 128
     with recompute.attention_block_size(4):
         assert _flash.block_rows(512, 512) == 4
         with recompute.attention_block_size(None):
