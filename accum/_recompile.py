@@ -6,7 +6,7 @@ its inner optimizer's moments) never reach the weights. Keras tells an
 optimizer nothing when it is replaced, so the model is told instead: when an
 `AccumOptimizer` is built, or finalized at the end of `fit`, from a method of
 the model (`fit`, `train_on_batch`: the model is `self` in a calling frame
-whose `optimizer` is or wraps the `AccumOptimizer`, as `accum._batchnorm`
+whose `optimizer` is or wraps the `AccumOptimizer`, as `accum.batchnorm._warning`
 finds it), the model's `compile` becomes `guarded_compile` bound to it (an
 instance attribute; it calls the class's own `compile`). In a custom loop no
 model is found and nothing is installed.

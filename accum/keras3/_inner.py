@@ -22,7 +22,7 @@ _EVERY = tuple(
 _MOMENTUM = ("keras.optimizers.SGD", "keras.optimizers.Adam", "keras.optimizers.AdamW")
 _ADAM = _MOMENTUM[1:]
 # The wrapper's own base class, `keras.optimizers.Optimizer` (as SGD has it): the state the
-# wrapper (`accum._keras3`, `accum._keras3_jax`, `accum._rescale_keras3`) reads of itself.
+# wrapper (`accum.keras3._optimizer`, `accum.keras3._jax`, `accum.keras3._rescale_step`) reads of itself.
 _WRAPPER_BASE = ("keras.optimizers.SGD",)
 
 PRIVATE_NAMES = (

@@ -1,7 +1,7 @@
 """`mode="buffer"` for Keras 3, written once in `keras.ops` for the TensorFlow and JAX backends.
 
-The window is the `accum._window.WindowState` of the wrapper's `keras.Variable`s
-(`Keras3AccumOptimizer._window_variables`), with the semantics `accum._window`
+The window is the `accum.modes._window.WindowState` of the wrapper's `keras.Variable`s
+(`Keras3AccumOptimizer._window_variables`), with the semantics `accum.modes._window`
 describes. Every change of state is a select (`ops.where`), the same ops on
 both backends; one conditional is left, around the inner optimizer's update,
 so that only a window's end that kept a micro-batch computes it: the family's
@@ -15,12 +15,12 @@ and `assign_sub` select the old value where the variable's flag is unset
 (`masked_updates`), and its weight decay is the family's masked one.
 
 TensorFlow-only, where TensorFlow is the point: a sparse gradient
-(`tf.IndexedSlices`) is scatter-added into its buffer (`accum._window.add_to`,
+(`tf.IndexedSlices`) is scatter-added into its buffer (`accum.modes._window.add_to`,
 in a `tf.cond`) so it never becomes a dense tensor, and under `tf.distribute`
-the window is `accum._distributed`'s.
+the window is `accum.modes._distributed`'s.
 
 A buffer may hold one row per shard of the batch (`accum.local_gradients` on
-JAX, `accum._local_jax`): a micro-step's gradients stacked per shard are added
+JAX, `accum.keras3._local_jax`): a micro-step's gradients stacked per shard are added
 row by row, and the window's mean is of the rows' sum (`add_to_rows`,
 `rows_total`; a buffer without rows is the same code with equal ranks).
 """
@@ -30,7 +30,8 @@ import contextlib
 import tensorflow as tf
 from keras import ops
 
-from . import _inner_keras3, _window
+from ..modes import _window
+from . import _inner
 
 
 def micro_step(wrapper, grads, indices):
@@ -38,7 +39,7 @@ def micro_step(wrapper, grads, indices):
     their touched flags unless one is non-finite (then the inner `LossScaleOptimizer`, if
     any, halves its scale), counts the micro-step, and ends the window when it is full."""
     state = wrapper._window_variables()
-    scale, counter = _inner_keras3.loss_scale(wrapper.inner_optimizer) or (None, None)
+    scale, counter = _inner.loss_scale(wrapper.inner_optimizer) or (None, None)
     finite = _all_finite(grads)
     for i, g in zip(indices, grads):
         if scale is not None:
@@ -62,7 +63,7 @@ def end_window_when(wrapper, full):
     layers end theirs."""
     state = wrapper._window_variables()
     count = state.window_count.value
-    scale, _ = _inner_keras3.loss_scale(wrapper.inner_optimizer) or (None, None)
+    scale, _ = _inner.loss_scale(wrapper.inner_optimizer) or (None, None)
 
     def means():
         result = []
@@ -88,8 +89,8 @@ def masked_updates(innermost, variables, touched, weight_decay):
     optimizer's `assign`, `assign_add`, `assign_sub`) only where that variable's flag in
     `touched` (scalar bool tensors, one per variable) is set; its `_apply_weight_decay`
     is `weight_decay(innermost, variables, touched_of)` (the family's masked one).
-    Instance attributes, removed afterwards (`accum._window.instance_hooks`)."""
-    api = _inner_keras3
+    Instance attributes, removed afterwards (`accum.modes._window.instance_hooks`)."""
+    api = _inner
     flags = {api.var_key(innermost, v): t for v, t in zip(variables, touched)}
     (update_name,) = api.UPDATE_STEPS
     update_step = getattr(innermost, update_name)

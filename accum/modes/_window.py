@@ -25,12 +25,12 @@ code runs eagerly, in `tf.function` and under XLA (`jit_compile=True`), and
 only the branch taken runs.
 
 The ops here serve tf_keras, and Keras 3 under `tf.distribute`
-(`accum._distributed`); Keras 3 otherwise runs the same window in `keras.ops`
-on TensorFlow and JAX (`accum._buffer_keras3`, selects instead of branches).
+(`accum.modes._distributed`); Keras 3 otherwise runs the same window in `keras.ops`
+on TensorFlow and JAX (`accum.keras3._buffer_step`, selects instead of branches).
 All variables passed here are `tf.Variable`s (Keras 3 passes
 `keras.Variable.value`). The window's state is one record, `WindowState`, that
 each family builds from its variables (`AccumOptimizer._window_state`) and
-every mode and the distributed path (`accum._distributed`) read.
+every mode and the distributed path (`accum.modes._distributed`) read.
 """
 
 import contextlib
@@ -43,7 +43,7 @@ class WindowState(NamedTuple):
     """The state of the accumulation window, as the wrapper's `tf.Variable`s (Keras 3
     backends give `keras.Variable.value`), in the spirit of optax's `MultiStepsState`.
     Saved with the optimizer (`AccumOptimizer._own_state`); under a strategy,
-    `window_count`, `buffers` and `touched` are replica-local (`accum._distributed`)."""
+    `window_count`, `buffers` and `touched` are replica-local (`accum.modes._distributed`)."""
 
     micro_steps: tf.Variable  # int64: every micro-step so far (`AccumOptimizer.micro_steps`)
     window_steps: tf.Variable  # int64: micro-steps in the current window, 0..k

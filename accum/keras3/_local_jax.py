@@ -60,7 +60,7 @@ import types
 
 import keras
 
-from . import _inner_keras3
+from . import _inner
 
 _SEED_STATE = "seed_generator_state"
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -95,7 +95,7 @@ def local_gradients(model, enabled=True):
     `make_train_function`, `fit` and `train_on_batch`, as instance
     attributes). Exact where the batch's loss is the mean of its shards'
     losses; dropout draws each device's own masks; refused with the reason
-    elsewhere (`accum._local_jax`'s docstring lists both). Compiling the
+    elsewhere (`accum.keras3._local_jax`'s docstring lists both). Compiling the
     model again with another `AccumOptimizer(..., mode="buffer")` keeps the
     step (the next `fit` gives the new buffers their rows: no second call
     needed); compiling it with any other optimizer gives it back Keras's own
@@ -170,8 +170,8 @@ def _check_model(model):
 def _buffered_accum(optimizer):
     """The `AccumOptimizer` in `mode="buffer"` that `optimizer` is, or wraps (Keras's
     `LossScaleOptimizer` around it), or None."""
-    from ._base import AccumOptimizer
-    from ._recompile import chain
+    from .._base import AccumOptimizer
+    from .._recompile import chain
 
     return next((o for o in chain(optimizer)
                  if isinstance(o, AccumOptimizer) and o.mode == "buffer"), None)
@@ -179,7 +179,7 @@ def _buffered_accum(optimizer):
 
 def _describe(optimizer):
     """`optimizer`'s repr, with the optimizers it wraps and an `AccumOptimizer`'s mode."""
-    from ._recompile import chain
+    from .._recompile import chain
 
     described = []
     for o in chain(optimizer) or [None]:
@@ -391,7 +391,7 @@ def _train_step(self, state, data):
     )(trainable, non_trainable, metrics, x, y, sample_weight)
     metrics = [m + jax.numpy.sum(d, axis=0) for m, d in zip(metrics, increments)]
     trainable, optimizer_values = self.optimizer.stateless_apply(optimizer_values, grads, trainable)
-    logs, metrics = _inner_keras3.update_metrics_variables(
+    logs, metrics = _inner.update_metrics_variables(
         self, metrics, jax.numpy.mean(losses), x, y, y_pred, sample_weight)
     return logs, (trainable, non_trainable, optimizer_values, metrics)
 
@@ -402,7 +402,7 @@ def _is_seed_state(variable):
 
 def _check_unmasked(y_pred):
     for leaf in keras.tree.flatten(y_pred):
-        if _inner_keras3.keras_mask(leaf) is not None:
+        if _inner.keras_mask(leaf) is not None:
             raise ValueError(
                 "`accum.local_gradients` is exact only when the batch's loss is the mean "
                 "of its shards' losses; a loss over predictions with a Keras mask is a "
