@@ -30,6 +30,7 @@ import contextlib
 import tensorflow as tf
 from keras import ops
 
+from .. import _shadow
 from ..modes import _window
 from . import _inner
 
@@ -89,7 +90,7 @@ def masked_updates(innermost, variables, touched, weight_decay):
     optimizer's `assign`, `assign_add`, `assign_sub`) only where that variable's flag in
     `touched` (scalar bool tensors, one per variable) is set; its `_apply_weight_decay`
     is `weight_decay(innermost, variables, touched_of)` (the family's masked one).
-    Instance attributes, removed afterwards (`accum.modes._window.instance_hooks`)."""
+    Instance attributes, removed afterwards (`accum._shadow.shadowed`)."""
     api = _inner
     flags = {api.var_key(innermost, v): t for v, t in zip(variables, touched)}
     (update_name,) = api.UPDATE_STEPS
@@ -121,7 +122,7 @@ def masked_updates(innermost, variables, touched, weight_decay):
         "assign_sub": lambda variable, value: assign(
             variable, selected(variable, ops.convert_to_tensor(variable) - _dense(value))),
     }
-    with _window.instance_hooks(innermost, hooks):
+    with _shadow.shadowed(innermost, hooks):
         yield
 
 

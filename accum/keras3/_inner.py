@@ -5,9 +5,9 @@ are touched (`PRIVATE_NAMES`; tests/accum_keras3/test_inner_interface.py
 checks them against the installed Keras).
 """
 
-import contextlib
-
 import keras
+
+from .. import _shadow
 
 # `accum._families.KERAS3`, not imported: `_families` reads `optimizer_base_class` here
 name = "keras3"
@@ -104,16 +104,11 @@ def step_hooks(optimizer, iterations, learning_rate):
     }
 
 
-@contextlib.contextmanager
 def skip_all_reduce(optimizer):
     """Keras 3 optimizers all-reduce their gradients inside `apply` (TensorFlow backend,
     `_all_reduce_sum_gradients`) and take no argument to skip it: `optimizer`'s is
-    replaced by the identity (`list`) on the instance while the update is traced."""
-    object.__setattr__(optimizer, "_all_reduce_sum_gradients", list)
-    try:
-        yield
-    finally:
-        object.__delattr__(optimizer, "_all_reduce_sum_gradients")
+    shadowed by the identity (`list`) on the instance while the update is traced."""
+    return _shadow.shadowed(optimizer, {"_all_reduce_sum_gradients": list})
 
 
 def loss_scale(optimizer):

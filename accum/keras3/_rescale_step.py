@@ -14,6 +14,7 @@ functional `stateless_apply`.
 import keras
 from keras import ops
 
+from .. import _shadow
 from ..modes import _rescale, _window
 from . import _inner
 
@@ -101,7 +102,7 @@ def micro_step(wrapper, grads, indices):
             variable, selected(variable, _current(variable) - ops.cast(_dense(variable, value, False), variable.dtype))
         ),
     )
-    with _window.instance_hooks(inner, hooks):
+    with _shadow.shadowed(inner, hooks):
         inner.apply(grads, variables)
     inner.iterations.assign(inner.iterations + ops.cast(last, inner.iterations.dtype))
     steps = wrapper.window_steps

@@ -33,7 +33,6 @@ each family builds from its variables (`AccumOptimizer._window_state`) and
 every mode and the distributed path (`accum.modes._distributed`) read.
 """
 
-import contextlib
 from typing import NamedTuple, Sequence
 
 import tensorflow as tf
@@ -178,7 +177,7 @@ def protect_untouched(variables, touched):
 
 
 def masked_update_hooks(api, optimizer, touched_of):
-    """The instance attributes (`instance_hooks`) that guard `optimizer`'s per-variable
+    """The instance attributes (for `accum._shadow.shadowed`) that guard `optimizer`'s per-variable
     updates (`api.UPDATE_STEPS`, each called `(gradient, variable, ...)`) and its weight
     decay (`api.WEIGHT_DECAY`, if any) with the flag `touched_of(variable)` (a scalar bool
     tensor, or None: not guarded), so an untouched variable and its slots stay as they
@@ -228,33 +227,3 @@ def masked_weight_decay(optimizer, variables, touched_of, api):
         tf.distribute.get_replica_context().merge_call(cross_replica)
     else:
         cross_replica(tf.distribute.get_strategy())
-
-
-_MISSING = object()
-
-
-@contextlib.contextmanager
-def instance_hooks(obj, hooks):
-    """Sets the instance attributes `hooks` ({name: value}) on `obj` while the update
-    is traced, then restores what was there (an instance attribute's old value, or
-    nothing). Re-entrant: under a strategy each replica enters (the hooks are the
-    same for all), and the first to enter installs them."""
-    depth = obj.__dict__.get("_accum_hooks_depth", 0)
-    if depth == 0:
-        saved = {name: obj.__dict__.get(name, _MISSING) for name in hooks}
-        for name, value in hooks.items():
-            object.__setattr__(obj, name, value)
-        object.__setattr__(obj, "_accum_hooks_saved", saved)
-    object.__setattr__(obj, "_accum_hooks_depth", depth + 1)
-    try:
-        yield
-    finally:
-        depth = obj.__dict__["_accum_hooks_depth"] - 1
-        object.__setattr__(obj, "_accum_hooks_depth", depth)
-        if depth == 0:
-            for name, value in obj.__dict__["_accum_hooks_saved"].items():
-                if value is _MISSING:
-                    object.__delattr__(obj, name)
-                else:
-                    object.__setattr__(obj, name, value)
-            object.__delattr__(obj, "_accum_hooks_saved")

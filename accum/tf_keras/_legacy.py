@@ -5,10 +5,10 @@ import contextlib
 import tensorflow as tf
 import tf_keras
 
+from .. import _families, _shadow
 from .._base import AccumOptimizer, claim_inner
 from ..batchnorm import _warning
 from ..modes import _distributed, _window
-from .. import _families
 from ._common import TFKerasWindow
 from . import _inner_legacy as _api
 
@@ -173,7 +173,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
             key = _api.var_key(innermost, var)
             return touched[self._keys[key]] if key in self._keys else None
 
-        with _window.instance_hooks(innermost, _window.masked_update_hooks(_api, innermost, touched_of)):
+        with _shadow.shadowed(innermost, _window.masked_update_hooks(_api, innermost, touched_of)):
             yield
 
     def finalize_variable_values(self, var_list):

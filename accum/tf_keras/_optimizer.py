@@ -5,10 +5,10 @@ import contextlib
 import tensorflow as tf
 import tf_keras
 
+from .. import _families, _shadow
 from .._base import AccumOptimizer, claim_inner
 from ..batchnorm import _warning
 from ..modes import _distributed, _window
-from .. import _families
 from ._common import TFKerasWindow
 from . import _inner
 
@@ -28,7 +28,7 @@ def masked_updates(optimizer, variables, touched):
         return flags.get(_inner.var_key(innermost, variable))
 
     hooks = _window.masked_update_hooks(_inner, innermost, touched_of)
-    with _window.instance_hooks(innermost, hooks):
+    with _shadow.shadowed(innermost, hooks):
         yield
 
 

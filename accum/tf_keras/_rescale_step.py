@@ -15,6 +15,7 @@ refused: use their new-style counterparts.)
 import tensorflow as tf
 import tf_keras
 
+from .. import _shadow
 from ..modes import _rescale, _window
 from . import _inner as _api
 
@@ -78,7 +79,7 @@ def micro_step(wrapper, grads, indices):
     # weight decay; every per-variable update is guarded.
     hooks.update(_api.step_hooks(inner, micro, spec.learning_rate(learning_rate)))
     hooks.update({name: guarded_update_step for name in _api.UPDATE_STEPS})
-    with _window.instance_hooks(inner, hooks):
+    with _shadow.shadowed(inner, hooks):
         result = inner.apply_gradients(list(zip(grads, variables)), skip_gradients_aggregation=True)
     inner.iterations.assign_add(tf.cast(last, inner.iterations.dtype))
     wrapper.window_steps.assign(tf.where(last, tf.zeros_like(wrapper.window_steps), wrapper.window_steps + 1))
