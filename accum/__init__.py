@@ -35,14 +35,15 @@ The imports go down: this module -> `_dispatch` -> the family packages
 family comes through the wrapper's hooks (declared in `_base`) and the family's
 `_inner`.
 
-One update (Keras 3, `mode="buffer"`, TensorFlow or JAX) goes through three
-modules: `keras3._optimizer` (`apply` -> `_micro_step`) -> `keras3._buffer_step.micro_step`
-(adds to the buffers and counts, by selects, in the `WindowState` of the
-wrapper's variables) -> `keras3._buffer_step.end_window_when` (window full) -> the
-backend's `_update_when` (`keras3._optimizer`: `tf.cond`; `keras3._jax`: `jax.lax.cond`)
--> the inner optimizer on the window's mean, its writes masked by the touched
-flags (`keras3._buffer_step.masked_updates`; `modes._window.protect_untouched`); then the
-window is zeroed. tf_keras goes `tf_keras._common` -> `modes._modes.Buffer` ->
+One update (Keras 3, `mode="buffer"`, TensorFlow or JAX) stays in four modules:
+`keras3._optimizer` (`apply`: the variables' indices from `keras3._inner`) ->
+`keras3._buffer_step.BufferWindow.micro_step` (adds to the buffers and counts, by
+selects, in the `WindowState` of the wrapper's variables) -> its
+`end_window_when` -> the backend's `update_when`, given to the window when it was
+built (`keras3._optimizer`: `tf.cond`; `keras3._jax`: `jax.lax.cond`) -> the inner
+optimizer on the window's mean, its writes masked by the touched flags
+(`keras3._buffer_step.masked_apply`, shadowing its methods with `_shadow`); then
+the window is zeroed. tf_keras goes `tf_keras._common` -> `modes._modes.Buffer` ->
 `modes._window` (TensorFlow ops, `tf.cond`).
 """
 

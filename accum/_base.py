@@ -226,9 +226,12 @@ class AccumOptimizer:
                 )
         for layer in layers:
             layer._link(self)
-        # A legacy optimizer is built again for variables that became trainable: keep the first.
-        previous = list(getattr(self, "_batch_norm_layers", None) or ())
-        self._batch_norm_layers = previous + [l for l in layers if all(l is not p for p in previous)]
+        # A legacy optimizer is built again for variables that became trainable: keep the
+        # first. One list, extended in place (the Keras 3 window holds it).
+        if getattr(self, "_batch_norm_layers", None) is None:
+            self._batch_norm_layers = []
+        linked = self._batch_norm_layers
+        linked.extend([l for l in layers if all(l is not p for p in linked)])
 
     def _links_batch_norm(self, layer):
         """Whether this optimizer links the `accum.BatchNormalization` `layer` (finishes its

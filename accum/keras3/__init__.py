@@ -5,7 +5,7 @@ modes' Keras 3 parts, its `BatchNormalization`, and `accum.local_gradients` (JAX
 |---|---|
 | `_optimizer` | `Keras3AccumOptimizer` (TensorFlow backend): `apply`, the micro-step, the window's variables, the masked inner update in a `tf.cond` |
 | `_jax` | `JaxAccumOptimizer`: the same, the inner update in a `jax.lax.cond` around `stateless_apply`; buffers with one row per device |
-| `_buffer_step` | `mode="buffer"`'s micro-step and window end in `keras.ops` (both backends), and the masked updates |
+| `_buffer_step` | `mode="buffer"`: `BufferWindow`, its micro-step and window end in `keras.ops` (both backends), built with what the family gives it; the masked inner update |
 | `_slots` | `mode="momentum"`: the `MomentumRule` adapter to SGD/Adam/AdamW's slots (TensorFlow backend) |
 | `_rescale_step` | `mode="rescale"`: one micro-step in `keras.ops` (both backends) |
 | `_batchnorm` | `Keras3BatchNormalization`, `accum.BatchNormalization` for Keras 3 |

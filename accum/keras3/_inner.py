@@ -52,6 +52,11 @@ def var_key(optimizer, variable):
     return optimizer._var_key(variable)
 
 
+def var_keys(optimizer, variables):
+    """`var_key` of each of `variables`, in order."""
+    return [optimizer._var_key(v) for v in variables]
+
+
 def uses_weight_decay(optimizer, variable):
     return optimizer._use_weight_decay(variable)
 
@@ -60,21 +65,20 @@ def apply_weight_decay(optimizer, variables):
     optimizer._apply_weight_decay(variables)
 
 
-def weight_decay_where(optimizer, variables, flag_of, learning_rate=None):
+def weight_decay_where(optimizer, variables, flags, learning_rate=None):
     """Keras 3's decoupled weight decay (`variable -= variable * weight_decay *
     learning_rate`, as `_apply_weight_decay`) as a select: applied to each variable it
-    applies to where `flag_of(variable)` (a scalar bool, or None: always) holds.
-    `learning_rate`: the optimizer's own if None. (Keras 3 only: the JAX masked update
-    and `mode="rescale"`.)"""
+    applies to where its flag in `flags` (a scalar bool, or None: always; one per
+    variable) holds. `learning_rate`: the optimizer's own if None. (Keras 3 only: the
+    masked update and `mode="rescale"`.)"""
     if optimizer.weight_decay is None:
         return
-    for variable in variables:
+    for variable, flag in zip(variables, flags):
         if uses_weight_decay(optimizer, variable):
             lr = keras.ops.cast(
                 optimizer.learning_rate if learning_rate is None else learning_rate, variable.dtype)
             wd = keras.ops.cast(optimizer.weight_decay, variable.dtype)
             new = variable.value - variable.value * wd * lr
-            flag = flag_of(variable)
             variable.assign(new if flag is None else keras.ops.where(flag, new, variable.value))
 
 
@@ -144,9 +148,12 @@ def variable_index(optimizer, variable):
     return optimizer._get_variable_index(variable)
 
 
-def check_variables_are_known(optimizer, variables):
-    """A ValueError unless `optimizer` was built on each of `variables`."""
-    optimizer._check_variables_are_known(variables)
+def variable_indices(optimizer, variables, known=None):
+    """The indices of `variables` among those `optimizer` was built on, after a ValueError
+    unless it was built on each of `known` (if given)."""
+    if known is not None:
+        optimizer._check_variables_are_known(known)
+    return tuple(optimizer._get_variable_index(v) for v in variables)
 
 
 def optimizer_base_class():

@@ -9,8 +9,7 @@ variables. So the inner optimizer's update runs only on update steps, in a
 `jax.lax.cond` whose branch calls the inner optimizer's own `stateless_apply`
 on the current values and returns the new ones (`_update_when`), and the
 weight decay of an untouched variable is masked by a select
-(`accum.keras3._inner.weight_decay_where`; TensorFlow's is distribution-aware,
-`accum.modes._window.masked_weight_decay`).
+(`accum.keras3._inner.weight_decay_where`, as on TensorFlow without a strategy).
 
 `build` is the TensorFlow implementation's (without a strategy its
 replica-local scopes are no-ops); `mode="rescale"` is the TensorFlow
@@ -76,6 +75,7 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
         # Not through Keras's tracker, which would add them to the variables a second time.
         object.__setattr__(self, "accumulators", new)
         self._device_rows = rows
+        self._buffer_window = self._new_buffer_window()
         return True
 
     def _checkpoint_buffers(self):
@@ -96,13 +96,11 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
         on the current values; the new values are assigned."""
         import jax
 
-        variables = list(_inner.own_trainable_variables(self))
+        variables = list(self._buffer_window.state.variables)
         inner_variables = list(self.inner_optimizer.variables)
 
         def update(values, inner_values):
-            with _buffer_step.masked_updates(
-                self._innermost(), variables, touched, _inner.weight_decay_where
-            ):
+            with _buffer_step.masked_updates(self._innermost(), variables, touched, protect=False):
                 new_values, new_inner = self.inner_optimizer.stateless_apply(
                     inner_values, grads_fn(), values)
             restore = _protected(variables, touched, values)

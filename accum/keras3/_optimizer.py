@@ -103,8 +103,17 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         self._mode.check_built(self, self.inner_optimizer, var_list)
         super().build(var_list)
         self._link_batch_norm(var_list)
+        self._buffer_window = self._new_buffer_window()
         _warning.warn_for_training_model(self)
         self._guard_recompile()
+
+    def _new_buffer_window(self):
+        """`mode="buffer"`'s window (`accum.keras3._buffer_step.BufferWindow`), given what
+        it needs of this family: the state, the loss scale, the backend's conditional
+        inner update (`_update_when`) and the linked `accum.BatchNormalization` layers."""
+        return _buffer_step.BufferWindow(
+            self._window_variables(), self._steps_per_update,
+            _inner.loss_scale(self.inner_optimizer), self._update_when, self._batch_norm_layers)
 
     @property
     def variables(self):
@@ -146,19 +155,20 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
                     "Call `optimizer.build(trainable_variables)` first."
                 )
             trainable_variables = _inner.own_trainable_variables(self)
+            known = None
         else:
             trainable_variables = list(trainable_variables)
             if not self.built:
                 with keras.name_scope(self.name, caller=self):
                     self.build(trainable_variables)
                 self.built = True
-            _inner.check_variables_are_known(self, trainable_variables)
+            known = trainable_variables
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable.")
         grads = [g for g, _ in pairs]
-        indices = tuple(_inner.variable_index(self, v) for _, v in pairs)
-        if self.steps_per_update == 1 and self._mode.buffered:
+        indices = _inner.variable_indices(self, [v for _, v in pairs], known)
+        if self._steps_per_update == 1 and self._mode.buffered:
             # k=1: every micro-step is an update; the inner optimizer sees the
             # gradients exactly as given (sparse ones stay sparse).
             variables = [_inner.own_trainable_variables(self)[i] for i in indices]
@@ -177,12 +187,12 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             if self._mode.own_micro_step:
                 self._mode.micro_step(self, grads, indices)
                 return
-            if _distributed.in_replica_context():
+            if self._accum_strategy is not None and _distributed.in_replica_context():
                 self._mode.check_distributable()
                 self._distributed_window().micro_step(grads, indices)
                 return
             if self._mode.buffered:
-                _buffer_step.micro_step(self, grads, indices)
+                self._buffer_window.micro_step(grads, indices)
                 return
             self._mode.accumulate(self, grads, indices)  # "momentum" (TensorFlow)
             _inner.own_iterations(self).assign_add(1)
@@ -194,11 +204,11 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         """The inner optimizer's update of every variable with `grads_fn()`, masked by
         `touched`, where the scalar bool `pred` holds (`accum.keras3._buffer_step`): in a
         `tf.cond`, in place."""
-        indices = tuple(range(len(touched)))
-        tf.cond(pred, lambda: self._apply_inner(grads_fn(), indices, touched), lambda: None)
+        tf.cond(pred, lambda: self._masked_apply(grads_fn, self._buffer_window.state.variables, touched),
+                lambda: None)
 
     def _flush_window(self):
-        _buffer_step.end_window_when(self, self.window_steps.value > 0)
+        self._buffer_window.end_window_when(self.window_steps.value > 0)
 
     # ---------------------------------------------------- tf.distribute path
 
@@ -253,11 +263,15 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     def _apply_inner(self, grads, indices, touched):
         """The inner optimizer's update of the variables `indices` with `grads`, where
         only those whose `touched` (scalar bool tensors) is true change."""
-        variables = [_inner.own_trainable_variables(self)[i] for i in indices]
-        restore = _window.protect_untouched(variables, touched)
-        with _buffer_step.masked_updates(self._innermost(), variables, touched, _weight_decay):
-            self.inner_optimizer.apply(grads, variables)
-        restore()
+        variables = [self._buffer_window.state.variables[i] for i in indices]
+        self._masked_apply(lambda: grads, variables, touched)
+
+    def _masked_apply(self, grads_fn, variables, touched):
+        """The inner `apply` of `grads_fn()` to `variables`, masked by `touched` (its weight
+        decay: a select without a strategy, distribution-aware under one)."""
+        weight_decay = None if self._accum_strategy is None else _weight_decay
+        _buffer_step.masked_apply(
+            self.inner_optimizer, self._innermost(), grads_fn, variables, touched, weight_decay)
 
     def finalize_variable_values(self, var_list):
         """Called at the end of `fit`: warns once about a pending partial window, then
@@ -276,6 +290,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
 
 
 def _weight_decay(optimizer, variables, touched_of):
-    """The weight decay of a masked update on TensorFlow: distribution-aware, each variable's
-    decay guarded by its flag (`accum.modes._window.masked_weight_decay`)."""
+    """The weight decay of a masked update under a `tf.distribute` strategy: distribution-aware,
+    each variable's decay guarded by its flag (`accum.modes._window.masked_weight_decay`;
+    without a strategy, the select `accum.keras3._inner.weight_decay_where`)."""
     _window.masked_weight_decay(optimizer, variables, touched_of, _inner)

@@ -77,7 +77,7 @@ def micro_step(wrapper, grads, indices):
     learning_rate = _inner.current_learning_rate(inner)
 
     # Weight decay at the window's last micro-step, with the update's rate.
-    _inner.weight_decay_where(inner, variables, lambda v: last, learning_rate)
+    _inner.weight_decay_where(inner, variables, [last] * len(variables), learning_rate)
 
     model = {_inner.var_key(inner, v) for v in variables}
     assign = inner.assign
