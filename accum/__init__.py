@@ -22,7 +22,7 @@ Where things are (each package's `__init__` maps its own modules):
 | which family an optimizer is; which class serves it (and registers it for loading) | `_families`; `_dispatch` |
 | what accumulation asks of a wrapped optimizer, one interface per family | `_inner` (`InnerApi`; the families' `_inner` modules implement it) |
 | `flush_callback`; the warning when `compile` drops pending micro-steps | `_flush`; `_recompile` |
-| shadowing a wrapped optimizer's methods while its update is traced (restored on exit) | `_shadow` |
+| an instance's methods changed in one place: a wrapped optimizer's while its update is traced, a model's `compile` and train step until taken back | `_shadow` |
 | `modes/`: the three modes, once for every family (TensorFlow ops), and `"buffer"` under `tf.distribute` | `_modes` (`Buffer`, `Momentum`, `Rescale`), `_window` (`WindowState`), `_momentum`, `_rescale`, `_distributed` |
 | `keras3/`: Keras 3 (TensorFlow and JAX backends), and `local_gradients` (JAX) | `_optimizer`, `_jax`, `_buffer_step`, `_slots`, `_rescale_step`, `_batchnorm`, `_local_jax`, `_inner` |
 | `tf_keras/`: tf_keras new-style and legacy | `_common`, `_optimizer`, `_legacy`, `_slots`, `_rescale_step`, `_batchnorm`, `_inner`, `_inner_legacy` |

@@ -1,5 +1,6 @@
-"""Shadowing an object's attributes for a while: the one way `accum` changes a method of an
-instance it does not own (the wrapped optimizer's, while its update is traced).
+"""Changing a method of an instance `accum` does not own, in one place: for a while (the
+wrapped optimizer's, while its update is traced: `shadowed`), or until taken back (a
+model's `compile` and train step: `replace_methods`, `restore_methods`).
 
 `shadowed(obj, {name: value})` sets the instance attributes, and restores on exit what
 was there before (an instance attribute's old value, or nothing, so the class's method
@@ -11,6 +12,7 @@ tracked or saved.
 """
 
 import contextlib
+import types
 
 _MISSING = object()
 _SHADOWS = "_accum_shadows"  # on the object: name -> [depth, the value shadowed]
@@ -44,3 +46,20 @@ def shadowed(obj, attributes):
                 object.__setattr__(obj, name, entry[1])
         if not shadows:
             object.__delattr__(obj, _SHADOWS)
+
+
+def replace_methods(obj, functions):
+    """Binds `functions` ({name: function(self, ...)}) to `obj` as instance methods, in place
+    of its class's, until `restore_methods` (for as long as a model is so trained, not for
+    a block)."""
+    for name, function in functions.items():
+        object.__setattr__(obj, name, types.MethodType(function, obj))
+
+
+def restore_methods(obj, names):
+    """Removes the instance methods `names` that `replace_methods` bound (those present), so
+    the class's show again. True if one was removed."""
+    present = [name for name in names if name in vars(obj)]
+    for name in present:
+        object.__delattr__(obj, name)
+    return bool(present)

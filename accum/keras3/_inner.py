@@ -45,6 +45,13 @@ PRIVATE_NAMES = (
     ("JAXTrainer._update_metrics_variables", ("keras.src.backend.jax.trainer",)),
     ("_momentums", _ADAM),
     ("_velocities", _ADAM),
+    # replaced on a model instance (`accum._shadow.replace_methods`): `compile` by
+    # `accum._recompile`, the train step by `accum.keras3._local_jax`
+    ("Model.compile", ("keras",)),
+    ("Model.train_step", ("keras",)),
+    ("Model.make_train_function", ("keras",)),
+    ("Model.fit", ("keras",)),
+    ("Model.train_on_batch", ("keras",)),
 )
 
 

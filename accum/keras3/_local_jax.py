@@ -56,10 +56,9 @@ optimizer that is not, or does not wrap, a buffered `AccumOptimizer` gives
 it back Keras's own step (so does `local_gradients(model, enabled=False)`).
 """
 
-import types
-
 import keras
 
+from .. import _shadow
 from . import _inner
 
 _SEED_STATE = "seed_generator_state"
@@ -109,10 +108,10 @@ def local_gradients(model, enabled=True):
         _restore_keras_step(model)
         return model
     _check_model(model)
-    model.train_step = types.MethodType(_train_step, model)
-    model.make_train_function = types.MethodType(_make_train_function, model)
-    model.fit = types.MethodType(_fit, model)
-    model.train_on_batch = types.MethodType(_train_on_batch, model)
+    _shadow.replace_methods(model, {
+        "train_step": _train_step, "make_train_function": _make_train_function,
+        "fit": _fit, "train_on_batch": _train_on_batch,
+    })
     model.train_function = None
     return model
 
@@ -121,13 +120,8 @@ _REPLACED = ("train_step", "make_train_function", "fit", "train_on_batch")
 
 
 def _restore_keras_step(model):
-    """Removes `local_gradients`' instance attributes: the model's class's own step again."""
-    replaced = False
-    for name in _REPLACED:
-        if name in vars(model):
-            object.__delattr__(model, name)
-            replaced = True
-    if replaced:
+    """Removes `local_gradients`' instance methods: the model's class's own step again."""
+    if _shadow.restore_methods(model, _REPLACED):
         model.train_function = None
 
 

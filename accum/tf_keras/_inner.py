@@ -55,6 +55,8 @@ PRIVATE_NAMES = (
     # the overridden updates of the moving statistics (`accum.tf_keras._batchnorm`)
     ("BatchNormalization._assign_moving_average", ("tf_keras.layers",)),
     ("BatchNormalization._assign_new_value", ("tf_keras.layers",)),
+    # replaced on a model instance by `accum._recompile` (`accum._shadow.replace_methods`)
+    ("Model.compile", ("tf_keras",)),
 ) + tuple((attribute, ("tf_keras.mixed_precision.LossScaleOptimizer",)) for attribute in LOSS_SCALE_NAMES)
 
 

@@ -43,3 +43,17 @@ def test_restores_on_an_error():
     except RuntimeError:
         pass
     assert optimizer.update() == "class"
+
+
+class Model:
+    def compile(self, optimizer):
+        return ("class", optimizer)
+
+
+def test_replaced_methods_are_bound_until_restored():
+    model = Model()
+    _shadow.replace_methods(model, {"compile": lambda self, optimizer: ("instance", self, optimizer)})
+    assert model.compile("sgd") == ("instance", model, "sgd")
+    assert _shadow.restore_methods(model, ("compile", "fit")) is True
+    assert model.compile("sgd") == ("class", "sgd")
+    assert _shadow.restore_methods(model, ("compile",)) is False
