@@ -10,45 +10,48 @@ model.fit(x, y, batch_size=4)       # trains like batch_size=32
 Under `tf.distribute.MirroredStrategy` or `MultiWorkerMirroredStrategy`, build
 the model and the optimizer in `strategy.scope()`; each replica accumulates
 locally and the replicas all-reduce once per update, not once per micro-batch
-(`accum._distributed`; `python -m benchmarks.accum_distribute` measures it).
+(`accum.modes._distributed`; `python -m benchmarks.accum_distribute` measures it).
 On JAX under `keras.distribution`, `accum.local_gradients(model)` does the same
-(`accum._local_jax`; `python -m benchmarks.accum_local_jax`).
+(`accum.keras3._local_jax`; `python -m benchmarks.accum_local_jax`).
 
-Where things are:
+Where things are (each package's `__init__` maps its own modules):
 
-| | files |
+| | |
 |---|---|
-| the public class, the family hooks it declares | `_base` (`AccumOptimizer`) |
-| the modes (what each builds, does at a micro-step and at the window's end, whether it can be distributed or flushed) | `_modes` (`Buffer`, `Momentum`, `Rescale`) |
-| the window's state and its TensorFlow ops | `_window` (`WindowState`) |
-| `"momentum"` | `_momentum` + `_momentum_keras3` / `_momentum_tf_keras` |
-| `"rescale"` (β̃ = 1 − (1 − β)/k, no buffer) | `_rescale` + `_rescale_keras3` / `_rescale_tf_keras` |
-| Keras 3 on TensorFlow / on JAX | `_keras3` / `_keras3_jax` (each gives the conditional around the inner update: `tf.cond` in place / `jax.lax.cond` around `stateless_apply`) |
-| `"buffer"` on Keras 3, both backends (`keras.ops`, selects) | `_buffer_keras3` |
-| tf_keras / tf_keras legacy | `_tf_keras_common` + `_tf_keras` / `_tf_keras_legacy` |
-| `tf.distribute` | `_distributed` |
-| `keras.distribution` on JAX, one all-reduce per update: `local_gradients(model)` (its train step under `jax.shard_map`; the buffers' rows, one per shard) | `_local_jax` |
-| `accum.BatchNormalization` (the big batch's moving statistics) | `_batchnorm_window` + `_batchnorm_keras3` / `_batchnorm_tf_keras`; `_batchnorm` (the warnings) |
-| which family an optimizer is, which class serves it | `_families`, `_dispatch` |
-| the wrapped optimizer's private API, one interface per family (the only modules that use its private names) | `_inner` (`InnerApi`) + `_inner_keras3` / `_inner_tf_keras` / `_inner_tf_keras_legacy` |
-| argument checks; `flush_callback`; `compile` dropping micro-steps | `_validation`; `_flush`; `_recompile` |
+| the public class; its family hooks; argument checks | `_base` (`AccumOptimizer`); `_validation` |
+| which family an optimizer is; which class serves it (and registers it for loading) | `_families`; `_dispatch` |
+| what accumulation asks of a wrapped optimizer, one interface per family | `_inner` (`InnerApi`; the families' `_inner` modules implement it) |
+| `flush_callback`; the warning when `compile` drops pending micro-steps | `_flush`; `_recompile` |
+| an instance's methods changed in one place: a wrapped optimizer's while its update is traced, a model's `compile` and train step until taken back | `_shadow` |
+| `modes/`: the three modes, once for every family (TensorFlow ops), and `"buffer"` under `tf.distribute` | `_modes` (`Buffer`, `Momentum`, `Rescale`), `_window` (`WindowState`), `_momentum`, `_rescale`, `_distributed` |
+| `keras3/`: Keras 3 (TensorFlow and JAX backends), and `local_gradients` (JAX) | `_optimizer`, `_jax`, `_buffer_step`, `_slots`, `_rescale_step`, `_batchnorm`, `_local_jax`, `_inner` |
+| `tf_keras/`: tf_keras new-style and legacy | `_common`, `_optimizer`, `_legacy`, `_slots`, `_rescale_step`, `_batchnorm`, `_inner`, `_inner_legacy` |
+| `batchnorm/`: `accum.BatchNormalization` and the warning | `_layer`, `_warning` |
 
-One update (Keras 3, `mode="buffer"`, TensorFlow or JAX) goes through three
-modules: `_keras3` (`apply` -> `_micro_step`) -> `_buffer_keras3.micro_step`
-(adds to the buffers and counts, by selects, in the `WindowState` of the
-wrapper's variables) -> `_buffer_keras3.end_window_when` (window full) -> the
-backend's `_update_when` (`_keras3`: `tf.cond`; `_keras3_jax`: `jax.lax.cond`)
--> the inner optimizer on the window's mean, its writes masked by the touched
-flags (`_buffer_keras3.masked_updates`; `_window.protect_untouched`); then the
-window is zeroed. tf_keras goes `_tf_keras_common` -> `_modes.Buffer` ->
-`_window` (TensorFlow ops, `tf.cond`).
+The imports go down: this module -> `_dispatch` -> the family packages
+(`keras3/`, `tf_keras/`) -> `_base` -> `batchnorm/` -> `modes/` -> `_validation`,
+`_recompile`, `_families`, `_shadow` and the families' `_inner` (which import nothing of
+`accum` above them). `modes/` imports no family package: what a mode needs of a
+family comes through the wrapper's hooks (declared in `_base`) and the family's
+`_inner`.
+
+One update (Keras 3, `mode="buffer"`, TensorFlow or JAX) stays in four modules:
+`keras3._optimizer` (`apply`: the variables' indices from `keras3._inner`) ->
+`keras3._buffer_step.BufferWindow.micro_step` (adds to the buffers and counts, by
+selects, in the `WindowState` of the wrapper's variables) -> its
+`end_window_when` -> the backend's `update_when`, given to the window when it was
+built (`keras3._optimizer`: `tf.cond`; `keras3._jax`: `jax.lax.cond`) -> the inner
+optimizer on the window's mean, its writes masked by the touched flags
+(`keras3._buffer_step.masked_apply`, shadowing its methods with `_shadow`); then
+the window is zeroed. tf_keras goes `tf_keras._common` -> `modes._modes.Buffer` ->
+`modes._window` (TensorFlow ops, `tf.cond`).
 """
 
 from ._base import AccumOptimizer
 from ._dispatch import register_serializable_classes as _register
-from ._batchnorm import has_batch_normalization, warn_if_batch_normalization
-from ._batchnorm_window import BatchNormalization
-from ._local_jax import local_gradients
+from .batchnorm._warning import has_batch_normalization, warn_if_batch_normalization
+from .batchnorm._layer import BatchNormalization
+from .keras3._local_jax import local_gradients
 
 __all__ = ["AccumOptimizer", "BatchNormalization", "has_batch_normalization", "local_gradients",
            "warn_if_batch_normalization"]

@@ -9,7 +9,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from . import _families, _modes, _validation, _window
+from .modes import _modes, _window
+from . import _families, _validation
 
 
 class AccumOptimizer:
@@ -48,8 +49,8 @@ class AccumOptimizer:
     statistics (a warning points to `accum.BatchNormalization`, whose moving
     statistics are the big batch's); with tf_keras, put its
     `LossScaleOptimizer` inside the wrapper. Semantics, saving and limits in
-    full: docs/accumulation.md; distribution: `accum._distributed`; the
-    derivations: `accum._momentum`, `accum._rescale`.
+    full: docs/accumulation.md; distribution: `accum.modes._distributed`; the
+    derivations: `accum.modes._momentum`, `accum.modes._rescale`.
 
     Args:
         optimizer: the optimizer to wrap. Not an `AccumOptimizer`, not one with
@@ -61,7 +62,7 @@ class AccumOptimizer:
         mode: `"buffer"` (default; exact for every optimizer), `"momentum"`
             (no buffers; SGD/Adam/AdamW) or `"rescale"` (no buffers; every
             optimizer with moving averages: `β̃ = 1 − (1 − β)/k`, weights
-            moved at every `k`-th micro-step; see `accum._rescale`).
+            moved at every `k`-th micro-step; see `accum.modes._rescale`).
         name: optional name of the wrapper.
     """
 
@@ -98,15 +99,15 @@ class AccumOptimizer:
 
     def _mode_rule(self, optimizer, mode, steps_per_update):
         """What the mode needs of `optimizer`, refusing those it cannot handle: the
-        family's `MomentumRule` (`mode="momentum"`), its `accum._rescale.Rescale`
-        (`mode="rescale"`), or None (`mode="buffer"`); see `accum._modes`."""
+        family's `MomentumRule` (`mode="momentum"`), its `accum.modes._rescale.Rescale`
+        (`mode="rescale"`), or None (`mode="buffer"`); see `accum.modes._modes`."""
         return _modes.MODES[mode].rule(self, optimizer, steps_per_update)
 
     def _init_window(self, steps_per_update, mode, rule):
         """Sets the validated arguments (after the Keras optimizer's `__init__`)."""
         self._steps_per_update = steps_per_update
         self.mode = mode  # the name, as given and saved
-        self._mode = _modes.MODES[mode]  # what the mode does (`accum._modes`)
+        self._mode = _modes.MODES[mode]  # what the mode does (`accum.modes._modes`)
         self._rule = rule
         self._warned_pending = False
 
@@ -161,17 +162,17 @@ class AccumOptimizer:
         return make_flush_callback(self, at)
 
     # ------------------------------------------------- the family's hooks
-    # What `accum._modes` asks of the family's implementation (each family
+    # What `accum.modes._modes` asks of the family's implementation (each family
     # class defines them; `_rescale_*` only where mode="rescale" can be built).
 
     @staticmethod
     def _momentum_rule_for(optimizer):
-        """`mode="momentum"`: the family's `accum._momentum.MomentumRule` for `optimizer`."""
+        """`mode="momentum"`: the family's `accum.modes._momentum.MomentumRule` for `optimizer`."""
         raise NotImplementedError
 
     @staticmethod
     def _rescale_spec_for(optimizer, steps_per_update):
-        """`mode="rescale"`: the family's `accum._rescale.Rescale` for `optimizer`."""
+        """`mode="rescale"`: the family's `accum.modes._rescale.Rescale` for `optimizer`."""
         raise NotImplementedError
 
     def _rescale_check_variables(self, variables):
@@ -179,11 +180,11 @@ class AccumOptimizer:
         raise NotImplementedError
 
     def _rescale_micro_step(self, grads, indices):
-        """`mode="rescale"`: the whole micro-step (`accum._rescale`)."""
+        """`mode="rescale"`: the whole micro-step (`accum.modes._rescale`)."""
         raise NotImplementedError
 
     def _window_state(self):
-        """The window's state (`accum._window.WindowState`), once built."""
+        """The window's state (`accum.modes._window.WindowState`), once built."""
         raise NotImplementedError
 
     def _apply_inner(self, grads, indices, touched):
@@ -202,14 +203,14 @@ class AccumOptimizer:
 
     def _inner_scope(self):
         """A context entered (cross-replica context) around the replicas' `_apply_inner`
-        (`accum._distributed`)."""
+        (`accum.modes._distributed`)."""
         return contextlib.nullcontext()
 
     # ------------------------------------------------- accum.BatchNormalization
 
     def _link_batch_norm(self, var_list):
         """Links the `accum.BatchNormalization` layers this optimizer trains (at `build`)."""
-        from ._batchnorm_window import layers_trained_by
+        from .batchnorm._layer import layers_trained_by
 
         layers = layers_trained_by(var_list)
         if layers and self._FAMILY == _families.KERAS3:
@@ -225,9 +226,12 @@ class AccumOptimizer:
                 )
         for layer in layers:
             layer._link(self)
-        # A legacy optimizer is built again for variables that became trainable: keep the first.
-        previous = list(getattr(self, "_batch_norm_layers", None) or ())
-        self._batch_norm_layers = previous + [l for l in layers if all(l is not p for p in previous)]
+        # A legacy optimizer is built again for variables that became trainable: keep the
+        # first. One list, extended in place (the Keras 3 window holds it).
+        if getattr(self, "_batch_norm_layers", None) is None:
+            self._batch_norm_layers = []
+        linked = self._batch_norm_layers
+        linked.extend([l for l in layers if all(l is not p for p in linked)])
 
     def _links_batch_norm(self, layer):
         """Whether this optimizer links the `accum.BatchNormalization` `layer` (finishes its
@@ -237,8 +241,8 @@ class AccumOptimizer:
 
     def _finish_batch_norm(self, when=True, reduce=None):
         """The window's end for the linked `accum.BatchNormalization` layers (`reduce`: see
-        `accum._batchnorm_window.finish_windows`)."""
-        from ._batchnorm_window import finish_windows
+        `accum.batchnorm._layer.finish_windows`)."""
+        from .batchnorm._layer import finish_windows
 
         finish_windows(getattr(self, "_batch_norm_layers", ()), when, reduce)
 
@@ -326,7 +330,7 @@ class AccumOptimizer:
             return pairs
         pairs += [("window_steps", self.window_steps), ("window_count", self.window_count)]
         pairs += [(f"accumulator:{i}", acc) for i, acc in enumerate(self._checkpoint_buffers())]
-        # The touched flags (`accum._window`), by the position of their variable too.
+        # The touched flags (`accum.modes._window`), by the position of their variable too.
         pairs += [(f"touched:{i}", flag) for i, flag in enumerate(getattr(self, "touched", []))]
         return pairs
 

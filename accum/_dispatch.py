@@ -4,12 +4,12 @@
 this module imports them (lazily: tf_keras is loaded only when needed) and
 gives `AccumOptimizer` its `implementation_for` when `accum` is imported.
 
-| family            | implementation                            |
-| ----------------- | ----------------------------------------- |
-| `KERAS3`          | `_keras3.Keras3AccumOptimizer`            |
-| `KERAS3`, JAX     | `_keras3_jax.JaxAccumOptimizer`           |
-| `TF_KERAS`        | `_tf_keras.TFKerasAccumOptimizer`         |
-| `TF_KERAS_LEGACY` | `_tf_keras_legacy.LegacyAccumOptimizer`   |
+| family            | implementation                                    |
+| ----------------- | ------------------------------------------------- |
+| `KERAS3`          | `accum.keras3._optimizer.Keras3AccumOptimizer`    |
+| `KERAS3`, JAX     | `accum.keras3._jax.JaxAccumOptimizer`             |
+| `TF_KERAS`        | `accum.tf_keras._optimizer.TFKerasAccumOptimizer` |
+| `TF_KERAS_LEGACY` | `accum.tf_keras._legacy.LegacyAccumOptimizer`     |
 """
 
 import importlib.util
@@ -17,7 +17,7 @@ import os
 import sys
 
 from ._base import AccumOptimizer
-from ._batchnorm_window import BatchNormalization
+from .batchnorm._layer import BatchNormalization
 from ._families import KERAS3, TF_KERAS, TF_KERAS_LEGACY
 
 
@@ -25,18 +25,18 @@ def implementation_for(family):
     """Returns the `AccumOptimizer` subclass that wraps optimizers of `family`."""
     if family == KERAS3:
         if _keras3_backend() == "jax":
-            from ._keras3_jax import JaxAccumOptimizer
+            from .keras3._jax import JaxAccumOptimizer
 
             return JaxAccumOptimizer
-        from ._keras3 import Keras3AccumOptimizer
+        from .keras3._optimizer import Keras3AccumOptimizer
 
         return Keras3AccumOptimizer
     if family == TF_KERAS:
-        from ._tf_keras import TFKerasAccumOptimizer
+        from .tf_keras._optimizer import TFKerasAccumOptimizer
 
         return TFKerasAccumOptimizer
     if family == TF_KERAS_LEGACY:
-        from ._tf_keras_legacy import LegacyAccumOptimizer
+        from .tf_keras._legacy import LegacyAccumOptimizer
 
         return LegacyAccumOptimizer
     raise ValueError(f"Unknown optimizer family: {family!r}")
@@ -76,25 +76,25 @@ def register_serializable_classes():
         import keras
     version = getattr(keras, "__version__", "0") if getattr(keras, "__name__", None) == "keras" else "0"
     if int(version.split(".")[0]) >= 3:
-        from . import _batchnorm_keras3, _keras3  # noqa: F401
+        from .keras3 import _batchnorm, _optimizer  # noqa: F401
 
         if keras.backend.backend() == "jax":
-            from . import _keras3_jax  # noqa: F401  (the same registered name, on JAX)
+            from .keras3 import _jax  # noqa: F401  (the same registered name, on JAX)
 
     # The values TensorFlow's lazy loader reads as "tf.keras is tf_keras"
     # (recompute.bert4keras reads them the same way).
     legacy_keras = os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
     if "tf_keras" in sys.modules or (legacy_keras and importlib.util.find_spec("tf_keras") is not None):
-        from . import _batchnorm_tf_keras, _tf_keras, _tf_keras_legacy  # noqa: F401
+        from .tf_keras import _batchnorm, _legacy, _optimizer  # noqa: F401
 
 
 def batch_normalization_class(family):
     """The `accum.BatchNormalization` class of a family (`"keras3"` or `"tf_keras"`)."""
     if family == "tf_keras":
-        from ._batchnorm_tf_keras import TFKerasBatchNormalization
+        from .tf_keras._batchnorm import TFKerasBatchNormalization
 
         return TFKerasBatchNormalization
-    from ._batchnorm_keras3 import Keras3BatchNormalization
+    from .keras3._batchnorm import Keras3BatchNormalization
 
     return Keras3BatchNormalization
 

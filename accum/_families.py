@@ -2,7 +2,7 @@
 
 (A *family* is Keras 3, tf_keras or tf_keras legacy; a family is not a backend:
 Keras 3's optimizers are one family on the TensorFlow and the JAX backends, whose
-wrappers `accum._dispatch` picks by the backend: `_keras3` or `_keras3_jax`.)
+wrappers `accum._dispatch` picks by the backend: `accum.keras3._optimizer` or `accum.keras3._jax`.)
 `accum._dispatch` maps a family to its implementation.
 
 | family            | optimizers                                   |
@@ -27,7 +27,7 @@ def family_of(optimizer):
     """Returns `KERAS3`, `TF_KERAS`, `TF_KERAS_LEGACY`, or None if `optimizer` is no optimizer."""
     roots = {cls.__module__.split(".")[0] for cls in type(optimizer).__mro__}
     if "keras" in roots:
-        from ._inner_keras3 import optimizer_base_class
+        from .keras3._inner import optimizer_base_class
 
         if isinstance(optimizer, optimizer_base_class()):
             return KERAS3

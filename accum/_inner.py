@@ -4,9 +4,9 @@ What accumulation needs of a wrapped optimizer beyond its public API -- a
 variable's key, whether weight decay applies to it, its moment slots, the
 learning rate of the next update, the names of the per-variable update
 methods a masked update guards, how to skip the all-reduce inside its update,
-its loss scale -- is asked of the family's module: `_inner_keras3` (Keras 3,
-TensorFlow and JAX backends), `_inner_tf_keras` (tf_keras new-style) and
-`_inner_tf_keras_legacy` (tf_keras legacy `OptimizerV2`). Each defines every
+its loss scale -- is asked of the family's module: `accum.keras3._inner` (Keras 3,
+TensorFlow and JAX backends), `accum.tf_keras._inner` (tf_keras new-style) and
+`accum.tf_keras._inner_legacy` (tf_keras legacy `OptimizerV2`). Each defines every
 name of `InnerApi` below, as module-level functions and constants, and is the
 only place in `accum` where private names of a wrapped optimizer are touched;
 each lists those it relies on in `PRIVATE_NAMES`, pairs `(attribute, owners)`:
@@ -30,7 +30,7 @@ class InnerApi(Protocol):
 
     name: str  # the family (`accum._families`)
     # The optimizer's per-variable update methods, each called `(gradient, variable, ...)`;
-    # a masked update guards each (`accum._window.masked_update_hooks`). The first is the
+    # a masked update guards each (`accum.modes._window.masked_update_hooks`). The first is the
     # one the others run (tf_keras's `_update_step_xla` runs `_update_step` under XLA).
     UPDATE_STEPS: Tuple[str, ...]
     # The method applying decoupled weight decay to a list of variables (None: the family

@@ -6,9 +6,10 @@ its inner optimizer's moments) never reach the weights. Keras tells an
 optimizer nothing when it is replaced, so the model is told instead: when an
 `AccumOptimizer` is built, or finalized at the end of `fit`, from a method of
 the model (`fit`, `train_on_batch`: the model is `self` in a calling frame
-whose `optimizer` is or wraps the `AccumOptimizer`, as `accum._batchnorm`
+whose `optimizer` is or wraps the `AccumOptimizer`, as `accum.batchnorm._warning`
 finds it), the model's `compile` becomes `guarded_compile` bound to it (an
-instance attribute; it calls the class's own `compile`). In a custom loop no
+instance method, `accum._shadow.replace_methods`; it calls the class's own `compile`;
+the families' `_inner` list `Model.compile` in `PRIVATE_NAMES`). In a custom loop no
 model is found and nothing is installed.
 
 `guarded_compile` warns when the optimizer being replaced is, or wraps, an
@@ -17,8 +18,9 @@ model is found and nothing is installed.
 """
 
 import inspect
-import types
 import warnings
+
+from . import _shadow
 
 _MAX_FRAMES = 24
 
@@ -63,7 +65,7 @@ def guard_training_model(optimizer):
     model = training_model(optimizer)
     if model is None or "compile" in vars(model):
         return
-    object.__setattr__(model, "compile", types.MethodType(guarded_compile, model))
+    _shadow.replace_methods(model, {"compile": guarded_compile})
 
 
 def guarded_compile(self, *args, **kwargs):

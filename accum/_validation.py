@@ -6,7 +6,7 @@ MODES = ("buffer", "momentum", "rescale")
 
 # The window counters are int64 variables: `window_steps` reaches `k`.
 MAX_STEPS_PER_UPDATE = 2**63 - 1
-# On JAX without `jax_enable_x64`, int64 variables hold int32 (`accum._keras3_jax`).
+# On JAX without `jax_enable_x64`, int64 variables hold int32 (`accum.keras3._jax`).
 MAX_STEPS_PER_UPDATE_INT32 = 2**31 - 1
 
 
@@ -15,7 +15,7 @@ def check_steps_per_update(steps_per_update):
 
     Accepts Python and NumPy integers from 1 to `2**63 - 1` (the window
     counters are int64; on JAX without `jax_enable_x64` they hold int32, and
-    `accum._keras3_jax` refuses more than `MAX_STEPS_PER_UPDATE_INT32`).
+    `accum.keras3._jax` refuses more than `MAX_STEPS_PER_UPDATE_INT32`).
     Rejects booleans, floats (even integral ones such as `4.0`), strings and
     everything else.
     """

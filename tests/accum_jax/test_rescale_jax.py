@@ -1,5 +1,5 @@
 """`mode="rescale"` on Keras 3's JAX backend: through Keras's JAX trainer (`stateless_apply`,
-`jit`), the same recipe as on TensorFlow (`accum._rescale_keras3` is written in `keras.ops`)."""
+`jit`), the same recipe as on TensorFlow (`accum.keras3._rescale_step` is written in `keras.ops`)."""
 
 import keras
 import numpy as np

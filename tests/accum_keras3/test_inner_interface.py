@@ -1,4 +1,4 @@
-"""Keras 3: `accum._inner_keras3` implements `accum._inner.InnerApi`, and the private names
+"""Keras 3: `accum.keras3._inner` implements `accum._inner.InnerApi`, and the private names
 it relies on exist on the installed Keras (tests/helpers/accum_inner_checks.py)."""
 
 from tests.helpers.accum_inner_checks import *  # noqa: F403 (the checks, collected here)

@@ -10,25 +10,38 @@ import pytest
 import accum
 from accum import AccumOptimizer
 
-FAMILIES = {"_keras3", "_tf_keras", "_tf_keras_legacy"}
+FAMILIES = {"keras3._optimizer", "keras3._jax", "tf_keras._optimizer", "tf_keras._legacy"}
 
 
 def _imports():
-    """accum module -> the accum modules it imports (at any level, lazily too)."""
+    """accum module (dotted, below `accum`) -> the accum modules it imports (at any
+    level, lazily too); package `__init__` files are left out."""
     folder = os.path.dirname(accum.__file__)
+    modules = {}
+    for root, _, files in os.walk(folder):
+        package = os.path.relpath(root, folder).replace(os.sep, ".")
+        package = "" if package == "." else package
+        for file in files:
+            if file.endswith(".py") and file != "__init__.py":
+                name = f"{package}.{file[:-3]}" if package else file[:-3]
+                modules[name] = (package, os.path.join(root, file))
+
+    def resolve(package, level, module):
+        parts = package.split(".") if package else []
+        parts = parts[: len(parts) - (level - 1)]
+        return ".".join(parts + ([module] if module else []))
+
     graph = {}
-    for file in os.listdir(folder):
-        if not file.endswith(".py") or file == "__init__.py":
-            continue
-        tree = ast.parse(open(os.path.join(folder, file)).read())
+    for name, (package, path) in modules.items():
+        tree = ast.parse(open(path).read())
         names = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                if node.module:
-                    names.add(node.module.split(".")[0])
-                else:
-                    names.update(alias.name for alias in node.names)
-        graph[file[:-3]] = names
+            if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                base = resolve(package, node.level, node.module)
+                for alias in node.names:
+                    target = f"{base}.{alias.name}" if base else alias.name
+                    names.add(target if target in modules else base)
+        graph[name] = names
     return graph
 
 
@@ -61,11 +74,11 @@ def test_optimizer_checked_once(monkeypatch):
 
     monkeypatch.setattr(_base, "check_optimizer", counting)
     # Where a family module holds its own reference (older layouts), count that too.
-    monkeypatch.setattr("accum._keras3.check_optimizer", counting, raising=False)
+    monkeypatch.setattr("accum.keras3._optimizer.check_optimizer", counting, raising=False)
     inner = keras.optimizers.SGD()
     AccumOptimizer(inner, 2)
     assert len(calls) == 1
-    from accum._keras3 import Keras3AccumOptimizer
+    from accum.keras3._optimizer import Keras3AccumOptimizer
 
     calls.clear()
     Keras3AccumOptimizer(keras.optimizers.SGD(), 2)
@@ -73,7 +86,7 @@ def test_optimizer_checked_once(monkeypatch):
 
 
 def test_family_class_refuses_other_family():
-    from accum._keras3 import Keras3AccumOptimizer
+    from accum.keras3._optimizer import Keras3AccumOptimizer
 
     class NotAnOptimizer:
         pass

@@ -1,4 +1,4 @@
-"""tf_keras: `accum._inner_tf_keras` (new-style) and `accum._inner_tf_keras_legacy` implement
+"""tf_keras: `accum.tf_keras._inner` (new-style) and `accum.tf_keras._inner_legacy` implement
 `accum._inner.InnerApi`, and the private names they rely on exist on the installed tf_keras
 (tests/helpers/accum_inner_checks.py)."""
 

@@ -38,7 +38,7 @@ def test_legacy_unfreeze_matches_plain(family, kind, mode):
     and matches the plain legacy optimizer at batch k*b."""
     if mode == "momentum":
         if kind == "adam":
-            pytest.skip("mode=\"momentum\" with Adam is approximate (see accum._momentum)")
+            pytest.skip("mode=\"momentum\" with Adam is approximate (see accum.modes._momentum)")
         kind = "momentum"
     k, b = 2, 4
     x, y = data(8 * k * b, seed=3)

@@ -25,13 +25,13 @@ __all__ = [
 ]
 
 
-@pytest.fixture(name="api", params=["_inner_keras3"], ids=str)
+@pytest.fixture(name="api", params=["keras3._inner"], ids=str)
 def keras3_apis(request):
     """Keras 3's module (TensorFlow backend)."""
     return importlib.import_module(f"accum.{request.param}")
 
 
-@pytest.fixture(name="api", params=["_inner_tf_keras", "_inner_tf_keras_legacy"], ids=str)
+@pytest.fixture(name="api", params=["tf_keras._inner", "tf_keras._inner_legacy"], ids=str)
 def tf_keras_apis(request):
     """tf_keras's modules: new-style and legacy optimizers."""
     return importlib.import_module(f"accum.{request.param}")

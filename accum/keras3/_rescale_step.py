@@ -1,6 +1,6 @@
 """`mode="rescale"` for Keras 3 (TensorFlow and JAX backends): one micro-step in `keras.ops`.
 
-See `accum._rescale` for the recipe. The inner optimizer's own `apply` runs at
+See `accum.modes._rescale` for the recipe. The inner optimizer's own `apply` runs at
 every micro-step with its moving-average coefficients, iteration counter,
 learning rate, weight decay and `assign` methods replaced on the instance
 while it is traced. Its `assign`, `assign_add` and `assign_sub` select
@@ -14,7 +14,9 @@ functional `stateless_apply`.
 import keras
 from keras import ops
 
-from . import _inner_keras3, _rescale, _window
+from .. import _shadow
+from ..modes import _rescale, _window
+from . import _inner
 
 
 def spec_for(optimizer, k):
@@ -62,33 +64,33 @@ def micro_step(wrapper, grads, indices):
     with `grads` for the variables at `indices`."""
     spec = wrapper._rule
     inner = wrapper.inner_optimizer
-    variables = list(_inner_keras3.own_trainable_variables(wrapper))
+    variables = list(_inner.own_trainable_variables(wrapper))
     grads = _rescale.every_gradient(variables, indices, grads, lambda v: ops.zeros(v.shape, v.dtype))
 
-    micro = _inner_keras3.own_iterations(wrapper)
+    micro = _inner.own_iterations(wrapper)
     last = ops.equal(ops.mod(micro.value + 1, spec.k), 0)
     # A non-finite micro-step counts as a zero gradient, as a missing one does (the
-    # window's update still comes at its last micro-step; `accum._rescale`).
+    # window's update still comes at its last micro-step; `accum.modes._rescale`).
     finite = ops.all(ops.stack([ops.all(ops.isfinite(_values(g))) for g in grads]))
     grads = [_zeroed_unless(finite, g) for g in grads]
     # The schedule at the update count (the inner optimizer's iterations count updates).
-    learning_rate = _inner_keras3.current_learning_rate(inner)
+    learning_rate = _inner.current_learning_rate(inner)
 
     # Weight decay at the window's last micro-step, with the update's rate.
-    _inner_keras3.weight_decay_where(inner, variables, lambda v: last, learning_rate)
+    _inner.weight_decay_where(inner, variables, [last] * len(variables), learning_rate)
 
-    model = {_inner_keras3.var_key(inner, v) for v in variables}
+    model = {_inner.var_key(inner, v) for v in variables}
     assign = inner.assign
 
     def selected(variable, new):
         """A model variable takes its new value at the window's last micro-step only."""
-        if _inner_keras3.var_key(inner, variable) not in model:
+        if _inner.var_key(inner, variable) not in model:
             return new
         return ops.where(last, new, _current(variable))
 
     hooks = dict(spec.hooks())
     # `apply` counts the micro-step in `micro`, with the rescaled rate, without weight decay.
-    hooks.update(_inner_keras3.step_hooks(inner, micro, spec.learning_rate(learning_rate)))
+    hooks.update(_inner.step_hooks(inner, micro, spec.learning_rate(learning_rate)))
     hooks.update(
         assign=lambda variable, value: assign(
             variable, selected(variable, _dense(variable, value, assign=True))
@@ -100,7 +102,7 @@ def micro_step(wrapper, grads, indices):
             variable, selected(variable, _current(variable) - ops.cast(_dense(variable, value, False), variable.dtype))
         ),
     )
-    with _window.instance_hooks(inner, hooks):
+    with _shadow.shadowed(inner, hooks):
         inner.apply(grads, variables)
     inner.iterations.assign(inner.iterations + ops.cast(last, inner.iterations.dtype))
     steps = wrapper.window_steps

@@ -1,4 +1,4 @@
-"""`accum.BatchNormalization` for tf_keras: see `accum._batchnorm_window`."""
+"""`accum.BatchNormalization` for tf_keras: see `accum.batchnorm._layer`."""
 
 import threading
 import types
@@ -6,7 +6,7 @@ import types
 import tensorflow as tf
 import tf_keras
 
-from ._batchnorm_window import TF_KERAS, BatchNormalization
+from ..batchnorm._layer import TF_KERAS, BatchNormalization
 
 _OPS = types.SimpleNamespace(
     sum=lambda x, axis: tf.reduce_sum(x, axis), square=tf.square, where=tf.where, cast=tf.cast,

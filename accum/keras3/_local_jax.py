@@ -56,11 +56,10 @@ optimizer that is not, or does not wrap, a buffered `AccumOptimizer` gives
 it back Keras's own step (so does `local_gradients(model, enabled=False)`).
 """
 
-import types
-
 import keras
 
-from . import _inner_keras3
+from .. import _shadow
+from . import _inner
 
 _SEED_STATE = "seed_generator_state"
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -95,7 +94,7 @@ def local_gradients(model, enabled=True):
     `make_train_function`, `fit` and `train_on_batch`, as instance
     attributes). Exact where the batch's loss is the mean of its shards'
     losses; dropout draws each device's own masks; refused with the reason
-    elsewhere (`accum._local_jax`'s docstring lists both). Compiling the
+    elsewhere (`accum.keras3._local_jax`'s docstring lists both). Compiling the
     model again with another `AccumOptimizer(..., mode="buffer")` keeps the
     step (the next `fit` gives the new buffers their rows: no second call
     needed); compiling it with any other optimizer gives it back Keras's own
@@ -109,10 +108,10 @@ def local_gradients(model, enabled=True):
         _restore_keras_step(model)
         return model
     _check_model(model)
-    model.train_step = types.MethodType(_train_step, model)
-    model.make_train_function = types.MethodType(_make_train_function, model)
-    model.fit = types.MethodType(_fit, model)
-    model.train_on_batch = types.MethodType(_train_on_batch, model)
+    _shadow.replace_methods(model, {
+        "train_step": _train_step, "make_train_function": _make_train_function,
+        "fit": _fit, "train_on_batch": _train_on_batch,
+    })
     model.train_function = None
     return model
 
@@ -121,13 +120,8 @@ _REPLACED = ("train_step", "make_train_function", "fit", "train_on_batch")
 
 
 def _restore_keras_step(model):
-    """Removes `local_gradients`' instance attributes: the model's class's own step again."""
-    replaced = False
-    for name in _REPLACED:
-        if name in vars(model):
-            object.__delattr__(model, name)
-            replaced = True
-    if replaced:
+    """Removes `local_gradients`' instance methods: the model's class's own step again."""
+    if _shadow.restore_methods(model, _REPLACED):
         model.train_function = None
 
 
@@ -170,8 +164,8 @@ def _check_model(model):
 def _buffered_accum(optimizer):
     """The `AccumOptimizer` in `mode="buffer"` that `optimizer` is, or wraps (Keras's
     `LossScaleOptimizer` around it), or None."""
-    from ._base import AccumOptimizer
-    from ._recompile import chain
+    from .._base import AccumOptimizer
+    from .._recompile import chain
 
     return next((o for o in chain(optimizer)
                  if isinstance(o, AccumOptimizer) and o.mode == "buffer"), None)
@@ -179,7 +173,7 @@ def _buffered_accum(optimizer):
 
 def _describe(optimizer):
     """`optimizer`'s repr, with the optimizers it wraps and an `AccumOptimizer`'s mode."""
-    from ._recompile import chain
+    from .._recompile import chain
 
     described = []
     for o in chain(optimizer) or [None]:
@@ -391,7 +385,7 @@ def _train_step(self, state, data):
     )(trainable, non_trainable, metrics, x, y, sample_weight)
     metrics = [m + jax.numpy.sum(d, axis=0) for m, d in zip(metrics, increments)]
     trainable, optimizer_values = self.optimizer.stateless_apply(optimizer_values, grads, trainable)
-    logs, metrics = _inner_keras3.update_metrics_variables(
+    logs, metrics = _inner.update_metrics_variables(
         self, metrics, jax.numpy.mean(losses), x, y, y_pred, sample_weight)
     return logs, (trainable, non_trainable, optimizer_values, metrics)
 
@@ -402,7 +396,7 @@ def _is_seed_state(variable):
 
 def _check_unmasked(y_pred):
     for leaf in keras.tree.flatten(y_pred):
-        if _inner_keras3.keras_mask(leaf) is not None:
+        if _inner.keras_mask(leaf) is not None:
             raise ValueError(
                 "`accum.local_gradients` is exact only when the batch's loss is the mean "
                 "of its shards' losses; a loss over predictions with a Keras mask is a "

@@ -12,7 +12,7 @@ import contextlib
 
 import tensorflow as tf
 
-from . import _families
+from .. import _families
 
 name = _families.TF_KERAS
 UPDATE_STEPS = ("_update_step", "_update_step_xla")
@@ -28,7 +28,7 @@ _ADAM = _MOMENTUM[1:]
 # The loss-scale state's names, for `LossScaleOptimizer`s around a new-style or a legacy optimizer.
 LOSS_SCALE_NAMES = ("_loss_scale.current_loss_scale", "_loss_scale.counter")
 # The wrapper's own base class, `tf_keras.optimizers.Optimizer` (as SGD has it): the state the
-# wrapper (`accum._tf_keras`, `accum._rescale_tf_keras`) keeps in it, and the method it
+# wrapper (`accum.tf_keras._optimizer`, `accum.tf_keras._rescale_step`) keeps in it, and the method it
 # overrides (`_create_iteration_variable`: named there, it cannot go through a function).
 _WRAPPER_BASE = ("tf_keras.optimizers.SGD",)
 
@@ -49,12 +49,14 @@ PRIVATE_NAMES = (
     ("_index_dict", _WRAPPER_BASE),
     ("_no_dependency", _WRAPPER_BASE),
     ("_create_iteration_variable", _WRAPPER_BASE),
-    # set on the optimizer a `LossScaleOptimizer` wraps (`accum._distributed`)
+    # set on the optimizer a `LossScaleOptimizer` wraps (`accum.modes._distributed`)
     ("inner_optimizer._is_wrapped_by_loss_scale_optimizer",
      ("tf_keras.mixed_precision.LossScaleOptimizer",)),
-    # the overridden updates of the moving statistics (`accum._batchnorm_tf_keras`)
+    # the overridden updates of the moving statistics (`accum.tf_keras._batchnorm`)
     ("BatchNormalization._assign_moving_average", ("tf_keras.layers",)),
     ("BatchNormalization._assign_new_value", ("tf_keras.layers",)),
+    # replaced on a model instance by `accum._recompile` (`accum._shadow.replace_methods`)
+    ("Model.compile", ("tf_keras",)),
 ) + tuple((attribute, ("tf_keras.mixed_precision.LossScaleOptimizer",)) for attribute in LOSS_SCALE_NAMES)
 
 

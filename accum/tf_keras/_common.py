@@ -1,4 +1,4 @@
-"""What the tf_keras implementations (new-style `_tf_keras`, legacy `_tf_keras_legacy`) share.
+"""What the tf_keras implementations (new-style `accum.tf_keras._optimizer`, legacy `accum.tf_keras._legacy`) share.
 
 `TFKerasWindow` is a mixin placed before `AccumOptimizer` and the tf_keras
 optimizer class. A class using it provides: `_INNER_API` (its family's
@@ -14,8 +14,10 @@ and `_masked_updates(variables, touched)`; and the attributes
 import tensorflow as tf
 import tf_keras
 
-from . import _distributed, _families, _window
-from ._base import AccumOptimizer
+from .._base import AccumOptimizer
+from ..modes import _distributed, _window
+from .. import _families
+from . import _inner
 
 
 class TFKerasWindow:
@@ -42,17 +44,17 @@ class TFKerasWindow:
 
     @staticmethod
     def _momentum_rule_for(optimizer):
-        from ._momentum_tf_keras import rule_for
+        from ._slots import rule_for
 
         return rule_for(optimizer)
 
     def _rescale_check_variables(self, variables):
-        from ._rescale_tf_keras import check_variables
+        from ._rescale_step import check_variables
 
         check_variables(self._rule, variables)
 
     def _rescale_micro_step(self, grads, indices):
-        from ._rescale_tf_keras import micro_step
+        from ._rescale_step import micro_step
 
         return micro_step(self, grads, indices)
 
@@ -83,7 +85,8 @@ class TFKerasWindow:
         if aggregate and not accumulate_locally:
             grads_and_vars = self._aggregated(grads_and_vars)
         if accumulate_locally and not aggregate:
-            grads_and_vars = _distributed.local_share(self, grads_and_vars)
+            grads_and_vars = _distributed.local_share(
+                grads_and_vars, _inner.wrapped_by_loss_scale_optimizer(self))
         grads = [g for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
         indices = tuple(self._variable_index(v) for v in variables)
@@ -92,7 +95,7 @@ class TFKerasWindow:
                 return self._mode.micro_step(self, grads, indices)  # counts the micro-step
             if accumulate_locally:
                 # Each replica accumulates its own gradients; one all-reduce per
-                # update (`accum._distributed`). Gradients already reduced by the
+                # update (`accum.modes._distributed`). Gradients already reduced by the
                 # caller (no aggregation asked) are not supported here.
                 self._mode.check_distributable()
                 return self._distributed_window().micro_step(grads, indices)
@@ -115,14 +118,14 @@ class TFKerasWindow:
     def _aggregated_unless_local(self, grads_and_vars, aggregate):
         """`aggregate(grads_and_vars)` (the Keras all-reduce), except when the
         gradients are accumulated locally under a strategy: the reduction then
-        happens once per update (`accum._distributed`). Both implementations'
+        happens once per update (`accum.modes._distributed`). Both implementations'
         aggregation hooks call this."""
         if self._accumulates_locally():
             return list(grads_and_vars)
         return aggregate(grads_and_vars)
 
     def _distributed_window(self):
-        """The `accum._distributed.Window` of this optimizer (see there)."""
+        """The `accum.modes._distributed.Window` of this optimizer (see there)."""
         return _distributed.Window(self)
 
     def _window_state(self):

@@ -1,11 +1,11 @@
-"""`accum.BatchNormalization` for Keras 3 (TensorFlow backend): see `accum._batchnorm_window`."""
+"""`accum.BatchNormalization` for Keras 3 (TensorFlow backend): see `accum.batchnorm._layer`."""
 
 import types
 
 import keras
 from keras import ops as kops
 
-from ._batchnorm_window import KERAS3, BatchNormalization
+from ..batchnorm._layer import KERAS3, BatchNormalization
 
 _OPS = types.SimpleNamespace(
     sum=kops.sum, square=kops.square, where=kops.where, cast=kops.cast, maximum=kops.maximum,

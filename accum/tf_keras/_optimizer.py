@@ -5,27 +5,30 @@ import contextlib
 import tensorflow as tf
 import tf_keras
 
-from . import _batchnorm, _distributed, _families, _inner_tf_keras, _window
-from ._base import AccumOptimizer, claim_inner
-from ._tf_keras_common import TFKerasWindow
+from .. import _families, _shadow
+from .._base import AccumOptimizer, claim_inner
+from ..batchnorm import _warning
+from ..modes import _distributed, _window
+from ._common import TFKerasWindow
+from . import _inner
 
 
 @contextlib.contextmanager
 def masked_updates(optimizer, variables, touched):
     """Guards the innermost new-style optimizer's per-variable updates
-    (`_inner_tf_keras.UPDATE_STEPS`) and its weight decay with the variables' touched flags while
+    (`accum.tf_keras._inner.UPDATE_STEPS`) and its weight decay with the variables' touched flags while
     the update is traced (instance attributes, removed after), so an untouched
     variable and its slots stay as they are, as if it had no gradient."""
     innermost = optimizer
     while getattr(innermost, "inner_optimizer", None) is not None:
         innermost = innermost.inner_optimizer
-    flags = {_inner_tf_keras.var_key(innermost, v): t for v, t in zip(variables, touched)}
+    flags = {_inner.var_key(innermost, v): t for v, t in zip(variables, touched)}
 
     def touched_of(variable):
-        return flags.get(_inner_tf_keras.var_key(innermost, variable))
+        return flags.get(_inner.var_key(innermost, variable))
 
-    hooks = _window.masked_update_hooks(_inner_tf_keras, innermost, touched_of)
-    with _window.instance_hooks(innermost, hooks):
+    hooks = _window.masked_update_hooks(_inner, innermost, touched_of)
+    with _shadow.shadowed(innermost, hooks):
         yield
 
 
@@ -35,7 +38,7 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
 
     _FAMILY = _families.TF_KERAS
     _FAMILY_DESCRIPTION = "tf_keras (new-style)"
-    _INNER_API = _inner_tf_keras  # the inner optimizer's private API (`accum._inner`)
+    _INNER_API = _inner  # the inner optimizer's private API (`accum._inner`)
 
     def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
         steps_per_update, mode = self._check_arguments(steps_per_update, mode)
@@ -51,16 +54,16 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         # step), so containers must exist from the start. `build` fills them.
         with tf.init_scope():
             self.window_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="window_steps")
-            # Replica-local under a strategy (see `accum._distributed`).
+            # Replica-local under a strategy (see `accum.modes._distributed`).
             with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
                 self.window_count = tf.Variable(
                     0, dtype=tf.int64, trainable=False, name="window_count"
                 )
-        _inner_tf_keras.own_variables(self).extend([self.window_steps, self.window_count])
+        _inner.own_variables(self).extend([self.window_steps, self.window_count])
         self.accumulators = []
-        # One flag per variable: did the window give it a gradient (`accum._window`).
+        # One flag per variable: did the window give it a gradient (`accum.modes._window`).
         self.touched = []
-        self._model_variables = _inner_tf_keras.untracked(self, [])
+        self._model_variables = _inner.untracked(self, [])
         claim_inner(self, optimizer)
 
     # ------------------------------------------------------------------ state
@@ -90,15 +93,15 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
                     self.add_variable_from_reference(v, "accumulator") for v in var_list
                 )
         self._mode.check_built(self, self.inner_optimizer, var_list)
-        _inner_tf_keras.mark_built(self)
+        _inner.mark_built(self)
         self._built_accum = True
         self._link_batch_norm(var_list)
-        _batchnorm.warn_for_training_model(self)
+        _warning.warn_for_training_model(self)
         self._guard_recompile()
 
     @staticmethod
     def _rescale_spec_for(optimizer, steps_per_update):
-        from ._rescale_tf_keras import spec_for
+        from ._rescale_step import spec_for
 
         return spec_for(optimizer, steps_per_update)
 
@@ -107,14 +110,14 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         # named `micro_steps`, not `iteration` like the inner optimizer's: `.h5`
         # files store optimizer variables under their names, which must differ.
         with tf.init_scope():
-            _inner_tf_keras.set_own_iterations(
+            _inner.set_own_iterations(
                 self, tf.Variable(0, name="micro_steps", dtype=tf.int64, trainable=False))
-        _inner_tf_keras.own_variables(self).append(_inner_tf_keras.own_iterations(self))
+        _inner.own_variables(self).append(_inner.own_iterations(self))
 
     @property
     def variables(self):
         """The wrapper's variables (counters, buffers) followed by the inner optimizer's."""
-        return list(_inner_tf_keras.own_variables(self)) + list(self.inner_optimizer.variables)
+        return list(_inner.own_variables(self)) + list(self.inner_optimizer.variables)
 
     def set_weights(self, weights):
         """Sets `variables` (the wrapper's, then the inner optimizer's) from a list of arrays,
@@ -140,7 +143,7 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
             variable.assign(weight)
 
     def _micro_steps_variable(self):
-        return _inner_tf_keras.own_iterations(self)
+        return _inner.own_iterations(self)
 
     def compute_gradients(self, loss, var_list, tape=None):
         """The inner optimizer's gradients (a `LossScaleOptimizer` scales and unscales)."""
@@ -152,7 +155,7 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         """One micro-step: accumulates the gradients; every `steps_per_update`-th call updates."""
         grads_and_vars = [(g, v) for g, v in grads_and_vars]
         if not grads_and_vars:
-            return _inner_tf_keras.own_iterations(self)
+            return _inner.own_iterations(self)
         with tf.init_scope():
             self.build([v for _, v in grads_and_vars])
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
@@ -165,9 +168,9 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         if _distributed.in_replica_context():
             # A mirrored counter is written in the cross-replica context.
             return tf.distribute.get_replica_context().merge_call(
-                lambda _: _inner_tf_keras.own_iterations(self).assign_add(1)
+                lambda _: _inner.own_iterations(self).assign_add(1)
             )
-        return _inner_tf_keras.own_iterations(self).assign_add(1)
+        return _inner.own_iterations(self).assign_add(1)
 
     def aggregate_gradients(self, grads_and_vars):
         """All-reduces gradients unless they are accumulated locally (`_aggregated_unless_local`)."""
@@ -183,13 +186,13 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         return masked_updates(self.inner_optimizer, variables, touched)
 
     def _variable_index(self, variable):
-        key = _inner_tf_keras.var_key(self, variable)
-        if key not in _inner_tf_keras.own_index(self):
+        key = _inner.var_key(self, variable)
+        if key not in _inner.own_index(self):
             raise ValueError(
                 f"Unknown variable: {variable.name}. This optimizer can only be called "
                 "for the variables it was originally built with."
             )
-        return _inner_tf_keras.own_index(self)[key]
+        return _inner.own_index(self)[key]
 
     def finalize_variable_values(self, var_list):
         """End of `fit`: warns once about a pending partial window; the inner optimizer finalizes (EMA)."""

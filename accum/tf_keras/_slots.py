@@ -1,7 +1,7 @@
 """`mode="momentum"` for tf_keras: SGD, Adam and AdamW (new-style) and legacy SGD/Adam.
 
 The slots, the current learning rate and the weight decay are asked of the
-family's `accum._inner` module (`_inner_tf_keras`, `_inner_tf_keras_legacy`):
+family's `accum._inner` module (`accum.tf_keras._inner`, `accum.tf_keras._inner_legacy`):
 new-style optimizers have no public slot accessors nor a public current
 learning rate under a schedule; legacy ones have `get_slot` and no decoupled
 weight decay.
@@ -9,7 +9,8 @@ weight decay.
 
 import tf_keras
 
-from . import _inner_tf_keras, _inner_tf_keras_legacy, _momentum
+from ..modes import _momentum
+from . import _inner, _inner_legacy
 
 
 class _Slots(_momentum.SlotAdapter):
@@ -42,7 +43,7 @@ def rule_for(optimizer):
     """The `MomentumRule` for a tf_keras optimizer, or a Keras-style `ValueError`."""
     _momentum.check_common(optimizer)
     new, legacy = tf_keras.optimizers, tf_keras.optimizers.legacy
-    api = _inner_tf_keras_legacy if isinstance(optimizer, legacy.Optimizer) else _inner_tf_keras
+    api = _inner_legacy if isinstance(optimizer, legacy.Optimizer) else _inner
     if type(optimizer) in (new.SGD, legacy.SGD):
         if not api.has_momentum(optimizer):
             raise _momentum.unsupported(optimizer, "`momentum=0` has no moment slot")

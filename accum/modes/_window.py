@@ -25,15 +25,14 @@ code runs eagerly, in `tf.function` and under XLA (`jit_compile=True`), and
 only the branch taken runs.
 
 The ops here serve tf_keras, and Keras 3 under `tf.distribute`
-(`accum._distributed`); Keras 3 otherwise runs the same window in `keras.ops`
-on TensorFlow and JAX (`accum._buffer_keras3`, selects instead of branches).
+(`accum.modes._distributed`); Keras 3 otherwise runs the same window in `keras.ops`
+on TensorFlow and JAX (`accum.keras3._buffer_step`, selects instead of branches).
 All variables passed here are `tf.Variable`s (Keras 3 passes
 `keras.Variable.value`). The window's state is one record, `WindowState`, that
 each family builds from its variables (`AccumOptimizer._window_state`) and
-every mode and the distributed path (`accum._distributed`) read.
+every mode and the distributed path (`accum.modes._distributed`) read.
 """
 
-import contextlib
 from typing import NamedTuple, Sequence
 
 import tensorflow as tf
@@ -43,7 +42,7 @@ class WindowState(NamedTuple):
     """The state of the accumulation window, as the wrapper's `tf.Variable`s (Keras 3
     backends give `keras.Variable.value`), in the spirit of optax's `MultiStepsState`.
     Saved with the optimizer (`AccumOptimizer._own_state`); under a strategy,
-    `window_count`, `buffers` and `touched` are replica-local (`accum._distributed`)."""
+    `window_count`, `buffers` and `touched` are replica-local (`accum.modes._distributed`)."""
 
     micro_steps: tf.Variable  # int64: every micro-step so far (`AccumOptimizer.micro_steps`)
     window_steps: tf.Variable  # int64: micro-steps in the current window, 0..k
@@ -178,7 +177,7 @@ def protect_untouched(variables, touched):
 
 
 def masked_update_hooks(api, optimizer, touched_of):
-    """The instance attributes (`instance_hooks`) that guard `optimizer`'s per-variable
+    """The instance attributes (for `accum._shadow.shadowed`) that guard `optimizer`'s per-variable
     updates (`api.UPDATE_STEPS`, each called `(gradient, variable, ...)`) and its weight
     decay (`api.WEIGHT_DECAY`, if any) with the flag `touched_of(variable)` (a scalar bool
     tensor, or None: not guarded), so an untouched variable and its slots stay as they
@@ -228,33 +227,3 @@ def masked_weight_decay(optimizer, variables, touched_of, api):
         tf.distribute.get_replica_context().merge_call(cross_replica)
     else:
         cross_replica(tf.distribute.get_strategy())
-
-
-_MISSING = object()
-
-
-@contextlib.contextmanager
-def instance_hooks(obj, hooks):
-    """Sets the instance attributes `hooks` ({name: value}) on `obj` while the update
-    is traced, then restores what was there (an instance attribute's old value, or
-    nothing). Re-entrant: under a strategy each replica enters (the hooks are the
-    same for all), and the first to enter installs them."""
-    depth = obj.__dict__.get("_accum_hooks_depth", 0)
-    if depth == 0:
-        saved = {name: obj.__dict__.get(name, _MISSING) for name in hooks}
-        for name, value in hooks.items():
-            object.__setattr__(obj, name, value)
-        object.__setattr__(obj, "_accum_hooks_saved", saved)
-    object.__setattr__(obj, "_accum_hooks_depth", depth + 1)
-    try:
-        yield
-    finally:
-        depth = obj.__dict__["_accum_hooks_depth"] - 1
-        object.__setattr__(obj, "_accum_hooks_depth", depth)
-        if depth == 0:
-            for name, value in obj.__dict__["_accum_hooks_saved"].items():
-                if value is _MISSING:
-                    object.__delattr__(obj, name)
-                else:
-                    object.__setattr__(obj, name, value)
-            object.__delattr__(obj, "_accum_hooks_saved")

@@ -102,7 +102,7 @@ import contextlib
 
 import tensorflow as tf
 
-from . import _inner_tf_keras, _window
+from . import _window
 
 _SUM = tf.distribute.ReduceOp.SUM
 
@@ -115,17 +115,6 @@ def current_strategy():
 def in_replica_context():
     """True inside `strategy.run` (or `fit`'s train step) of a non-default strategy."""
     return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
-
-
-def mode_not_supported(mode):
-    """The error for a mode other than "buffer" (`"momentum"`, `"rescale"`) under a strategy."""
-    return NotImplementedError(
-        f'`AccumOptimizer(..., mode="{mode}")` is not supported under a '
-        "`tf.distribute` strategy: its moment slots are mirrored variables "
-        "that it would update from each replica's own gradients at every "
-        'micro-step. Use `mode="buffer"` (the default), which accumulates '
-        "locally on each replica and all-reduces once per update."
-    )
 
 
 @contextlib.contextmanager
@@ -149,7 +138,7 @@ def replica_local_variables(aggregation=tf.VariableAggregation.SUM):
         yield
 
 
-def local_share(wrapper, grads_and_vars):
+def local_share(grads_and_vars, still_local=False):
     """Gradients a caller says are already aggregated, as this replica's share of them.
 
     tf_keras callers pass `skip_gradients_aggregation=True` (legacy:
@@ -158,9 +147,10 @@ def local_share(wrapper, grads_and_vars):
     of it, so that the reduction at the update counts it once. The exception is
     tf_keras's `LossScaleOptimizer` outside the wrapper, which "aggregates"
     with the wrapper's own `aggregate_gradients` (a no-op here: see the
-    families) before passing the flag: its gradients are still local.
+    families) before passing the flag: its gradients are still local
+    (`still_local`, which the family tells).
     """
-    if _inner_tf_keras.wrapped_by_loss_scale_optimizer(wrapper):
+    if still_local:
         return list(grads_and_vars)
     share = 1.0 / tf.distribute.get_strategy().num_replicas_in_sync
     return [(_window.scale_gradient(g, share), v) for g, v in grads_and_vars]
@@ -168,7 +158,7 @@ def local_share(wrapper, grads_and_vars):
 
 class Window:
     """The distributed path of a family's wrapper: the window's state
-    (`wrapper._window_state()`, an `accum._window.WindowState`) and the hooks
+    (`wrapper._window_state()`, an `accum.modes._window.WindowState`) and the hooks
     `AccumOptimizer` declares -- `_apply_inner` (called in each replica: the
     inner optimizer on the reduced mean, without aggregating it again, only the
     touched variables changing), `_inner_scope` (entered around it),

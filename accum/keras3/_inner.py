@@ -5,9 +5,9 @@ are touched (`PRIVATE_NAMES`; tests/accum_keras3/test_inner_interface.py
 checks them against the installed Keras).
 """
 
-import contextlib
-
 import keras
+
+from .. import _shadow
 
 # `accum._families.KERAS3`, not imported: `_families` reads `optimizer_base_class` here
 name = "keras3"
@@ -22,7 +22,7 @@ _EVERY = tuple(
 _MOMENTUM = ("keras.optimizers.SGD", "keras.optimizers.Adam", "keras.optimizers.AdamW")
 _ADAM = _MOMENTUM[1:]
 # The wrapper's own base class, `keras.optimizers.Optimizer` (as SGD has it): the state the
-# wrapper (`accum._keras3`, `accum._keras3_jax`, `accum._rescale_keras3`) reads of itself.
+# wrapper (`accum.keras3._optimizer`, `accum.keras3._jax`, `accum.keras3._rescale_step`) reads of itself.
 _WRAPPER_BASE = ("keras.optimizers.SGD",)
 
 PRIVATE_NAMES = (
@@ -45,11 +45,23 @@ PRIVATE_NAMES = (
     ("JAXTrainer._update_metrics_variables", ("keras.src.backend.jax.trainer",)),
     ("_momentums", _ADAM),
     ("_velocities", _ADAM),
+    # replaced on a model instance (`accum._shadow.replace_methods`): `compile` by
+    # `accum._recompile`, the train step by `accum.keras3._local_jax`
+    ("Model.compile", ("keras",)),
+    ("Model.train_step", ("keras",)),
+    ("Model.make_train_function", ("keras",)),
+    ("Model.fit", ("keras",)),
+    ("Model.train_on_batch", ("keras",)),
 )
 
 
 def var_key(optimizer, variable):
     return optimizer._var_key(variable)
+
+
+def var_keys(optimizer, variables):
+    """`var_key` of each of `variables`, in order."""
+    return [optimizer._var_key(v) for v in variables]
 
 
 def uses_weight_decay(optimizer, variable):
@@ -60,21 +72,20 @@ def apply_weight_decay(optimizer, variables):
     optimizer._apply_weight_decay(variables)
 
 
-def weight_decay_where(optimizer, variables, flag_of, learning_rate=None):
+def weight_decay_where(optimizer, variables, flags, learning_rate=None):
     """Keras 3's decoupled weight decay (`variable -= variable * weight_decay *
     learning_rate`, as `_apply_weight_decay`) as a select: applied to each variable it
-    applies to where `flag_of(variable)` (a scalar bool, or None: always) holds.
-    `learning_rate`: the optimizer's own if None. (Keras 3 only: the JAX masked update
-    and `mode="rescale"`.)"""
+    applies to where its flag in `flags` (a scalar bool, or None: always; one per
+    variable) holds. `learning_rate`: the optimizer's own if None. (Keras 3 only: the
+    masked update and `mode="rescale"`.)"""
     if optimizer.weight_decay is None:
         return
-    for variable in variables:
+    for variable, flag in zip(variables, flags):
         if uses_weight_decay(optimizer, variable):
             lr = keras.ops.cast(
                 optimizer.learning_rate if learning_rate is None else learning_rate, variable.dtype)
             wd = keras.ops.cast(optimizer.weight_decay, variable.dtype)
             new = variable.value - variable.value * wd * lr
-            flag = flag_of(variable)
             variable.assign(new if flag is None else keras.ops.where(flag, new, variable.value))
 
 
@@ -104,16 +115,11 @@ def step_hooks(optimizer, iterations, learning_rate):
     }
 
 
-@contextlib.contextmanager
 def skip_all_reduce(optimizer):
     """Keras 3 optimizers all-reduce their gradients inside `apply` (TensorFlow backend,
     `_all_reduce_sum_gradients`) and take no argument to skip it: `optimizer`'s is
-    replaced by the identity (`list`) on the instance while the update is traced."""
-    object.__setattr__(optimizer, "_all_reduce_sum_gradients", list)
-    try:
-        yield
-    finally:
-        object.__delattr__(optimizer, "_all_reduce_sum_gradients")
+    shadowed by the identity (`list`) on the instance while the update is traced."""
+    return _shadow.shadowed(optimizer, {"_all_reduce_sum_gradients": list})
 
 
 def loss_scale(optimizer):
@@ -149,9 +155,12 @@ def variable_index(optimizer, variable):
     return optimizer._get_variable_index(variable)
 
 
-def check_variables_are_known(optimizer, variables):
-    """A ValueError unless `optimizer` was built on each of `variables`."""
-    optimizer._check_variables_are_known(variables)
+def variable_indices(optimizer, variables, known=None):
+    """The indices of `variables` among those `optimizer` was built on, after a ValueError
+    unless it was built on each of `known` (if given)."""
+    if known is not None:
+        optimizer._check_variables_are_known(known)
+    return tuple(optimizer._get_variable_index(v) for v in variables)
 
 
 def optimizer_base_class():

@@ -9,7 +9,7 @@ statistics and accumulate exactly.
 
 import warnings
 
-from ._recompile import training_model
+from .._recompile import training_model
 
 
 def _layers(layer, seen):
@@ -29,7 +29,7 @@ def _layers(layer, seen):
 def has_batch_normalization(model):
     """True if `model` (a Keras 3 or tf_keras model or layer) contains a BatchNormalization
     layer other than `accum.BatchNormalization`."""
-    from ._batchnorm_window import BatchNormalization as WindowBatchNormalization
+    from ._layer import BatchNormalization as WindowBatchNormalization
 
     return any(
         "BatchNormalization" in {cls.__name__ for cls in type(layer).__mro__}

@@ -1,7 +1,7 @@
 """`AccumOptimizer` for Keras 3 optimizers on the JAX backend.
 
 The window and `mode="buffer"` are the TensorFlow backend's, written once in
-`keras.ops` (`accum._buffer_keras3`): the same variables, saved and restored the
+`keras.ops` (`accum.keras3._buffer_step`): the same variables, saved and restored the
 same way, every change a select. What is JAX's own is how the inner update
 runs. Keras's JAX trainer is functional: it calls `stateless_apply`, which
 runs `apply` in a `keras.StatelessScope` and collects the new values of the
@@ -9,12 +9,11 @@ variables. So the inner optimizer's update runs only on update steps, in a
 `jax.lax.cond` whose branch calls the inner optimizer's own `stateless_apply`
 on the current values and returns the new ones (`_update_when`), and the
 weight decay of an untouched variable is masked by a select
-(`_inner_keras3.weight_decay_where`; TensorFlow's is distribution-aware,
-`accum._window.masked_weight_decay`).
+(`accum.keras3._inner.weight_decay_where`, as on TensorFlow without a strategy).
 
 `build` is the TensorFlow implementation's (without a strategy its
 replica-local scopes are no-ops); `mode="rescale"` is the TensorFlow
-backend's too (`accum._rescale_keras3` is written in `keras.ops`). Not on
+backend's too (`accum.keras3._rescale_step` is written in `keras.ops`). Not on
 JAX: `mode="momentum"` and
 `tf.distribute` (TensorFlow only).
 
@@ -26,8 +25,9 @@ between), since `window_steps` reaches `k`.
 
 import keras
 
-from . import _buffer_keras3, _inner_keras3, _validation
-from ._keras3 import Keras3AccumOptimizer
+from .. import _validation
+from ._optimizer import Keras3AccumOptimizer
+from . import _buffer_step, _inner
 
 
 @keras.saving.register_keras_serializable(package="accum", name="AccumOptimizer")
@@ -57,7 +57,7 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
     # ------------------------------------------- one row per device (`local_gradients`)
 
     def _use_device_rows(self, mesh, axis, shards):
-        """Gives each buffer one row per shard of the batch axis (`accum._local_jax`),
+        """Gives each buffer one row per shard of the batch axis (`accum.keras3._local_jax`),
         the current buffer in row 0; True if the buffers changed."""
         from . import _local_jax
 
@@ -67,18 +67,19 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
             return False
         saved = [b.numpy() for b in self._checkpoint_buffers()]
         with keras.name_scope(self.name, caller=self):
-            new = [rows.buffer_for(v, "accumulator") for v in _inner_keras3.own_trainable_variables(self)]
+            new = [rows.buffer_for(v, "accumulator") for v in _inner.own_trainable_variables(self)]
         for old, buffer, value in zip(self.accumulators, new, saved):
-            own = _inner_keras3.own_variables(self)
+            own = _inner.own_variables(self)
             own[next(i for i, v in enumerate(own) if v is old)] = buffer
             _local_jax.SavedRows(buffer).assign(value)
         # Not through Keras's tracker, which would add them to the variables a second time.
         object.__setattr__(self, "accumulators", new)
         self._device_rows = rows
+        self._buffer_window = self._new_buffer_window()
         return True
 
     def _checkpoint_buffers(self):
-        """The buffers, those with one row per device as their rows' sum (`accum._local_jax`)."""
+        """The buffers, those with one row per device as their rows' sum (`accum.keras3._local_jax`)."""
         if getattr(self, "_device_rows", None) is None:
             return self.accumulators
         from . import _local_jax
@@ -86,22 +87,20 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
         return [_local_jax.SavedRows(b) for b in self.accumulators]
 
     # --------------------------------------------------------------- updates
-    # The micro-step and the window's end are `accum._buffer_keras3`'s, as on TensorFlow.
+    # The micro-step and the window's end are `accum.keras3._buffer_step`'s, as on TensorFlow.
 
     def _update_when(self, pred, grads_fn, touched):
         """The inner optimizer's update of every variable with `grads_fn()`, masked by
-        `touched`, where the scalar bool `pred` holds (`accum._buffer_keras3`): in a
+        `touched`, where the scalar bool `pred` holds (`accum.keras3._buffer_step`): in a
         `jax.lax.cond` whose update branch runs the inner optimizer's `stateless_apply`
         on the current values; the new values are assigned."""
         import jax
 
-        variables = list(_inner_keras3.own_trainable_variables(self))
+        variables = list(self._buffer_window.state.variables)
         inner_variables = list(self.inner_optimizer.variables)
 
         def update(values, inner_values):
-            with _buffer_keras3.masked_updates(
-                self._innermost(), variables, touched, _inner_keras3.weight_decay_where
-            ):
+            with _buffer_step.masked_updates(self._innermost(), variables, touched, protect=False):
                 new_values, new_inner = self.inner_optimizer.stateless_apply(
                     inner_values, grads_fn(), values)
             restore = _protected(variables, touched, values)

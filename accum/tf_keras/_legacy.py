@@ -5,10 +5,12 @@ import contextlib
 import tensorflow as tf
 import tf_keras
 
-from . import _batchnorm, _distributed, _families, _window
-from . import _inner_tf_keras_legacy as _api
-from ._base import AccumOptimizer, claim_inner
-from ._tf_keras_common import TFKerasWindow
+from .. import _families, _shadow
+from .._base import AccumOptimizer, claim_inner
+from ..batchnorm import _warning
+from ..modes import _distributed, _window
+from ._common import TFKerasWindow
+from . import _inner_legacy as _api
 
 
 @tf_keras.saving.register_keras_serializable(package="accum", name="LegacyAccumOptimizer")
@@ -47,7 +49,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
 
     @staticmethod
     def _rescale_spec_for(optimizer, steps_per_update):
-        from ._rescale_tf_keras import refuse_legacy
+        from ._rescale_step import refuse_legacy
 
         return refuse_legacy(optimizer, steps_per_update)
 
@@ -81,14 +83,14 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
                 )
                 self._micro_steps = self.add_weight("micro_steps", **weight)
                 self.window_steps = self.add_weight("window_steps", **weight)
-                # Replica-local under a strategy (see `accum._distributed`).
+                # Replica-local under a strategy (see `accum.modes._distributed`).
                 with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
                     self.window_count = self.add_weight("window_count", **weight)
             for v in new:
                 self._index[v.ref()] = len(self._model_variables)
                 self._keys[_api.var_key(self._inner, v)] = len(self._model_variables)
                 self._model_variables.append(v)
-                # One flag per variable: did the window give it a gradient (`accum._window`).
+                # One flag per variable: did the window give it a gradient (`accum.modes._window`).
                 # An optimizer weight, not a slot: a scalar slot is revived with its
                 # variable's shape by tf_keras's SavedModel `load_model`. Named by
                 # position, like the saved buffers (`AccumOptimizer._own_state`).
@@ -103,7 +105,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
         self._mode.check_built(self, self._inner, new)
         self._built_accum = True
         if first:
-            _batchnorm.warn_for_training_model(self)
+            _warning.warn_for_training_model(self)
             self._guard_recompile()
         self._link_batch_norm(new)
 
@@ -171,7 +173,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
             key = _api.var_key(innermost, var)
             return touched[self._keys[key]] if key in self._keys else None
 
-        with _window.instance_hooks(innermost, _window.masked_update_hooks(_api, innermost, touched_of)):
+        with _shadow.shadowed(innermost, _window.masked_update_hooks(_api, innermost, touched_of)):
             yield
 
     def finalize_variable_values(self, var_list):

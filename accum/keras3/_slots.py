@@ -1,10 +1,11 @@
 """`mode="momentum"` for Keras 3: access to the slots of `keras.optimizers.SGD`, `Adam` and `AdamW`
-(through `accum._inner_keras3`)."""
+(through `accum.keras3._inner`)."""
 
 import keras
 import tensorflow as tf
 
-from . import _inner_keras3, _momentum
+from ..modes import _momentum
+from . import _inner
 
 
 class _Keras3Slots(_momentum.SlotAdapter):
@@ -22,20 +23,20 @@ class _Keras3Slots(_momentum.SlotAdapter):
             }
 
     def slots(self, variable):
-        return tuple(None if s is None else s.value for s in _inner_keras3.slots(self.optimizer, variable))
+        return tuple(None if s is None else s.value for s in _inner.slots(self.optimizer, variable))
 
     def learning_rate(self, dtype):
         return tf.cast(self.optimizer.learning_rate, dtype)
 
     def apply_weight_decay(self, variables):
-        _inner_keras3.apply_weight_decay(self.optimizer, variables)
+        _inner.apply_weight_decay(self.optimizer, variables)
 
 
 def rule_for(optimizer):
     """The `MomentumRule` for a Keras 3 optimizer, or a Keras-style `ValueError`."""
     _momentum.check_common(optimizer)
     if type(optimizer) is keras.optimizers.SGD:
-        if not _inner_keras3.has_momentum(optimizer):
+        if not _inner.has_momentum(optimizer):
             raise _momentum.unsupported(optimizer, "`momentum=0` has no moment slot")
         if optimizer.nesterov:
             raise _momentum.unsupported(optimizer, "`nesterov=True` needs the old momentum at the end")

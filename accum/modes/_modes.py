@@ -8,7 +8,7 @@ keeps `MODES[name]` as `_mode`; the families ask it instead of comparing names:
 |---|---|---|---|
 | needs of the optimizer (`rule`) | nothing | a `MomentumRule` (SGD/Adam/AdamW) | a `_rescale.Rescale` spec |
 | builds | a buffer and a touched flag per variable | a touched flag per variable | nothing |
-| a micro-step | adds to the buffers (`accum._window`; Keras 3: `accum._buffer_keras3`) | folds into the moments | rescaled inner update (`accum._rescale`) |
+| a micro-step | adds to the buffers (`accum.modes._window`; Keras 3: `accum.keras3._buffer_step`) | folds into the moments | rescaled inner update (`accum.modes._rescale`) |
 | the window's end | the inner optimizer on the mean | the rule's `finish` | -- (each micro-step) |
 | `k=1` | the inner optimizer, gradients as given | as for any `k` | as for any `k` |
 | `tf.distribute`, `flush()` | yes | no | no |
@@ -19,7 +19,18 @@ in `AccumOptimizer` (`_window_state`, `_apply_inner`, `_loss_scale`, `_on_skip`,
 `_rescale_micro_step`).
 """
 
-from . import _distributed, _window
+from . import _window
+
+
+def mode_not_supported(mode):
+    """The error for a mode other than "buffer" (`"momentum"`, `"rescale"`) under a strategy."""
+    return NotImplementedError(
+        f'`AccumOptimizer(..., mode="{mode}")` is not supported under a '
+        "`tf.distribute` strategy: its moment slots are mirrored variables "
+        "that it would update from each replica's own gradients at every "
+        'micro-step. Use `mode="buffer"` (the default), which accumulates '
+        "locally on each replica and all-reduces once per update."
+    )
 
 
 class Mode:
@@ -28,7 +39,7 @@ class Mode:
     name = ""
     buffered = False  # a buffer per variable; k=1 hands each micro-step to the inner optimizer
     flags_touched = True  # a flag per variable: did the window give it a gradient
-    distributable = False  # under `tf.distribute`: replica-local windows (`accum._distributed`)
+    distributable = False  # under `tf.distribute`: replica-local windows (`accum.modes._distributed`)
     own_micro_step = False  # its micro-step replaces the window (accumulate, count, end)
 
     def rule(self, wrapper, optimizer, k):
@@ -43,7 +54,7 @@ class Mode:
 
     def check_distributable(self):
         if not self.distributable:
-            raise _distributed.mode_not_supported(self.name)
+            raise mode_not_supported(self.name)
 
     def accumulate(self, wrapper, grads, indices):
         """What one micro-step does to the window (`own_micro_step` modes: `micro_step`)."""

@@ -1,9 +1,9 @@
 """`mode="rescale"` for tf_keras new-style optimizers: one micro-step in TensorFlow ops.
 
-See `accum._rescale` for the recipe. The inner optimizer's own
+See `accum.modes._rescale` for the recipe. The inner optimizer's own
 `apply_gradients` runs at every micro-step, with its moving-average
 coefficients, iteration counter, learning rate, weight decay and
-per-variable updates (`_inner_tf_keras.step_hooks`, `UPDATE_STEPS`) replaced
+per-variable updates (`accum.tf_keras._inner.step_hooks`, `UPDATE_STEPS`) replaced
 on the instance while it is traced. tf_keras optimizers assign to the model's
 variables directly (no `assign` method to hook), so at a micro-step that is
 not the window's last the per-variable update is followed by restoring the
@@ -15,8 +15,9 @@ refused: use their new-style counterparts.)
 import tensorflow as tf
 import tf_keras
 
-from . import _inner_tf_keras as _api
-from . import _rescale, _window
+from .. import _shadow
+from ..modes import _rescale, _window
+from . import _inner as _api
 
 
 def spec_for(optimizer, k):
@@ -51,7 +52,7 @@ def micro_step(wrapper, grads, indices):
     micro = _api.own_iterations(wrapper)
     last = tf.equal((micro + 1) % spec.k, 0)
     # A non-finite micro-step counts as a zero gradient, as a missing one does (the
-    # window's update still comes at its last micro-step; `accum._rescale`).
+    # window's update still comes at its last micro-step; `accum.modes._rescale`).
     finite = _window.all_finite(grads)
     grads = [_zeroed_unless(finite, g) for g in grads]
     # The schedule at the update count (the inner optimizer's iterations count updates).
@@ -78,7 +79,7 @@ def micro_step(wrapper, grads, indices):
     # weight decay; every per-variable update is guarded.
     hooks.update(_api.step_hooks(inner, micro, spec.learning_rate(learning_rate)))
     hooks.update({name: guarded_update_step for name in _api.UPDATE_STEPS})
-    with _window.instance_hooks(inner, hooks):
+    with _shadow.shadowed(inner, hooks):
         result = inner.apply_gradients(list(zip(grads, variables)), skip_gradients_aggregation=True)
     inner.iterations.assign_add(tf.cast(last, inner.iterations.dtype))
     wrapper.window_steps.assign(tf.where(last, tf.zeros_like(wrapper.window_steps), wrapper.window_steps + 1))

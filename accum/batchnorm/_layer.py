@@ -72,7 +72,7 @@ class BatchNormalization:
 
     Takes Keras's `BatchNormalization` arguments, plus `family` (`"keras3"` or
     `"tf_keras"`; by default chosen as the module docstring of
-    `accum._batchnorm_window` says). Normalization in training still uses each
+    `accum.batchnorm._layer` says). Normalization in training still uses each
     micro-batch's own statistics; the moving statistics equal those of a plain
     `BatchNormalization` trained at batch `k · b` (float rounding). Trained by
     a plain optimizer (also after `compile` with one, following an
@@ -86,7 +86,7 @@ class BatchNormalization:
     Keras's layer); not `renorm=True`; an eager custom loop builds the
     optimizer first; in a custom loop the `AccumOptimizer` last built on the
     layer's variables links it, whatever optimizer the loop applies.
-    Derivation and the link: `accum._batchnorm_window`.
+    Derivation and the link: `accum.batchnorm._layer`.
     """
 
     _FAMILY = None
@@ -121,7 +121,7 @@ class BatchNormalization:
 
     def build(self, input_shape):
         """The layer's own variables, then the window's (replica-local under a strategy)."""
-        from ._distributed import replica_local_variables
+        from ..modes._distributed import replica_local_variables
 
         super().build(input_shape)
         shape = self.moving_mean.shape
@@ -262,7 +262,7 @@ def _model_in_train_step(code):
 
 def _accum_optimizer_in(optimizer):
     """The `AccumOptimizer` that `optimizer` is or wraps (a `LossScaleOptimizer` around it), or None."""
-    from ._recompile import chain, is_accum_optimizer
+    from .._recompile import chain, is_accum_optimizer
 
     return next((o for o in chain(optimizer) if is_accum_optimizer(o)), None)
 

@@ -12,8 +12,8 @@ import contextlib
 
 import tensorflow as tf
 
-from . import _families
-from ._inner_tf_keras import LOSS_SCALE_NAMES, loss_scale  # noqa: F401 (the same LossScaleOptimizer)
+from .. import _families
+from ._inner import LOSS_SCALE_NAMES, loss_scale  # noqa: F401 (the same LossScaleOptimizer)
 
 name = _families.TF_KERAS_LEGACY
 UPDATE_STEPS = ("_resource_apply_dense",)  # the window's means are dense

@@ -27,7 +27,7 @@ micro-gradients' squares, not the square of their mean (as `mode="momentum"`
 does for Adam). `docs/rescale.md` measures how far it ends from batch `k · b`,
 beside `mode="buffer"` (exact) and `mode="momentum"`.
 
-What the wrapper does at each micro-step (`_rescale_keras3`, `_rescale_tf_keras`):
+What the wrapper does at each micro-step (`accum.keras3._rescale_step`, `accum.tf_keras._rescale_step`):
 - The inner optimizer's update runs with the attributes `Rescale.coefficients`
   set to `β̃` (instance attributes while the update is traced, then restored,
   so its config keeps `β`).

@@ -1,10 +1,13 @@
-"""`AccumOptimizer` for Keras 3 optimizers (TensorFlow backend; `_keras3_jax` derives the JAX one)."""
+"""`AccumOptimizer` for Keras 3 optimizers (TensorFlow backend; `accum.keras3._jax` derives the JAX one)."""
 
 import keras
 import tensorflow as tf
 
-from . import _batchnorm, _buffer_keras3, _distributed, _families, _inner_keras3, _window
-from ._base import AccumOptimizer, claim_inner
+from .._base import AccumOptimizer, claim_inner
+from ..batchnorm import _warning
+from ..modes import _distributed, _window
+from .. import _families
+from . import _buffer_step, _inner
 
 _BASE_DEFAULTS = {
     "weight_decay": None,
@@ -46,23 +49,23 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
 
     @staticmethod
     def _momentum_rule_for(optimizer):
-        from ._momentum_keras3 import rule_for
+        from ._slots import rule_for
 
         return rule_for(optimizer)
 
     @staticmethod
     def _rescale_spec_for(optimizer, steps_per_update):
-        from ._rescale_keras3 import spec_for
+        from ._rescale_step import spec_for
 
         return spec_for(optimizer, steps_per_update)
 
     def _rescale_check_variables(self, variables):
-        from ._rescale_keras3 import check_variables
+        from ._rescale_step import check_variables
 
         check_variables(self._rule, variables)
 
     def _rescale_micro_step(self, grads, indices):
-        from ._rescale_keras3 import micro_step
+        from ._rescale_step import micro_step
 
         return micro_step(self, grads, indices)
 
@@ -72,7 +75,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         """Creates the counters, the buffers (`mode="buffer"`) and the inner optimizer's slots."""
         var_list = list(var_list)
         # Under a strategy, the window count and the buffers are replica-local
-        # (see `accum._distributed`).
+        # (see `accum.modes._distributed`).
         self._accum_strategy = _distributed.current_strategy()
         if self._accum_strategy is not None:
             self._mode.check_distributable()
@@ -85,7 +88,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
                 shape=(), dtype="int64", initializer="zeros", name="window_count"
             )
         with _distributed.replica_local_variables(tf.VariableAggregation.ONLY_FIRST_REPLICA):
-            # One flag per variable: did the window give it a gradient (`accum._window`).
+            # One flag per variable: did the window give it a gradient (`accum.modes._window`).
             self.touched = [
                 self.add_variable(shape=(), dtype="int64", initializer="zeros", name="touched")
                 for _ in (var_list if self._mode.flags_touched else ())
@@ -100,19 +103,28 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         self._mode.check_built(self, self.inner_optimizer, var_list)
         super().build(var_list)
         self._link_batch_norm(var_list)
-        _batchnorm.warn_for_training_model(self)
+        self._buffer_window = self._new_buffer_window()
+        _warning.warn_for_training_model(self)
         self._guard_recompile()
+
+    def _new_buffer_window(self):
+        """`mode="buffer"`'s window (`accum.keras3._buffer_step.BufferWindow`), given what
+        it needs of this family: the state, the loss scale, the backend's conditional
+        inner update (`_update_when`) and the linked `accum.BatchNormalization` layers."""
+        return _buffer_step.BufferWindow(
+            self._window_variables(), self._steps_per_update,
+            _inner.loss_scale(self.inner_optimizer), self._update_when, self._batch_norm_layers)
 
     @property
     def variables(self):
         """The wrapper's variables (counters, buffers) followed by the inner optimizer's."""
-        return _inner_keras3.own_variables(self)[:] + self.inner_optimizer.variables
+        return _inner.own_variables(self)[:] + self.inner_optimizer.variables
 
     def _micro_steps_variable(self):
-        return _inner_keras3.own_iterations(self)
+        return _inner.own_iterations(self)
 
     def _model_variables_list(self):
-        return _inner_keras3.own_trainable_variables(self)
+        return _inner.own_trainable_variables(self)
 
     def scale_loss(self, loss):
         """Scales the loss as the inner optimizer does (loss scaling lives there)."""
@@ -142,94 +154,95 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
                     "must already be built on a list of variables. "
                     "Call `optimizer.build(trainable_variables)` first."
                 )
-            trainable_variables = _inner_keras3.own_trainable_variables(self)
+            trainable_variables = _inner.own_trainable_variables(self)
+            known = None
         else:
             trainable_variables = list(trainable_variables)
             if not self.built:
                 with keras.name_scope(self.name, caller=self):
                     self.build(trainable_variables)
                 self.built = True
-            _inner_keras3.check_variables_are_known(self, trainable_variables)
+            known = trainable_variables
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable.")
         grads = [g for g, _ in pairs]
-        indices = tuple(_inner_keras3.variable_index(self, v) for _, v in pairs)
-        if self.steps_per_update == 1 and self._mode.buffered:
+        indices = _inner.variable_indices(self, [v for _, v in pairs], known)
+        if self._steps_per_update == 1 and self._mode.buffered:
             # k=1: every micro-step is an update; the inner optimizer sees the
             # gradients exactly as given (sparse ones stay sparse).
-            variables = [_inner_keras3.own_trainable_variables(self)[i] for i in indices]
-            grads = [_buffer_keras3.rows_total(g, len(v.shape)) for g, v in zip(grads, variables)]
+            variables = [_inner.own_trainable_variables(self)[i] for i in indices]
+            grads = [_buffer_step.rows_total(g, len(v.shape)) for g, v in zip(grads, variables)]
             self.inner_optimizer.apply(grads, variables)
-            _inner_keras3.own_iterations(self).assign_add(1)
+            _inner.own_iterations(self).assign_add(1)
             self._finish_batch_norm()
             return
         self._micro_step(grads, indices)
 
     def _micro_step(self, grads, indices):
         """Accumulates `grads` (of the variables `indices`) and ends the window when full:
-        `mode="buffer"` in `accum._buffer_keras3` (or, in a replica context,
-        `accum._distributed`); the other modes by their own micro-step (`accum._modes`)."""
+        `mode="buffer"` in `accum.keras3._buffer_step` (or, in a replica context,
+        `accum.modes._distributed`); the other modes by their own micro-step (`accum.modes._modes`)."""
         with keras.name_scope(self.name, caller=self):
             if self._mode.own_micro_step:
                 self._mode.micro_step(self, grads, indices)
                 return
-            if _distributed.in_replica_context():
+            if self._accum_strategy is not None and _distributed.in_replica_context():
                 self._mode.check_distributable()
                 self._distributed_window().micro_step(grads, indices)
                 return
             if self._mode.buffered:
-                _buffer_keras3.micro_step(self, grads, indices)
+                self._buffer_window.micro_step(grads, indices)
                 return
             self._mode.accumulate(self, grads, indices)  # "momentum" (TensorFlow)
-            _inner_keras3.own_iterations(self).assign_add(1)
+            _inner.own_iterations(self).assign_add(1)
             _window.maybe_end_window(
                 self.steps_per_update, self.window_steps.value, lambda: self._mode.end_window(self)
             )
 
     def _update_when(self, pred, grads_fn, touched):
         """The inner optimizer's update of every variable with `grads_fn()`, masked by
-        `touched`, where the scalar bool `pred` holds (`accum._buffer_keras3`): in a
+        `touched`, where the scalar bool `pred` holds (`accum.keras3._buffer_step`): in a
         `tf.cond`, in place."""
-        indices = tuple(range(len(touched)))
-        tf.cond(pred, lambda: self._apply_inner(grads_fn(), indices, touched), lambda: None)
+        tf.cond(pred, lambda: self._masked_apply(grads_fn, self._buffer_window.state.variables, touched),
+                lambda: None)
 
     def _flush_window(self):
-        _buffer_keras3.end_window_when(self, self.window_steps.value > 0)
+        self._buffer_window.end_window_when(self.window_steps.value > 0)
 
     # ---------------------------------------------------- tf.distribute path
 
     def _distributed_window(self):
-        """The `accum._distributed.Window` of this optimizer (see there)."""
+        """The `accum.modes._distributed.Window` of this optimizer (see there)."""
         return _distributed.Window(self)
 
     def _window_variables(self):
-        """The window's state as the wrapper's `keras.Variable`s (`accum._buffer_keras3`)."""
+        """The window's state as the wrapper's `keras.Variable`s (`accum.keras3._buffer_step`)."""
         return _window.WindowState(
-            micro_steps=_inner_keras3.own_iterations(self),
+            micro_steps=_inner.own_iterations(self),
             window_steps=self.window_steps,
             window_count=self.window_count,
             buffers=list(self.accumulators),
             touched=list(self.touched),
-            variables=list(_inner_keras3.own_trainable_variables(self)),
+            variables=list(_inner.own_trainable_variables(self)),
         )
 
     def _window_state(self):
-        """The window's state as `tf.Variable`s (`accum._window`, `accum._distributed`)."""
+        """The window's state as `tf.Variable`s (`accum.modes._window`, `accum.modes._distributed`)."""
         state = self._window_variables()
         return _window.WindowState(*(
             [v.value for v in field] if isinstance(field, list) else field.value for field in state
         ))
 
     def _loss_scale(self):
-        loss_scale = _inner_keras3.loss_scale(self.inner_optimizer)
+        loss_scale = _inner.loss_scale(self.inner_optimizer)
         return None if loss_scale is None else loss_scale[0].value
 
     def _inner_scope(self):
         """Keras 3 optimizers all-reduce their gradients inside `apply` (TensorFlow
         backend) and have no argument to skip it: the innermost optimizer's all-reduce
-        is the identity while the update is traced (`_inner_keras3.skip_all_reduce`)."""
-        return _inner_keras3.skip_all_reduce(self._innermost())
+        is the identity while the update is traced (`accum.keras3._inner.skip_all_reduce`)."""
+        return _inner.skip_all_reduce(self._innermost())
 
     def _innermost(self):
         """The optimizer that does the update: the inner one, unwrapped from `LossScaleOptimizer`s."""
@@ -240,7 +253,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
 
     def _on_skip(self):
         """What the inner LossScaleOptimizer does with a non-finite step (None without one)."""
-        loss_scale = _inner_keras3.loss_scale(self.inner_optimizer)
+        loss_scale = _inner.loss_scale(self.inner_optimizer)
         if loss_scale is None:
             return None
         scale, counter = loss_scale
@@ -250,11 +263,15 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     def _apply_inner(self, grads, indices, touched):
         """The inner optimizer's update of the variables `indices` with `grads`, where
         only those whose `touched` (scalar bool tensors) is true change."""
-        variables = [_inner_keras3.own_trainable_variables(self)[i] for i in indices]
-        restore = _window.protect_untouched(variables, touched)
-        with _buffer_keras3.masked_updates(self._innermost(), variables, touched, _weight_decay):
-            self.inner_optimizer.apply(grads, variables)
-        restore()
+        variables = [self._buffer_window.state.variables[i] for i in indices]
+        self._masked_apply(lambda: grads, variables, touched)
+
+    def _masked_apply(self, grads_fn, variables, touched):
+        """The inner `apply` of `grads_fn()` to `variables`, masked by `touched` (its weight
+        decay: a select without a strategy, distribution-aware under one)."""
+        weight_decay = None if self._accum_strategy is None else _weight_decay
+        _buffer_step.masked_apply(
+            self.inner_optimizer, self._innermost(), grads_fn, variables, touched, weight_decay)
 
     def finalize_variable_values(self, var_list):
         """Called at the end of `fit`: warns once about a pending partial window, then
@@ -273,6 +290,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
 
 
 def _weight_decay(optimizer, variables, touched_of):
-    """The weight decay of a masked update on TensorFlow: distribution-aware, each variable's
-    decay guarded by its flag (`accum._window.masked_weight_decay`)."""
-    _window.masked_weight_decay(optimizer, variables, touched_of, _inner_keras3)
+    """The weight decay of a masked update under a `tf.distribute` strategy: distribution-aware,
+    each variable's decay guarded by its flag (`accum.modes._window.masked_weight_decay`;
+    without a strategy, the select `accum.keras3._inner.weight_decay_where`)."""
+    _window.masked_weight_decay(optimizer, variables, touched_of, _inner)
