@@ -3,7 +3,8 @@
 Shows the whole workflow on Keras 3: decorate each block's `call` with
 `@recompute_grad`, turn it on with `RECOMPUTE=1` (here with `recompute_scope`
 so both runs fit in one script), and check that training is unchanged: the
-same seed gives the same losses and the same final weights, with dropout on.
+same seed gives the same losses and the same final weights to float rounding
+(the largest difference relative to the largest weight), with dropout on.
 
     python examples/recompute_fit.py [--blocks 4] [--epochs 2]
 
@@ -90,8 +91,13 @@ def main(argv=None):
         runs[on] = (hist.history["loss"], [np.asarray(w) for w in model.weights])
 
     loss_diff = max(abs(a - b) for a, b in zip(runs[False][0], runs[True][0]))
+    # Relative to the model's largest weight: the key projections' biases have an
+    # analytically zero gradient, whose float rounding Adam turns into steps of the
+    # learning rate's size in both runs -- relative to their own (tiny) size those
+    # differ by rounding made large, not by a difference in training.
+    scale = max(float(np.max(np.abs(a))) for a in runs[False][1])
     weight_diff = max(
-        float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12))
+        float(np.max(np.abs(a - b))) / max(scale, 1e-12)
         for a, b in zip(runs[False][1], runs[True][1])
     )
     print(f"max |loss difference| per epoch: {loss_diff:.3g}")
