@@ -239,10 +239,9 @@ def test_dropout_on_fit_matches(dropout_config_path, replayable_rng, policy):
             history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
         losses.append(history.history["loss"])
         weights.append([np.asarray(w) for w in model.weights])
-    # The first epoch's loss is the same computation; later ones follow weights
-    # updated with gradients that the lean attention core (and the GELU under
-    # "attention") compute by other ops: equal to rounding.
-    assert losses[0][0] == losses[1][0]
+    # The losses follow weights updated with gradients that the FlashAttention-2 core
+    # (and the GELU under "attention") compute by other ops: equal to rounding (the
+    # first epoch's mean already holds its steps 2 to 4: 1 ulp apart since that core).
     assert_all_close(losses[0], losses[1], rtol=1e-6)
     assert_all_close(weights[0], weights[1])
 
