@@ -445,9 +445,7 @@ class Plan:
 
     def scope(self):
         """`recompute_scope(policy is not None)`: recomputation on for a policy, off for None."""
-        from ._config import recompute_scope
-
-        return recompute_scope(self.policy is not None)
+        return _recompute_scope(self.policy)
 
     def build(self, build_model):
         """`build_model(policy)` with its compiled optimizer wrapped by `self.optimizer`."""
@@ -707,10 +705,9 @@ class _Planner:
         """(planned peak bytes, None) of the step compiled at `batch`; with `timed` (the local
         device only), the compiled step also runs twice: (planned, seconds of the second)."""
         from . import _xla_plan
-        from ._config import recompute_scope
 
         if (policy, batch) not in self.compiled:
-            with recompute_scope(policy is not None):
+            with _recompute_scope(policy):
                 self.compiled[policy, batch] = _xla_plan.train_step_plan(
                     model, x, y, self.meter.sharding)
         compiled, planned = self.compiled[policy, batch]
