@@ -29,8 +29,8 @@ keys are cut into key blocks of `KEY_BLOCK` (`key_block`):
   layer's own ops).
 
 Up to `UNROLL` (8) blocks run as straight-line code, each block's inputs made after
-the block before it (`Engine.after`: an optimization barrier on JAX, a data
-dependency on TensorFlow), so that one block is alive at a time and the compiler
+the block before it (`Engine.chain`: an optimization barrier on JAX whose every
+output is used, a data dependency on TensorFlow), so that one block is alive at a time and the compiler
 sees no loop; beyond, a loop of the engine's (`tf.while_loop`, `jax.lax.fori_loop`).
 Results equal the unblocked core's to float rounding (each entry is the same sum over
 keys; dK and dV add the tiles' parts).
@@ -203,9 +203,12 @@ class Engine:
         `anchor` is an input of the core: the loop's buffers need not exist before
         it (`_flash_jax`)."""
 
-    def after(self, tensors, gate):
-        """`tensors` (a list), made to exist only once `gate` does: the unrolled blocks
-        are chained so that one block is alive at a time."""
+    def chain(self, tensors, gate):
+        """`(tensors, gate)` (two lists), the tensors made to exist only once `gate` does:
+        the unrolled blocks are chained so that one block is alive at a time. The caller
+        uses what comes back in place of both lists (on JAX they pass through one
+        optimization barrier, whose outputs XLA drops where they are not used: a gate
+        whose outputs went unused stopped gating)."""
 
     def vjp(self, fn, *primals):
         """`(out, aux, pullback)` of `fn(*primals) -> (out, aux)`: `pullback(cotangent)`
@@ -347,18 +350,23 @@ def _keys_padded(E, k, v, mask, bits, keys, kb):
     return k, v, mask, bits, n, E.constant(np.arange(n * kb) < keys)
 
 
-def _blocks(E, body, carry, n, y_dtypes, anchor):
-    """`body(carry, i, gate) -> (carry, ys)` for the blocks i = 0..n-1, one at a time:
-    `(carry, stacked ys)`. Up to `UNROLL` blocks, straight-line code, each block's inputs
-    made after the block before it (`gate`: its carry and ys; `Engine.after`), so that the
-    compiler holds one block at a time; beyond, the engine's loop (`gate` None)."""
+def _blocks(E, body, carry, n, y_dtypes, anchor, sources):
+    """`body(carry, i, sources) -> (carry, ys)` for the blocks i = 0..n-1, one at a time:
+    `(carry, stacked ys)`; `sources` (a list, None entries allowed) are the tensors the
+    blocks cut their inputs from. Up to `UNROLL` blocks, straight-line code: before block
+    i > 0, the sources, the carry and the ys of block i - 1 pass through one
+    `Engine.chain`, and what comes out replaces all three, so that block i's inputs exist
+    only after block i - 1 and the compiler holds one block at a time (every output of
+    the barrier used: XLA drops the unused ones, and with them the order); beyond, the
+    engine's loop."""
     if n > UNROLL:
-        return E.scan(lambda c, i: body(c, i, None), carry, n, y_dtypes, anchor)
-    stacked, gate = [], None
+        return E.scan(lambda c, i: body(c, i, sources), carry, n, y_dtypes, anchor)
+    stacked = []
     for i in range(n):
-        carry, ys = body(carry, i, gate)
+        if i:
+            sources, carry, stacked[-1] = _chain(E, sources, carry, stacked[-1])
+        carry, ys = body(carry, i, sources)
         stacked.append(ys)
-        gate = [t for t in _flat(carry) + list(ys) if t is not None]
     return carry, tuple(E.stack([ys[j] for ys in stacked]) for j in range(len(y_dtypes)))
 
 
@@ -366,16 +374,24 @@ def _flat(carry):
     return list(carry) if isinstance(carry, (tuple, list)) else [carry]
 
 
-def _gated(E, tensors, gate):
-    """`tensors` (a list, None entries kept) made after `gate` (None: as they are)."""
-    if not gate:
-        return tensors
-    present = [i for i, t in enumerate(tensors) if t is not None]
-    made = E.after([tensors[i] for i in present], gate)
-    out = list(tensors)
-    for i, t in zip(present, made):
-        out[i] = t
-    return out
+def _chain(E, sources, carry, ys):
+    """`(sources, carry, ys)` through `Engine.chain`: the sources made after the carry and
+    the ys, all three as they come out (None entries kept, the structures kept)."""
+    parts = [list(sources), _flat(carry), list(ys)]
+    present = [(p, i) for p, part in enumerate(parts) for i, t in enumerate(part)
+               if t is not None]
+    n_sources = sum(1 for p, _ in present if p == 0)
+    made, gate = E.chain([parts[p][i] for p, i in present[:n_sources]],
+                         [parts[p][i] for p, i in present[n_sources:]])
+    for (p, i), t in zip(present, list(made) + list(gate)):
+        parts[p][i] = t
+    if isinstance(carry, tuple):
+        carry = tuple(parts[1])
+    elif isinstance(carry, list):
+        carry = parts[1]
+    else:
+        carry = parts[1][0]
+    return parts[0], carry, tuple(parts[2])
 
 
 def _keys(E, k):
@@ -425,10 +441,10 @@ def _online_block(E, logits, q_j, mask_j, bits_j, parts, anchor, rate):
     block): `(O_j, lse_j)`. `parts = (k, v, columns, n_key_blocks, kb)`."""
     k, v, columns, nk, kb = parts
 
-    def body(carry, c, gate):
+    def body(carry, c, sources):
         m, total, acc = carry
-        (q_g,) = _gated(E, [q_j], gate)
-        k_c, v_c, mask_c, keep, cols = _key_part(E, c, kb, k, v, mask_j, bits_j, columns)
+        q_g, bits_g = sources
+        k_c, v_c, mask_c, keep, cols = _key_part(E, c, kb, k, v, mask_j, bits_g, columns)
         s, valid = logits(q_g, k_c, mask_c)
         if cols is not None:  # padded keys: out of every row
             s = E.where(cols, s, NEG_INF)
@@ -447,7 +463,8 @@ def _online_block(E, logits, q_j, mask_j, bits_j, parts, anchor, rate):
     heads, rows = q_j.shape[2], q_j.shape[1]  # (static: `Engine.rows` keeps the size)
     zeros = E.zeros(q_j, [heads, rows, 1], q_j.dtype, anchor)  # [batch, heads, rows, 1]
     acc = E.zeros(q_j, [heads, rows, v.shape[3]], v.dtype, anchor)
-    (m, total, acc), _ = _blocks(E, body, (zeros + NEG_INF, zeros, acc), nk, (), anchor)
+    (m, total, acc), _ = _blocks(E, body, (zeros + NEG_INF, zeros, acc), nk, (), anchor,
+                                 [q_j, bits_j])
     m_use = E.where(m == NEG_INF, 0.0, m)
     return E.transpose(acc / total, [0, 2, 1, 3]), E.stack([m_use[..., 0], E.log(total)[..., 0]])
 
@@ -485,17 +502,18 @@ def forward(E, logits, q, k, v, mask, bits, rate, block, key_block=None):
         key_block = None
     kp, vp, maskp, bitsp, nk, columns = _keys_padded(E, k, v, maskp, bitsp, keys, key_block)
 
-    def body(carry, i, gate):
-        (q_j,) = _gated(E, _query_rows(E, i, block, known, [(qp, 1)]), gate)
+    def body(carry, i, sources):
+        q_s, bits_s = sources
+        (q_j,) = _query_rows(E, i, block, known, [(q_s, 1)])
         mask_j = _cut(E, maskp, 2, i * block, block) if block is not None and known else maskp
-        bits_j = _bits_rows(E, bitsp, i, block, known)
+        bits_j = _bits_rows(E, bits_s, i, block, known)
         if key_block is None:
             keep = None if bits_j is None else E.unpack(bits_j, keys)
             return carry, _softmax_block(E, logits, q_j, k, mask_j, keep, v, rate)
         return carry, _online_block(E, logits, q_j, mask_j, bits_j,
                                     (kp, vp, columns, nk, key_block), q, rate)
 
-    _, (outs, lses) = _blocks(E, body, (), n, (v.dtype, q.dtype), q)
+    _, (outs, lses) = _blocks(E, body, (), n, (v.dtype, q.dtype), q, [qp, bitsp])
     return E.join(outs, queries, 1), E.join(lses, queries, 3)
 
 
@@ -537,28 +555,29 @@ def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_b
         d_q, d_k = pullback(p * (d_p - dot_j[..., None]))
         return d_q, d_k, d_v
 
-    def body(carry, i, gate):
+    def body(carry, i, sources):
         d_k, d_v = carry
-        q_j, d_out_j = _gated(E, _query_rows(E, i, block, known, [(qp, 1), (d_outp, 1)]), gate)
+        q_s, d_out_s, bits_s = sources
+        q_j, d_out_j = _query_rows(E, i, block, known, [(q_s, 1), (d_out_s, 1)])
         dot_j, lse_j = _query_rows(E, i, block, known, [(row_dotp, 2), (lsep, 3)])
         mask_j = _cut(E, maskp, 2, i * block, block) if block is not None and known else maskp
-        bits_j = _bits_rows(E, bitsp, i, block, known)
+        bits_j = _bits_rows(E, bits_s, i, block, known)
         if key_block is None:
             keep = None if bits_j is None else E.unpack(bits_j, keys)
             d_q_j, d_k_j, d_v_j = part(q_j, k, v, mask_j, keep, None, d_out_j, dot_j, lse_j)
             return (d_k + d_k_j, d_v + d_v_j), (d_q_j,)
 
-        def inner(d_q_j, c, gate):
-            (q_g,) = _gated(E, [q_j], gate)
-            k_c, v_c, mask_c, keep, cols = _key_part(E, c, key_block, kp, vp, mask_j, bits_j,
+        def inner(d_q_j, c, sources):
+            q_g, bits_g = sources
+            k_c, v_c, mask_c, keep, cols = _key_part(E, c, key_block, kp, vp, mask_j, bits_g,
                                                      columns)
             d_q_c, d_k_c, d_v_c = part(q_g, k_c, v_c, mask_c, keep, cols, d_out_j, dot_j, lse_j)
             return d_q_j + d_q_c, (d_k_c, d_v_c)
 
         d_q_j, (d_ks, d_vs) = _blocks(E, inner, E.zeros_like(q_j, d_out), nk,
-                                      (k.dtype, v.dtype), d_out)
+                                      (k.dtype, v.dtype), d_out, [q_j, bits_j])
         return (d_k + E.join(d_ks, keys, 1), d_v + E.join(d_vs, keys, 1)), (d_q_j,)
 
     zeros = (E.zeros_like(k, d_out), E.zeros_like(v, d_out))
-    (d_k, d_v), (d_qs,) = _blocks(E, body, zeros, n, (q.dtype,), d_out)
+    (d_k, d_v), (d_qs,) = _blocks(E, body, zeros, n, (q.dtype,), d_out, [qp, d_outp, bitsp])
     return E.join(d_qs, queries, 1), d_k, d_v

@@ -48,10 +48,11 @@ class _Engine(_flash.Engine):
     def scan(self, body, carry, n, y_dtypes, anchor):
         return scan_after(body, carry, n, anchor)
 
-    def after(self, tensors, gate):
+    def chain(self, tensors, gate):
         import jax
 
-        return list(jax.lax.optimization_barrier((list(tensors), list(gate)))[0])
+        tensors, gate = jax.lax.optimization_barrier((list(tensors), list(gate)))
+        return list(tensors), list(gate)
 
     def vjp(self, fn, *primals):
         import jax
@@ -264,11 +265,14 @@ def keep_bits(dropout, batch_like, shape, rows):
     def body(carry, i):
         # the entry (b, h, r, c) of the whole draw has the counter ((b * heads + h) *
         # queries + r) * keys + c (high word 0: fewer than 2^32 entries)
-        b = jax.lax.broadcasted_iota(jnp.uint32, block, 0)
-        h = jax.lax.broadcasted_iota(jnp.uint32, block, 1)
-        r = jax.lax.broadcasted_iota(jnp.uint32, block, 2) + (i * rows).astype(jnp.uint32)
-        c = jax.lax.broadcasted_iota(jnp.uint32, block, 3)
-        count = ((b * heads + h) * queries + r) * keys + c
+        # built from small vectors, the block's row offset entering before any full-size
+        # value: full-size iotas do not depend on the loop, and XLA:GPU hoisted them out of
+        # it, and scheduled those of every layer's recomputation at the start of the step
+        bh = (jnp.arange(batch, dtype=jnp.uint32)[:, None] * heads
+              + jnp.arange(heads, dtype=jnp.uint32)[None, :])  # [batch, heads]
+        r = jnp.arange(rows, dtype=jnp.uint32) + (i * rows).astype(jnp.uint32)  # [rows]
+        c = jnp.arange(keys, dtype=jnp.uint32)
+        count = (bh[:, :, None, None] * queries + r[:, None]) * keys + c
         bits1, bits2 = threefry2x32_p.bind(seed[0], seed[1], jnp.zeros_like(count), count)
         bits = bits1 ^ bits2  # jax.random.bits, 32 bits
         # jax.random.uniform's float32 in [0, 1), then bernoulli's `uniform < p`
