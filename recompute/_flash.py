@@ -17,10 +17,12 @@ keys are cut into key blocks of `KEY_BLOCK` (`key_block`):
   pass, `exp(S_j - max) / sum` as the layer computes it; with key blocks, a running
   maximum `m` and sum `l` over the key blocks, the partial output rescaled by
   `exp(m_old - m_new)` at each one, divided by `l` at the end. Kept for the backward
-  pass: Q, K, V, the mask, the bits, the output O and the per-row log-sum-exp
+  pass: Q, K, V, the mask, the bits, the output O (with key blocks only:
+  `uses_output`) and the per-row log-sum-exp
   `lse = m + log(l)`, as its two terms ([2, batch, heads, queries]: near -1e9, an
   additive mask's fully masked row, their sum would round `log(l)` away).
-- backward (the gradient `dO` arrives): `D = rowsum(dO * O)` once; per tile,
+- backward (the gradient `dO` arrives): `D = rowsum(dO * O)` once with key blocks,
+  else per tile `rowsum(dP * P)` (the tile holds the whole row: the same sum); per tile,
   `P = exp((S - m) - log(l))` (no softmax over whole rows), `dV += drop(P)^T dO`,
   `dP = drop(dO V^T)` (the dropout is linear: its gradient is the same selection and
   scaling), `dS = P * (dP - D)` -- which equals the softmax's `P * (dP - rowsum(dP *
@@ -324,7 +326,8 @@ def _padded(E, q, mask, bits, block, extra=()):
     amount = n * block - queries
     if amount:
         q = E.pad(q, 1, amount, 0)
-        extra = tuple((E.pad(x, axis, amount, 0), axis) for x, axis in extra)
+        extra = tuple((None if x is None else E.pad(x, axis, amount, 0), axis)
+                      for x, axis in extra)
         mask = _map_mask(mask, lambda m: E.pad(m, 2, amount, True) if _along(m, 2) else m)
         if bits is not None:
             bits = E.pad(bits, 2, amount, 0)
@@ -517,6 +520,13 @@ def forward(E, logits, q, k, v, mask, bits, rate, block, key_block=None):
     return E.join(outs, queries, 1), E.join(lses, queries, 3)
 
 
+def uses_output(keys, key_block):
+    """Whether `backward` needs the forward pass's output for `keys` keys: only with key
+    blocks (`rowsum(dO * O)` then stands for the row's sum over every key block); with one
+    key block each tile holds the whole row, and the sum is `rowsum(dP * P)` there."""
+    return key_block is not None and isinstance(keys, int) and key_block < keys
+
+
 def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_block=None):
     """FlashAttention-2's backward pass: `(dq, dk, dv)` of `forward` for the gradient
     `d_out` of its output `out`, from `lse` (no softmax over whole rows): per block,
@@ -527,7 +537,9 @@ def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_b
     the layer's own ops)."""
     queries, keys = q.shape[1], _keys(E, k)
     known = q.shape[1] is not None
-    row_dot = E.einsum(ROW_DOT, d_out, out)  # rowsum(dO * O): [batch, heads, queries]
+    # rowsum(dO * O): [batch, heads, queries]; without `out` (one key block: `uses_output`),
+    # per tile as rowsum(dP * P), the same sum over the row's keys
+    row_dot = None if out is None else E.einsum(ROW_DOT, d_out, out)
     qp, maskp, bitsp, (d_outp, row_dotp, lsep), n = _padded(
         E, q, mask, bits, block, ((d_out, 1), (row_dot, 2), (lse, 3)))
     if key_block is not None and (not isinstance(keys, int) or key_block >= keys):
@@ -552,7 +564,8 @@ def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_b
         d_v = E.einsum(D_VALUE, dropped, d_out_j)
         d_dropped = E.einsum(D_PROBS, d_out_j, v_c)
         d_p = d_dropped if keep is None else E.drop(d_dropped, keep, rate)
-        d_q, d_k = pullback(p * (d_p - dot_j[..., None]))
+        dot = E.row_sum(d_p * p) if dot_j is None else dot_j[..., None]
+        d_q, d_k = pullback(p * (d_p - dot))
         return d_q, d_k, d_v
 
     def body(carry, i, sources):

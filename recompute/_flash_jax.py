@@ -294,7 +294,8 @@ LSE_NAME = "recompute_attention_lse"
 def attention(logits, query, key, value, mask, bits, rate, block, key_block=None, name=False):
     """FlashAttention-2 (`_flash.forward`) as one `jax.custom_vjp` of `query`, `key` and
     `value`, whose gradient is `_flash.backward` (residuals: the inputs, `mask`, `bits`,
-    the output and the per-row log-sum-exp). With `name`, the output and log-sum-exp carry
+    the per-row log-sum-exp, and the output where there are key blocks:
+    `_flash.uses_output`). With `name`, the output and log-sum-exp carry
     `jax.ad_checkpoint.checkpoint_name`s (`OUTPUT_NAME`, `LSE_NAME`), which a
     `jax.checkpoint` policy may keep."""
     import jax
@@ -311,7 +312,11 @@ def attention(logits, query, key, value, mask, bits, rate, block, key_block=None
             from jax.ad_checkpoint import checkpoint_name
 
             out, lse = checkpoint_name(out, OUTPUT_NAME), checkpoint_name(lse, LSE_NAME)
-        return out, (query, key, value, mask, bits, out, lse)
+        # the output only where the backward pass reads it (key blocks): else it would be
+        # kept twice under "attention" -- as this residual and, in another layout, as the
+        # output projection's input (XLA:GPU's plan, small widths: one [seq, hidden] per layer)
+        kept = out if _flash.uses_output(key.shape[1], key_block) else None
+        return out, (query, key, value, mask, bits, kept, lse)
 
     def core_bwd(residuals, d_out):
         # after the gradient: no common subexpression with the forward pass (XLA would keep
