@@ -167,9 +167,12 @@ def runs_blocked(engine, dtype, queries, keys):
     - `attention_core("keras")` / `("blocked")`: that core.
     - `"auto"`: the blocked core on TensorFlow; the layer's own core on JAX,
       where XLA:GPU's plan for an H100 of keras-hub BERT-base (12 blocks,
-      seq 512, float32) holds 145.5 MiB per sample under `"full"` with the
-      FlashAttention-2 core against 78.0 with Keras's (`"attention"`: 275.1
-      against 295.6; `python -m benchmarks.gpu_plan`, docs/attention.md).
+      seq 512, float32) held 145.5 MiB per sample under `"full"` with the
+      FlashAttention-2 core against 78.0 with Keras's; since 2026-11-28 17.7
+      (`"attention"`: 265.9 against 295.6; `python -m benchmarks.gpu_plan
+      --policies attention,full --cores blocked`), but at small widths, seq
+      256, `"attention"`, 2 blocks it plans 15 KB above Keras's
+      (`tests/recompute_jax/test_gpu_plan.py` refuses it; docs/attention.md).
 
     Args:
         engine: the `Engine` of the call (`_flash_tf.ENGINE`, `_flash_jax.ENGINE`;
