@@ -17,10 +17,12 @@ keys are cut into key blocks of `KEY_BLOCK` (`key_block`):
   pass, `exp(S_j - max) / sum` as the layer computes it; with key blocks, a running
   maximum `m` and sum `l` over the key blocks, the partial output rescaled by
   `exp(m_old - m_new)` at each one, divided by `l` at the end. Kept for the backward
-  pass: Q, K, V, the mask, the bits, the output O and the per-row log-sum-exp
+  pass: Q, K, V, the mask, the bits, the output O (with key blocks only:
+  `uses_output`) and the per-row log-sum-exp
   `lse = m + log(l)`, as its two terms ([2, batch, heads, queries]: near -1e9, an
   additive mask's fully masked row, their sum would round `log(l)` away).
-- backward (the gradient `dO` arrives): `D = rowsum(dO * O)` once; per tile,
+- backward (the gradient `dO` arrives): `D = rowsum(dO * O)` once with key blocks,
+  else per tile `rowsum(dP * P)` (the tile holds the whole row: the same sum); per tile,
   `P = exp((S - m) - log(l))` (no softmax over whole rows), `dV += drop(P)^T dO`,
   `dP = drop(dO V^T)` (the dropout is linear: its gradient is the same selection and
   scaling), `dS = P * (dP - D)` -- which equals the softmax's `P * (dP - rowsum(dP *
@@ -29,8 +31,8 @@ keys are cut into key blocks of `KEY_BLOCK` (`key_block`):
   layer's own ops).
 
 Up to `UNROLL` (8) blocks run as straight-line code, each block's inputs made after
-the block before it (`Engine.after`: an optimization barrier on JAX, a data
-dependency on TensorFlow), so that one block is alive at a time and the compiler
+the block before it (`Engine.chain`: an optimization barrier on JAX whose every
+output is used, a data dependency on TensorFlow), so that one block is alive at a time and the compiler
 sees no loop; beyond, a loop of the engine's (`tf.while_loop`, `jax.lax.fori_loop`).
 Results equal the unblocked core's to float rounding (each entry is the same sum over
 keys; dK and dV add the tiles' parts).
@@ -165,9 +167,12 @@ def runs_blocked(engine, dtype, queries, keys):
     - `attention_core("keras")` / `("blocked")`: that core.
     - `"auto"`: the blocked core on TensorFlow; the layer's own core on JAX,
       where XLA:GPU's plan for an H100 of keras-hub BERT-base (12 blocks,
-      seq 512, float32) holds 145.5 MiB per sample under `"full"` with the
-      FlashAttention-2 core against 78.0 with Keras's (`"attention"`: 275.1
-      against 295.6; `python -m benchmarks.gpu_plan`, docs/attention.md).
+      seq 512, float32) held 145.5 MiB per sample under `"full"` with the
+      FlashAttention-2 core against 78.0 with Keras's; since 2026-11-28 17.7
+      (`"attention"`: 265.9 against 295.6; `python -m benchmarks.gpu_plan
+      --policies attention,full --cores blocked`), but at small widths, seq
+      256, `"attention"`, 2 blocks it plans 15 KB above Keras's
+      (`tests/recompute_jax/test_gpu_plan.py` refuses it; docs/attention.md).
 
     Args:
         engine: the `Engine` of the call (`_flash_tf.ENGINE`, `_flash_jax.ENGINE`;
@@ -203,9 +208,12 @@ class Engine:
         `anchor` is an input of the core: the loop's buffers need not exist before
         it (`_flash_jax`)."""
 
-    def after(self, tensors, gate):
-        """`tensors` (a list), made to exist only once `gate` does: the unrolled blocks
-        are chained so that one block is alive at a time."""
+    def chain(self, tensors, gate):
+        """`(tensors, gate)` (two lists), the tensors made to exist only once `gate` does:
+        the unrolled blocks are chained so that one block is alive at a time. The caller
+        uses what comes back in place of both lists (on JAX they pass through one
+        optimization barrier, whose outputs XLA drops where they are not used: a gate
+        whose outputs went unused stopped gating)."""
 
     def vjp(self, fn, *primals):
         """`(out, aux, pullback)` of `fn(*primals) -> (out, aux)`: `pullback(cotangent)`
@@ -321,7 +329,8 @@ def _padded(E, q, mask, bits, block, extra=()):
     amount = n * block - queries
     if amount:
         q = E.pad(q, 1, amount, 0)
-        extra = tuple((E.pad(x, axis, amount, 0), axis) for x, axis in extra)
+        extra = tuple((None if x is None else E.pad(x, axis, amount, 0), axis)
+                      for x, axis in extra)
         mask = _map_mask(mask, lambda m: E.pad(m, 2, amount, True) if _along(m, 2) else m)
         if bits is not None:
             bits = E.pad(bits, 2, amount, 0)
@@ -347,18 +356,23 @@ def _keys_padded(E, k, v, mask, bits, keys, kb):
     return k, v, mask, bits, n, E.constant(np.arange(n * kb) < keys)
 
 
-def _blocks(E, body, carry, n, y_dtypes, anchor):
-    """`body(carry, i, gate) -> (carry, ys)` for the blocks i = 0..n-1, one at a time:
-    `(carry, stacked ys)`. Up to `UNROLL` blocks, straight-line code, each block's inputs
-    made after the block before it (`gate`: its carry and ys; `Engine.after`), so that the
-    compiler holds one block at a time; beyond, the engine's loop (`gate` None)."""
+def _blocks(E, body, carry, n, y_dtypes, anchor, sources):
+    """`body(carry, i, sources) -> (carry, ys)` for the blocks i = 0..n-1, one at a time:
+    `(carry, stacked ys)`; `sources` (a list, None entries allowed) are the tensors the
+    blocks cut their inputs from. Up to `UNROLL` blocks, straight-line code: before block
+    i > 0, the sources, the carry and the ys of block i - 1 pass through one
+    `Engine.chain`, and what comes out replaces all three, so that block i's inputs exist
+    only after block i - 1 and the compiler holds one block at a time (every output of
+    the barrier used: XLA drops the unused ones, and with them the order); beyond, the
+    engine's loop."""
     if n > UNROLL:
-        return E.scan(lambda c, i: body(c, i, None), carry, n, y_dtypes, anchor)
-    stacked, gate = [], None
+        return E.scan(lambda c, i: body(c, i, sources), carry, n, y_dtypes, anchor)
+    stacked = []
     for i in range(n):
-        carry, ys = body(carry, i, gate)
+        if i:
+            sources, carry, stacked[-1] = _chain(E, sources, carry, stacked[-1])
+        carry, ys = body(carry, i, sources)
         stacked.append(ys)
-        gate = [t for t in _flat(carry) + list(ys) if t is not None]
     return carry, tuple(E.stack([ys[j] for ys in stacked]) for j in range(len(y_dtypes)))
 
 
@@ -366,16 +380,24 @@ def _flat(carry):
     return list(carry) if isinstance(carry, (tuple, list)) else [carry]
 
 
-def _gated(E, tensors, gate):
-    """`tensors` (a list, None entries kept) made after `gate` (None: as they are)."""
-    if not gate:
-        return tensors
-    present = [i for i, t in enumerate(tensors) if t is not None]
-    made = E.after([tensors[i] for i in present], gate)
-    out = list(tensors)
-    for i, t in zip(present, made):
-        out[i] = t
-    return out
+def _chain(E, sources, carry, ys):
+    """`(sources, carry, ys)` through `Engine.chain`: the sources made after the carry and
+    the ys, all three as they come out (None entries kept, the structures kept)."""
+    parts = [list(sources), _flat(carry), list(ys)]
+    present = [(p, i) for p, part in enumerate(parts) for i, t in enumerate(part)
+               if t is not None]
+    n_sources = sum(1 for p, _ in present if p == 0)
+    made, gate = E.chain([parts[p][i] for p, i in present[:n_sources]],
+                         [parts[p][i] for p, i in present[n_sources:]])
+    for (p, i), t in zip(present, list(made) + list(gate)):
+        parts[p][i] = t
+    if isinstance(carry, tuple):
+        carry = tuple(parts[1])
+    elif isinstance(carry, list):
+        carry = parts[1]
+    else:
+        carry = parts[1][0]
+    return parts[0], carry, tuple(parts[2])
 
 
 def _keys(E, k):
@@ -425,10 +447,10 @@ def _online_block(E, logits, q_j, mask_j, bits_j, parts, anchor, rate):
     block): `(O_j, lse_j)`. `parts = (k, v, columns, n_key_blocks, kb)`."""
     k, v, columns, nk, kb = parts
 
-    def body(carry, c, gate):
+    def body(carry, c, sources):
         m, total, acc = carry
-        (q_g,) = _gated(E, [q_j], gate)
-        k_c, v_c, mask_c, keep, cols = _key_part(E, c, kb, k, v, mask_j, bits_j, columns)
+        q_g, bits_g = sources
+        k_c, v_c, mask_c, keep, cols = _key_part(E, c, kb, k, v, mask_j, bits_g, columns)
         s, valid = logits(q_g, k_c, mask_c)
         if cols is not None:  # padded keys: out of every row
             s = E.where(cols, s, NEG_INF)
@@ -447,7 +469,8 @@ def _online_block(E, logits, q_j, mask_j, bits_j, parts, anchor, rate):
     heads, rows = q_j.shape[2], q_j.shape[1]  # (static: `Engine.rows` keeps the size)
     zeros = E.zeros(q_j, [heads, rows, 1], q_j.dtype, anchor)  # [batch, heads, rows, 1]
     acc = E.zeros(q_j, [heads, rows, v.shape[3]], v.dtype, anchor)
-    (m, total, acc), _ = _blocks(E, body, (zeros + NEG_INF, zeros, acc), nk, (), anchor)
+    (m, total, acc), _ = _blocks(E, body, (zeros + NEG_INF, zeros, acc), nk, (), anchor,
+                                 [q_j, bits_j])
     m_use = E.where(m == NEG_INF, 0.0, m)
     return E.transpose(acc / total, [0, 2, 1, 3]), E.stack([m_use[..., 0], E.log(total)[..., 0]])
 
@@ -485,18 +508,26 @@ def forward(E, logits, q, k, v, mask, bits, rate, block, key_block=None):
         key_block = None
     kp, vp, maskp, bitsp, nk, columns = _keys_padded(E, k, v, maskp, bitsp, keys, key_block)
 
-    def body(carry, i, gate):
-        (q_j,) = _gated(E, _query_rows(E, i, block, known, [(qp, 1)]), gate)
+    def body(carry, i, sources):
+        q_s, bits_s = sources
+        (q_j,) = _query_rows(E, i, block, known, [(q_s, 1)])
         mask_j = _cut(E, maskp, 2, i * block, block) if block is not None and known else maskp
-        bits_j = _bits_rows(E, bitsp, i, block, known)
+        bits_j = _bits_rows(E, bits_s, i, block, known)
         if key_block is None:
             keep = None if bits_j is None else E.unpack(bits_j, keys)
             return carry, _softmax_block(E, logits, q_j, k, mask_j, keep, v, rate)
         return carry, _online_block(E, logits, q_j, mask_j, bits_j,
                                     (kp, vp, columns, nk, key_block), q, rate)
 
-    _, (outs, lses) = _blocks(E, body, (), n, (v.dtype, q.dtype), q)
+    _, (outs, lses) = _blocks(E, body, (), n, (v.dtype, q.dtype), q, [qp, bitsp])
     return E.join(outs, queries, 1), E.join(lses, queries, 3)
+
+
+def uses_output(keys, key_block):
+    """Whether `backward` needs the forward pass's output for `keys` keys: only with key
+    blocks (`rowsum(dO * O)` then stands for the row's sum over every key block); with one
+    key block each tile holds the whole row, and the sum is `rowsum(dP * P)` there."""
+    return key_block is not None and isinstance(keys, int) and key_block < keys
 
 
 def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_block=None):
@@ -509,7 +540,9 @@ def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_b
     the layer's own ops)."""
     queries, keys = q.shape[1], _keys(E, k)
     known = q.shape[1] is not None
-    row_dot = E.einsum(ROW_DOT, d_out, out)  # rowsum(dO * O): [batch, heads, queries]
+    # rowsum(dO * O): [batch, heads, queries]; without `out` (one key block: `uses_output`),
+    # per tile as rowsum(dP * P), the same sum over the row's keys
+    row_dot = None if out is None else E.einsum(ROW_DOT, d_out, out)
     qp, maskp, bitsp, (d_outp, row_dotp, lsep), n = _padded(
         E, q, mask, bits, block, ((d_out, 1), (row_dot, 2), (lse, 3)))
     if key_block is not None and (not isinstance(keys, int) or key_block >= keys):
@@ -534,31 +567,33 @@ def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_b
         d_v = E.einsum(D_VALUE, dropped, d_out_j)
         d_dropped = E.einsum(D_PROBS, d_out_j, v_c)
         d_p = d_dropped if keep is None else E.drop(d_dropped, keep, rate)
-        d_q, d_k = pullback(p * (d_p - dot_j[..., None]))
+        dot = E.row_sum(d_p * p) if dot_j is None else dot_j[..., None]
+        d_q, d_k = pullback(p * (d_p - dot))
         return d_q, d_k, d_v
 
-    def body(carry, i, gate):
+    def body(carry, i, sources):
         d_k, d_v = carry
-        q_j, d_out_j = _gated(E, _query_rows(E, i, block, known, [(qp, 1), (d_outp, 1)]), gate)
+        q_s, d_out_s, bits_s = sources
+        q_j, d_out_j = _query_rows(E, i, block, known, [(q_s, 1), (d_out_s, 1)])
         dot_j, lse_j = _query_rows(E, i, block, known, [(row_dotp, 2), (lsep, 3)])
         mask_j = _cut(E, maskp, 2, i * block, block) if block is not None and known else maskp
-        bits_j = _bits_rows(E, bitsp, i, block, known)
+        bits_j = _bits_rows(E, bits_s, i, block, known)
         if key_block is None:
             keep = None if bits_j is None else E.unpack(bits_j, keys)
             d_q_j, d_k_j, d_v_j = part(q_j, k, v, mask_j, keep, None, d_out_j, dot_j, lse_j)
             return (d_k + d_k_j, d_v + d_v_j), (d_q_j,)
 
-        def inner(d_q_j, c, gate):
-            (q_g,) = _gated(E, [q_j], gate)
-            k_c, v_c, mask_c, keep, cols = _key_part(E, c, key_block, kp, vp, mask_j, bits_j,
+        def inner(d_q_j, c, sources):
+            q_g, bits_g = sources
+            k_c, v_c, mask_c, keep, cols = _key_part(E, c, key_block, kp, vp, mask_j, bits_g,
                                                      columns)
             d_q_c, d_k_c, d_v_c = part(q_g, k_c, v_c, mask_c, keep, cols, d_out_j, dot_j, lse_j)
             return d_q_j + d_q_c, (d_k_c, d_v_c)
 
         d_q_j, (d_ks, d_vs) = _blocks(E, inner, E.zeros_like(q_j, d_out), nk,
-                                      (k.dtype, v.dtype), d_out)
+                                      (k.dtype, v.dtype), d_out, [q_j, bits_j])
         return (d_k + E.join(d_ks, keys, 1), d_v + E.join(d_vs, keys, 1)), (d_q_j,)
 
     zeros = (E.zeros_like(k, d_out), E.zeros_like(v, d_out))
-    (d_k, d_v), (d_qs,) = _blocks(E, body, zeros, n, (q.dtype,), d_out)
+    (d_k, d_v), (d_qs,) = _blocks(E, body, zeros, n, (q.dtype,), d_out, [qp, d_outp, bitsp])
     return E.join(d_qs, queries, 1), d_k, d_v

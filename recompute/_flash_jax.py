@@ -48,10 +48,11 @@ class _Engine(_flash.Engine):
     def scan(self, body, carry, n, y_dtypes, anchor):
         return scan_after(body, carry, n, anchor)
 
-    def after(self, tensors, gate):
+    def chain(self, tensors, gate):
         import jax
 
-        return list(jax.lax.optimization_barrier((list(tensors), list(gate)))[0])
+        tensors, gate = jax.lax.optimization_barrier((list(tensors), list(gate)))
+        return list(tensors), list(gate)
 
     def vjp(self, fn, *primals):
         import jax
@@ -264,11 +265,14 @@ def keep_bits(dropout, batch_like, shape, rows):
     def body(carry, i):
         # the entry (b, h, r, c) of the whole draw has the counter ((b * heads + h) *
         # queries + r) * keys + c (high word 0: fewer than 2^32 entries)
-        b = jax.lax.broadcasted_iota(jnp.uint32, block, 0)
-        h = jax.lax.broadcasted_iota(jnp.uint32, block, 1)
-        r = jax.lax.broadcasted_iota(jnp.uint32, block, 2) + (i * rows).astype(jnp.uint32)
-        c = jax.lax.broadcasted_iota(jnp.uint32, block, 3)
-        count = ((b * heads + h) * queries + r) * keys + c
+        # built from small vectors, the block's row offset entering before any full-size
+        # value: full-size iotas do not depend on the loop, and XLA:GPU hoisted them out of
+        # it, and scheduled those of every layer's recomputation at the start of the step
+        bh = (jnp.arange(batch, dtype=jnp.uint32)[:, None] * heads
+              + jnp.arange(heads, dtype=jnp.uint32)[None, :])  # [batch, heads]
+        r = jnp.arange(rows, dtype=jnp.uint32) + (i * rows).astype(jnp.uint32)  # [rows]
+        c = jnp.arange(keys, dtype=jnp.uint32)
+        count = (bh[:, :, None, None] * queries + r[:, None]) * keys + c
         bits1, bits2 = threefry2x32_p.bind(seed[0], seed[1], jnp.zeros_like(count), count)
         bits = bits1 ^ bits2  # jax.random.bits, 32 bits
         # jax.random.uniform's float32 in [0, 1), then bernoulli's `uniform < p`
@@ -290,7 +294,8 @@ LSE_NAME = "recompute_attention_lse"
 def attention(logits, query, key, value, mask, bits, rate, block, key_block=None, name=False):
     """FlashAttention-2 (`_flash.forward`) as one `jax.custom_vjp` of `query`, `key` and
     `value`, whose gradient is `_flash.backward` (residuals: the inputs, `mask`, `bits`,
-    the output and the per-row log-sum-exp). With `name`, the output and log-sum-exp carry
+    the per-row log-sum-exp, and the output where there are key blocks:
+    `_flash.uses_output`). With `name`, the output and log-sum-exp carry
     `jax.ad_checkpoint.checkpoint_name`s (`OUTPUT_NAME`, `LSE_NAME`), which a
     `jax.checkpoint` policy may keep."""
     import jax
@@ -307,7 +312,11 @@ def attention(logits, query, key, value, mask, bits, rate, block, key_block=None
             from jax.ad_checkpoint import checkpoint_name
 
             out, lse = checkpoint_name(out, OUTPUT_NAME), checkpoint_name(lse, LSE_NAME)
-        return out, (query, key, value, mask, bits, out, lse)
+        # the output only where the backward pass reads it (key blocks): else it would be
+        # kept twice under "attention" -- as this residual and, in another layout, as the
+        # output projection's input (XLA:GPU's plan, small widths: one [seq, hidden] per layer)
+        kept = out if _flash.uses_output(key.shape[1], key_block) else None
+        return out, (query, key, value, mask, bits, kept, lse)
 
     def core_bwd(residuals, d_out):
         # after the gradient: no common subexpression with the forward pass (XLA would keep

@@ -71,8 +71,8 @@ class _Engine(_flash.Engine):
             parallel_iterations=1, maximum_iterations=n)
         return carry, tuple(a.stack() for a in arrays)
 
-    def after(self, tensors, gate):
-        return after(tensors, *gate)
+    def chain(self, tensors, gate):
+        return after(tensors, *gate), list(gate)
 
     def vjp(self, fn, *primals):
         with tf.GradientTape(watch_accessed_variables=False) as tape:
