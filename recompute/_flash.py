@@ -530,6 +530,11 @@ def uses_output(keys, key_block):
     return key_block is not None and isinstance(keys, int) and key_block < keys
 
 
+def _added(d_k, d_k_j, d_v, d_v_j):
+    """`(d_k + d_k_j, d_v + d_v_j)`, the sums starting from None (one row block)."""
+    return (d_k_j if d_k is None else d_k + d_k_j), (d_v_j if d_v is None else d_v + d_v_j)
+
+
 def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_block=None):
     """FlashAttention-2's backward pass: `(dq, dk, dv)` of `forward` for the gradient
     `d_out` of its output `out`, from `lse` (no softmax over whole rows): per block,
@@ -558,9 +563,12 @@ def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_b
             return s, valid
 
         s, valid, pullback = E.vjp(scores, q_j, k_c)
-        # (s - max) - log(sum), not s - lse: a row of logits near -1e9 (a fully masked
-        # row, additive masks) would lose log(sum) to rounding in lse
-        p = E.exp((s - lse_j[0][..., None]) - lse_j[1][..., None])
+        if lse_j is None:  # one key block, no lse kept: the row's softmax, as the forward's
+            p = E.softmax(s)
+        else:
+            # (s - max) - log(sum), not s - lse: a row of logits near -1e9 (a fully masked
+            # row, additive masks) would lose log(sum) to rounding in lse
+            p = E.exp((s - lse_j[0][..., None]) - lse_j[1][..., None])
         if valid is not None:
             p = E.where(valid, p, 0.0)
         dropped = p if keep is None else E.drop(p, keep, rate)
@@ -581,7 +589,7 @@ def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_b
         if key_block is None:
             keep = None if bits_j is None else E.unpack(bits_j, keys)
             d_q_j, d_k_j, d_v_j = part(q_j, k, v, mask_j, keep, None, d_out_j, dot_j, lse_j)
-            return (d_k + d_k_j, d_v + d_v_j), (d_q_j,)
+            return _added(d_k, d_k_j, d_v, d_v_j), (d_q_j,)
 
         def inner(d_q_j, c, sources):
             q_g, bits_g = sources
@@ -592,8 +600,9 @@ def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_b
 
         d_q_j, (d_ks, d_vs) = _blocks(E, inner, E.zeros_like(q_j, d_out), nk,
                                       (k.dtype, v.dtype), d_out, [q_j, bits_j])
-        return (d_k + E.join(d_ks, keys, 1), d_v + E.join(d_vs, keys, 1)), (d_q_j,)
+        return _added(d_k, E.join(d_ks, keys, 1), d_v, E.join(d_vs, keys, 1)), (d_q_j,)
 
-    zeros = (E.zeros_like(k, d_out), E.zeros_like(v, d_out))
+    # one row block: its dK and dV are the whole (no zeros to start from, nor their buffers)
+    zeros = (None, None) if n == 1 else (E.zeros_like(k, d_out), E.zeros_like(v, d_out))
     (d_k, d_v), (d_qs,) = _blocks(E, body, zeros, n, (q.dtype,), d_out, [qp, d_outp, bitsp])
     return E.join(d_qs, queries, 1), d_k, d_v

@@ -217,8 +217,31 @@ def ones(batch_like, shape, dtype):
 def dropout_bits(dropout, batch_like, shape, dtype, rows):
     """The decision of Keras 3's JAX `Dropout` as bits, drawn `rows` query rows at a time
     (`keep_bits`; `dtype` is not used: the draw does not depend on it), or None where
-    that cannot be done exactly: the caller draws it whole."""
-    return keep_bits(dropout, batch_like, shape, rows)
+    that cannot be done exactly: the caller draws it whole.
+
+    Outside a recomputed call (`"attention"`: the core alone recomputes), a `Redraw`:
+    the seed the bits are drawn from and the draw, which `attention` runs in its forward
+    pass and again in its backward pass, keeping the seed, not the bits -- as Keras's
+    checkpointed core keeps its dropout's seed (XLA:GPU's plan, seq 256, small widths:
+    the bits were the only residual Keras's core does not keep). Inside one (`"full"`),
+    the bits: the call's recomputation draws them already, next to the backward pass."""
+    found = _bit_draw(dropout, batch_like, shape, rows)
+    if found is None:
+        return None
+    seed, draw = found
+    from ._jax import inside_recomputed_call
+
+    if inside_recomputed_call():
+        return draw(seed, batch_like)
+    return Redraw(seed, draw)
+
+
+class Redraw:
+    """The dropout's decision as `seed` and `draw(seed, after) -> bits` (the bits made
+    after `after`): what `attention` keeps is the seed."""
+
+    def __init__(self, seed, draw):
+        self.seed, self.draw = seed, draw
 
 
 def keep_bits(dropout, batch_like, shape, rows):
@@ -231,6 +254,14 @@ def keep_bits(dropout, batch_like, shape, rows):
     None where that does not hold (another dropout, a noise shape, another PRNG, 64-bit
     floats, more than 2^32 entries): the caller draws it whole.
     `test_blocked_attention_jax.py` checks the bits against the layer's own masks."""
+    found = _bit_draw(dropout, batch_like, shape, rows)
+    return None if found is None else found[1](found[0], batch_like)
+
+
+def _bit_draw(dropout, batch_like, shape, rows):
+    """`keep_bits` in two parts: `(seed, draw)` -- the seed drawn from the layer's seed
+    generator now, and `draw(seed, after)`, the bits from that seed made after `after` --
+    or None."""
     import sys
 
     import jax
@@ -263,6 +294,7 @@ def keep_bits(dropout, batch_like, shape, rows):
     block = (batch, heads, rows, keys)
 
     def body(carry, i):
+        seed, start = carry
         # the entry (b, h, r, c) of the whole draw has the counter ((b * heads + h) *
         # queries + r) * keys + c (high word 0: fewer than 2^32 entries)
         # built from small vectors, the block's row offset entering before any full-size
@@ -270,7 +302,10 @@ def keep_bits(dropout, batch_like, shape, rows):
         # it, and scheduled those of every layer's recomputation at the start of the step
         bh = (jnp.arange(batch, dtype=jnp.uint32)[:, None] * heads
               + jnp.arange(heads, dtype=jnp.uint32)[None, :])  # [batch, heads]
-        r = jnp.arange(rows, dtype=jnp.uint32) + (i * rows).astype(jnp.uint32)  # [rows]
+        # (`start`: a zero, which the backward pass's draw (`Redraw`) passes through its
+        # optimization barrier: the counters are made again there, not kept from the
+        # forward pass's draw -- XLA:GPU kept them, one block alone being constants)
+        r = jnp.arange(rows, dtype=jnp.uint32) + (i * rows).astype(jnp.uint32) + start  # [rows]
         c = jnp.arange(keys, dtype=jnp.uint32)
         count = (bh[:, :, None, None] * queries + r[:, None]) * keys + c
         bits1, bits2 = threefry2x32_p.bind(seed[0], seed[1], jnp.zeros_like(count), count)
@@ -281,10 +316,13 @@ def keep_bits(dropout, batch_like, shape, rows):
         keep = jnp.maximum(jnp.float32(0.0), floats) < p
         return carry, pack(keep)
 
-    _, ys = scan_after(body, (), n, batch_like)  # [blocks, batch, heads, rows, keys / 8]
-    moved = jnp.moveaxis(ys, 0, 2)
-    joined = moved.reshape((batch, heads, n * rows) + moved.shape[4:])
-    return joined if n * rows == queries else joined[:, :, :queries]
+    def draw(seed, after, start=None):
+        _, ys = scan_after(body, (seed, jnp.uint32(0) if start is None else start), n, after)  # [blocks, batch, heads, rows, keys / 8]
+        moved = jnp.moveaxis(ys, 0, 2)
+        joined = moved.reshape((batch, heads, n * rows) + moved.shape[4:])
+        return joined if n * rows == queries else joined[:, :, :queries]
+
+    return seed, draw
 
 
 OUTPUT_NAME = "recompute_attention_output"  # the names `_jax.full` keeps (`KEEP_OUTPUT`)
@@ -293,41 +331,60 @@ LSE_NAME = "recompute_attention_lse"
 
 def attention(logits, query, key, value, mask, bits, rate, block, key_block=None, name=False):
     """FlashAttention-2 (`_flash.forward`) as one `jax.custom_vjp` of `query`, `key` and
-    `value`, whose gradient is `_flash.backward` (residuals: the inputs, `mask`, `bits`,
-    the per-row log-sum-exp, and the output where there are key blocks:
+    `value`, whose gradient is `_flash.backward` (residuals: the inputs, `mask`, `bits`
+    -- or, where `bits` is a `Redraw`, its seed, the bits drawn again in the backward
+    pass -- and, where there are key blocks, the output and the per-row log-sum-exp:
     `_flash.uses_output`). With `name`, the output and log-sum-exp carry
     `jax.ad_checkpoint.checkpoint_name`s (`OUTPUT_NAME`, `LSE_NAME`), which a
     `jax.checkpoint` policy may keep."""
     import jax
+    import jax.numpy as jnp
+
+    redraw = bits if isinstance(bits, Redraw) else None
+
+    def drawn(bits, after, start=None):  # the bits, from the seed where drawn again (`Redraw`)
+        return bits if redraw is None else redraw.draw(bits, after, start)
 
     @jax.custom_vjp
     def core(query, key, value, mask, bits):
-        return _flash.forward(ENGINE, logits, query, key, value, mask, bits, rate, block,
-                              key_block)[0]
+        return _flash.forward(ENGINE, logits, query, key, value, mask, drawn(bits, query), rate,
+                              block, key_block)[0]
 
     def core_fwd(query, key, value, mask, bits):
-        out, lse = _flash.forward(ENGINE, logits, query, key, value, mask, bits, rate, block,
-                                  key_block)
+        out, lse = _flash.forward(ENGINE, logits, query, key, value, mask, drawn(bits, query),
+                                  rate, block, key_block)
         if name:
             from jax.ad_checkpoint import checkpoint_name
 
             out, lse = checkpoint_name(out, OUTPUT_NAME), checkpoint_name(lse, LSE_NAME)
-        # the output only where the backward pass reads it (key blocks): else it would be
-        # kept twice under "attention" -- as this residual and, in another layout, as the
-        # output projection's input (XLA:GPU's plan, small widths: one [seq, hidden] per layer)
-        kept = out if _flash.uses_output(key.shape[1], key_block) else None
-        return out, (query, key, value, mask, bits, kept, lse)
+        # the output and the log-sum-exp only where the backward pass reads them (key
+        # blocks: `_flash.uses_output`). With one key block each backward tile holds the
+        # whole row and takes its softmax again, as the forward pass did; kept, the output
+        # would be kept twice under "attention" -- as this residual and, in another layout,
+        # as the output projection's input (XLA:GPU's plan, small widths: one [seq, hidden]
+        # per layer) -- and the log-sum-exp is a per-row statistic that Keras's core does
+        # not keep (the plan: 15 KB per layer above Keras's core at seq 256, batch 4)
+        if _flash.uses_output(key.shape[1], key_block):
+            return out, (query, key, value, mask, bits, out, lse)
+        return out, (query, key, value, mask, bits, None, None)
 
     def core_bwd(residuals, d_out):
         # after the gradient: no common subexpression with the forward pass (XLA would keep
         # the forward's scores for the backward's)
-        (q, k, v, m, b, o, s), _ = jax.lax.optimization_barrier((residuals, d_out))
-        d_q, d_k, d_v = _flash.backward(ENGINE, logits, q, k, v, m, b, rate, block, d_out, o, s,
-                                        key_block)
+        (q, k, v, m, b, o, s), after = jax.lax.optimization_barrier((residuals, d_out))
+        # the bits drawn again after the gradient: `keep_bits`'s `start`, a zero computed from
+        # the barrier's gradient (never both NaN and infinite; XLA cannot fold it), which
+        # keeps the barrier's order (an unused output is dropped, and the order with it) and
+        # costs no barrier of its own (XLA:GPU: a small tuple buffer each)
+        corner = after[(0,) * after.ndim]
+        start = (None if redraw is None else
+                 (jnp.isnan(corner) & jnp.isinf(corner)).astype(jnp.uint32))
+        d_q, d_k, d_v = _flash.backward(ENGINE, logits, q, k, v, m, drawn(b, d_out, start), rate,
+                                        block, d_out, o, s, key_block)
         return d_q, d_k, d_v, _no_gradient(m), _no_gradient(b)
 
     core.defvjp(core_fwd, core_bwd)
-    return core(query, key, value, mask, bits)
+    return core(query, key, value, mask, bits if redraw is None else redraw.seed)
 
 
 def _no_gradient(x):
