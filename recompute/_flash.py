@@ -170,9 +170,12 @@ def runs_blocked(engine, dtype, queries, keys):
       seq 512, float32) held 145.5 MiB per sample under `"full"` with the
       FlashAttention-2 core against 78.0 with Keras's; since 2026-11-28 17.7
       (`"attention"`: 265.9 against 295.6; `python -m benchmarks.gpu_plan
-      --policies attention,full --cores blocked`), but at small widths, seq
-      256, `"attention"`, 2 blocks it plans 15 KB above Keras's
-      (`tests/recompute_jax/test_gpu_plan.py` refuses it; docs/attention.md).
+      --policies attention,full --cores blocked`); at small widths, seq 256,
+      `"attention"`, it plans at or below Keras's at 2 and 8 blocks (no
+      log-sum-exp kept with one key block, the dropout's seed kept instead of
+      its bits), but grows 1,792 bytes more from 2 to 8 blocks
+      (`tests/recompute_jax/test_gpu_plan.py` refuses any; docs/attention.md,
+      "The last bytes at seq 256").
 
     Args:
         engine: the `Engine` of the call (`_flash_tf.ENGINE`, `_flash_jax.ENGINE`;
