@@ -132,13 +132,7 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
 
     bits = _core.kept(decide)
     output = engine.attention(logits, query, key, value, mask, bits, rate,
-                              _flash.block_rows(queries, keys), _flash.key_block(keys),
-                              **_names(engine))
+                              _flash.block_rows(queries, keys), _flash.key_block(keys))
     scores = probabilities(query, key, mask) if scores_asked else None
     return output, scores
 
-
-def _names(engine):
-    """`attention`'s keyword on JAX: the output and log-sum-exp carry names
-    (`_flash_jax.OUTPUT_NAME`, `LSE_NAME`), which `_jax.full`'s checkpoint may keep."""
-    return {"name": True} if engine.ENGINE.name == "jax" else {}

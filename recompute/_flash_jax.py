@@ -325,18 +325,12 @@ def _bit_draw(dropout, batch_like, shape, rows):
     return seed, draw
 
 
-OUTPUT_NAME = "recompute_attention_output"  # the names `_jax.full` keeps (`KEEP_OUTPUT`)
-LSE_NAME = "recompute_attention_lse"
-
-
-def attention(logits, query, key, value, mask, bits, rate, block, key_block=None, name=False):
+def attention(logits, query, key, value, mask, bits, rate, block, key_block=None):
     """FlashAttention-2 (`_flash.forward`) as one `jax.custom_vjp` of `query`, `key` and
     `value`, whose gradient is `_flash.backward` (residuals: the inputs, `mask`, `bits`
     -- or, where `bits` is a `Redraw`, its seed, the bits drawn again in the backward
     pass -- and, where there are key blocks, the output and the per-row log-sum-exp:
-    `_flash.uses_output`). With `name`, the output and log-sum-exp carry
-    `jax.ad_checkpoint.checkpoint_name`s (`OUTPUT_NAME`, `LSE_NAME`), which a
-    `jax.checkpoint` policy may keep."""
+    `_flash.uses_output`)."""
     import jax
     import jax.numpy as jnp
 
@@ -353,10 +347,6 @@ def attention(logits, query, key, value, mask, bits, rate, block, key_block=None
     def core_fwd(query, key, value, mask, bits):
         out, lse = _flash.forward(ENGINE, logits, query, key, value, mask, drawn(bits, query),
                                   rate, block, key_block)
-        if name:
-            from jax.ad_checkpoint import checkpoint_name
-
-            out, lse = checkpoint_name(out, OUTPUT_NAME), checkpoint_name(lse, LSE_NAME)
         # the output and the log-sum-exp only where the backward pass reads them (key
         # blocks: `_flash.uses_output`). With one key block each backward tile holds the
         # whole row and takes its softmax again, as the forward pass did; kept, the output

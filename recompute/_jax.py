@@ -182,24 +182,7 @@ def full(fn, layer, args, kwargs):
     layers = _keras3.attention_layers(_keras3.sublayers(layer))
     if layers:
         fn = with_blocked_cores(fn, lambda: _cores_blocked(layers, _keras3.attention_core))
-    return recomputed_call(fn, layer, args, kwargs, _keep_policy() if layers else None)
-
-
-KEEP_ATTENTION_OUTPUT = [False]  # whether "full" keeps the blocked cores' output and lse
-
-
-def _keep_policy():
-    """The `jax.checkpoint` policy of `"full"`: with `KEEP_ATTENTION_OUTPUT`, it keeps the
-    blocked cores' output and log-sum-exp (`_flash_jax.OUTPUT_NAME`, `LSE_NAME`), so that
-    the recomputation does not run their forward pass again; else None (inputs only)."""
-    if not KEEP_ATTENTION_OUTPUT[0]:
-        return None
-    import jax
-
-    from . import _flash_jax
-
-    return jax.checkpoint_policies.save_only_these_names(_flash_jax.OUTPUT_NAME,
-                                                         _flash_jax.LSE_NAME)
+    return recomputed_call(fn, layer, args, kwargs)
 
 
 def attention(fn, layer, args, kwargs):
