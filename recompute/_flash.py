@@ -17,13 +17,15 @@ keys are cut into key blocks of `KEY_BLOCK` (`key_block`):
   pass, `exp(S_j - max) / sum` as the layer computes it; with key blocks, a running
   maximum `m` and sum `l` over the key blocks, the partial output rescaled by
   `exp(m_old - m_new)` at each one, divided by `l` at the end. Kept for the backward
-  pass: Q, K, V, the mask, the bits, the output O (with key blocks only:
-  `uses_output`) and the per-row log-sum-exp
+  pass: Q, K, V, the mask, the bits (on JAX under `"attention"`: the seed they are
+  drawn again from, `_flash_jax.Redraw`), and, with key blocks (`uses_output`; the
+  TensorFlow engine keeps them always), the output O and the per-row log-sum-exp
   `lse = m + log(l)`, as its two terms ([2, batch, heads, queries]: near -1e9, an
   additive mask's fully masked row, their sum would round `log(l)` away).
 - backward (the gradient `dO` arrives): `D = rowsum(dO * O)` once with key blocks,
   else per tile `rowsum(dP * P)` (the tile holds the whole row: the same sum); per tile,
-  `P = exp((S - m) - log(l))` (no softmax over whole rows), `dV += drop(P)^T dO`,
+  `P = exp((S - m) - log(l))` (no softmax over whole rows; without the log-sum-exp, one
+  key block, the row's softmax again, as the forward pass took it), `dV += drop(P)^T dO`,
   `dP = drop(dO V^T)` (the dropout is linear: its gradient is the same selection and
   scaling), `dS = P * (dP - D)` -- which equals the softmax's `P * (dP - rowsum(dP *
   P))`, the dropout included -- and the vector-Jacobian product of `logits` with `dS`
@@ -527,9 +529,10 @@ def forward(E, logits, q, k, v, mask, bits, rate, block, key_block=None):
 
 
 def uses_output(keys, key_block):
-    """Whether `backward` needs the forward pass's output for `keys` keys: only with key
-    blocks (`rowsum(dO * O)` then stands for the row's sum over every key block); with one
-    key block each tile holds the whole row, and the sum is `rowsum(dP * P)` there."""
+    """Whether `backward` needs the forward pass's output and log-sum-exp for `keys` keys:
+    only with key blocks (`rowsum(dO * O)` then stands for the row's sum over every key
+    block); with one key block each tile holds the whole row: the sum is `rowsum(dP * P)`
+    there, and `P` the row's softmax, taken again (`lse` None)."""
     return key_block is not None and isinstance(keys, int) and key_block < keys
 
 
@@ -541,7 +544,7 @@ def _added(d_k, d_k_j, d_v, d_v_j):
 def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_block=None):
     """FlashAttention-2's backward pass: `(dq, dk, dv)` of `forward` for the gradient
     `d_out` of its output `out`, from `lse` (no softmax over whole rows): per block,
-    `P = exp(s - lse)` (zeroed where `logits` says the softmax zeroes), `dV += drop(P)^T dO`,
+    `P = exp(s - lse)` (`lse` None, one key block: the row's softmax again; `out` None too) (zeroed where `logits` says the softmax zeroes), `dV += drop(P)^T dO`,
     `dP = drop(dO V^T)` (the dropout's selection and scaling: it is linear),
     `dS = P * (dP - rowsum(dO * O))`, and the vector-Jacobian product of `logits` with
     `dS` gives `dQ` and `dK` (the scale and the mask's gradient, as autodiff takes them for
