@@ -45,7 +45,7 @@ RSS per process moves less (x1.27 MWMS, x1.44 mirrored, x1.46 at 12 blocks):
 about 1.1 GiB of it is TensorFlow's runtime. With 2 replicas sharing one
 executor (mirrored), recomputation saved only x1.50 (13.2 MiB/sample/replica)
 until a block's input gradients were made to wait for its weight gradients
-(see `recompute._core._after`): the executor ran the input gradients of one
+(see `recompute.engine._core._after`): the executor ran the input gradients of one
 replica ahead while the other replica's work kept its weight-gradient ops
 waiting, and the recomputed activations of several blocks stayed alive.
 At the smallest batches the "on" peak is set by fixed costs (the gradients

@@ -28,8 +28,8 @@ import math
 
 import tensorflow as tf
 
-from .. import _core
-from .._core import after
+from ..engine import _core
+from ..engine._core import after
 
 
 def gelu_grad(x, dy):

@@ -8,9 +8,12 @@ import sys
 import threading
 import warnings
 
-from .. import _backends, _config, _core, _policies, _tf
+from ..adapters import _backends, _tf
+from .. import _config
+from ..engine import _core
+from ..policies import _registry
 from . import _attention, _feed_forward
-from .._core import after
+from ..engine._core import after
 from .._decorator import recompute_grad
 
 MODULE = "bert4keras.layers"
@@ -225,7 +228,7 @@ def _attending_to(pay_attention_to):
                 and _attention.lean_applies(self, inputs, rest)):
             _core.check_recomputable(adapter, self, _core.float_tensors(inputs))
             return attending(self, inputs, mask, keep, compute=recomputed_unit)
-        return _policies.recompute_core(adapter, recomputed, self, args, kwargs, keep)
+        return _registry.recompute_core(adapter, recomputed, self, args, kwargs, keep)
 
     functools.update_wrapper(wrapper, pay_attention_to)
     return wrapper
@@ -418,7 +421,7 @@ def patch(policy=None, *, blocks=None):
     if blocks is not None and not isinstance(blocks, bool):
         raise TypeError(f"`blocks` must be True or False. Received: blocks={blocks!r}")
     if policy is not None:
-        _policies.check_policy(policy, POLICIES)
+        _registry.check_policy(policy, POLICIES)
     if blocks is not None:
         implied = "block" if blocks else "layer"
         if policy is not None and policy != implied:

@@ -5,8 +5,8 @@ and DeBERTa-v3 compute attention in a method of their attention layer
 (`_compute_attention`; XLNet's `compute_attention`), not in Keras's
 `MultiHeadAttention` core. While `recomputed_cores` is active, that method of
 each such layer in a block keeps only its inputs and runs again in the
-backward pass: on TensorFlow through `recompute._core` (when a tape records),
-on JAX as a `jax.checkpoint` (`recompute._jax`), its dropout replayed from the
+backward pass: on TensorFlow through `recompute.engine._core` (when a tape records),
+on JAX as a `jax.checkpoint` (`recompute.policies._jax`), its dropout replayed from the
 same seed state either way -- the loss and gradients of RECOMPUTE=0. The
 method is shadowed on the layer instance and restored on exit; the class and
 other instances are untouched. A core runs as written inside a call that is
@@ -15,7 +15,9 @@ recomputed already, and where nothing is differentiated.
 
 import contextlib
 
-from .. import _backends, _core, _jax, _keras_private, _tf
+from ..adapters import _backends, _keras_private, _tf
+from ..engine import _core
+from ..policies import _jax
 
 
 def _recomputed(method, layer, args, kwargs):

@@ -12,7 +12,7 @@ if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") !=
 import recompute  # noqa: E402
 import recompute.bert4keras as rb  # noqa: E402
 import recompute.bert4keras._patch as rbp  # noqa: E402
-from recompute import _flash_tf  # noqa: E402
+from recompute.ops import _flash_tf  # noqa: E402
 
 # The import hook must patch a bert4keras imported after `patch()`.
 assert "bert4keras.layers" not in sys.modules

@@ -29,7 +29,7 @@ def block_class(K, policy):
 
     class CountingAttention(K.layers.MultiHeadAttention):
         # Counted in the masked softmax, which Keras's core and the blocked core
-        # (recompute._attention, once per block) both call: the core class stays Keras's own.
+        # (recompute.ops._attention, once per block) both call: the core class stays Keras's own.
         def _masked_softmax(self, *args, **kwargs):
             COUNTS["core"] += 1
             return super()._masked_softmax(*args, **kwargs)
@@ -157,7 +157,7 @@ def ancestors(op):
 
 def check_mask_kept_as_bits(graph, seq=SEQ):
     """The dropout decision crosses from the forward to the backward pass as bits
-    (uint8 [batch, heads, seq, ceil(seq / 8)], `recompute._flash_tf.pack`), no bool
+    (uint8 [batch, heads, seq, ceil(seq / 8)], `recompute.ops._flash_tf.pack`), no bool
     [.., seq, seq] mask; the forward pass unpacks it, and so does the backward pass,
     once the gradient has arrived (`_core.after`)."""
     import tensorflow as tf
@@ -245,10 +245,10 @@ def test_policy_matches_no_recompute(K, policy, mode, block):
 
 @pytest.mark.parametrize("policy", ["full", "attention"])
 def test_blocked_cores_used(K, policy, monkeypatch):
-    """Under either policy, Keras's own cores run blocked (`recompute._flash`): once per
+    """Under either policy, Keras's own cores run blocked (`recompute.ops._flash`): once per
     forward pass of a block (twice per block under "full", which recomputes the
     block) and once backward; off, never."""
-    from recompute import _flash
+    from recompute.ops import _flash
 
     calls = []
     for name in ("forward", "backward"):
@@ -276,11 +276,11 @@ def test_backward_holds_no_attention_matrix(K, policy):
 
 @pytest.mark.parametrize("policy", ["full", "attention"])
 def test_gelus_keep_their_input(K, policy, monkeypatch):
-    """The blocks' exact GELUs run as `recompute._gelu.keeping_input` under "attention"
+    """The blocks' exact GELUs run as `recompute.ops._gelu.keeping_input` under "attention"
     (recomputation on), and their shadowing is undone after the call; "full"
     recomputes them as written (with it, Adam turned rounding-level differences of
     analytically zero gradients into whole steps in `examples/recompute_fit.py`)."""
-    from recompute import _gelu
+    from recompute.ops import _gelu
 
     calls = []
     real = _gelu.keeping_input

@@ -1,4 +1,4 @@
-"""The blocked attention core (`recompute._flash`: FlashAttention-2) on both engines against
+"""The blocked attention core (`recompute.ops._flash`: FlashAttention-2) on both engines against
 autodiff of the unblocked core: outputs and the gradients of queries, keys and values, with
 padding and causal masks (fully masked rows included), dropout bits, row blocks that divide
 the queries and that do not, key blocks with a running maximum (padded keys), unrolled
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import recompute
-from recompute import _flash
+from recompute.ops import _flash
 from tests.helpers.numerics import assert_all_close
 
 B, T, S, N, H = 2, 10, 9, 3, 4  # causal: the first row is fully masked
@@ -34,7 +34,7 @@ class _TF:
     def __init__(self):
         import tensorflow as tf
 
-        from recompute import _flash_tf
+        from recompute.ops import _flash_tf
 
         self.tf, self.engine = tf, _flash_tf
 
@@ -77,7 +77,7 @@ class _JAX:
         import jax
         import jax.numpy as jnp
 
-        from recompute import _flash_jax
+        from recompute.ops import _flash_jax
 
         self.jax, self.jnp, self.engine = jax, jnp, _flash_jax
 
@@ -196,7 +196,7 @@ def test_keras3_tf_decision_is_the_dropout_layers_own(mode, keys, monkeypatch):
     import keras
     import tensorflow as tf
 
-    from recompute import _flash_tf
+    from recompute.ops import _flash_tf
 
     monkeypatch.setattr(_flash_tf, "DRAW_ELEMENTS", 96)  # several chunks here
     dropout = keras.layers.Dropout(0.3, seed=5)
@@ -231,7 +231,7 @@ def test_attention_core_setting_and_its_docstring_example():
     under `attention_core("keras")`), and the rule follows it on TensorFlow."""
     import keras
 
-    from recompute import _flash, _flash_tf
+    from recompute.ops import _flash, _flash_tf
 
     assert _flash.runs_blocked(_flash_tf.ENGINE, "float32", 12, 12)  # "auto" on TensorFlow
     with recompute.attention_core("keras"):

@@ -47,7 +47,7 @@ dtype, rows)` (the decision of Keras 3's `Dropout` drawn without the whole
 uniform tensor, or None where the engine cannot).
 """
 
-from ._setting import Setting
+from .._setting import Setting
 
 DEFAULT_BLOCK_ELEMENTS = 64 * 1024  # rows x keys of one block: 128 rows at seq 512
 

@@ -30,8 +30,8 @@ import contextlib
 import numpy as np
 import tensorflow as tf
 
-from . import _keras_private, _tf_keras
-from ._core import after
+from ..adapters import _keras_private, _tf_keras
+from ..engine._core import after
 
 _GELUS = (_keras_private.GELU, _tf_keras.GELU)
 _MARK = "__recompute_gelu__"

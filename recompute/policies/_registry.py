@@ -39,7 +39,10 @@ bert4keras's `pay_attention_to`.
 import contextlib
 from typing import Callable, NamedTuple
 
-from . import _attention, _core, _flash_tf, _gelu, _jax, _tf
+from ..ops import _attention, _flash_tf, _gelu
+from ..engine import _core
+from . import _jax
+from ..adapters import _tf
 
 
 def full(adapter, fn, layer, args, kwargs):

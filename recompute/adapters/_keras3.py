@@ -1,6 +1,6 @@
 """Keras 3 (`keras`, TensorFlow backend): the `_adapter.Adapter` of Keras 3 layers.
 
-On the JAX backend a Keras 3 layer is recomputed by `recompute._jax` instead
+On the JAX backend a Keras 3 layer is recomputed by `recompute.policies._jax` instead
 (`_backends.on_jax`); other backends are refused here (`check_supported`).
 
 Uses a few private Keras names -- the call context that carries `training` to
@@ -13,7 +13,7 @@ import contextlib
 import sys
 
 from . import _keras_private as _private, _mha_private
-from ._errors import created_in_recomputation
+from .._errors import created_in_recomputation
 
 name = "Keras 3"
 attention_core = _mha_private.CORE
@@ -133,7 +133,7 @@ def creation_refused(layer):
     """Around a call run in a `StatelessScope` that does not initialize variables (a
     recomputation): a variable the call creates -- which Keras then refuses, or defers
     to the scope's exit -- raises `VariableCreatedInRecomputationError` naming `layer`.
-    Also used by `recompute._jax`."""
+    Also used by `recompute.policies._jax`."""
     pending = _private.global_attribute(
         _private.UNINITIALIZED_VARIABLES, [], set_to_default=True
     )

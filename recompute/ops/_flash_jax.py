@@ -252,7 +252,7 @@ def keep_bits(dropout, batch_like, shape, rows):
     if batch * heads * n * rows * keys >= 2**32:
         return None
     from jax.extend.random import threefry2x32_p
-    from ._keras_private import draw_seed
+    from ..adapters._keras_private import draw_seed
 
     seed = jnp.asarray(draw_seed(dropout.seed_generator))  # what Keras's dropout draws with
     if seed.dtype != jnp.uint32 or seed.shape != (2,):

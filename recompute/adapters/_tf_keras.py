@@ -3,8 +3,8 @@
 Uses private tf_keras names -- the call context, the autocast dtype of mixed
 precision, the layers' `RandomGenerator`s and loss lists -- because tf_keras
 has no public API for them; they are all read here and nowhere else (but
-`MultiHeadAttention`'s, in `recompute._mha_private`, and the Keras mask, which
-Keras 3 names alike: `recompute._keras_private`). `PRIVATE_NAMES` lists them as
+`MultiHeadAttention`'s, in `recompute.adapters._mha_private`, and the Keras mask, which
+Keras 3 names alike: `recompute.adapters._keras_private`). `PRIVATE_NAMES` lists them as
 `(attribute, owners)`, in the format of `accum._inner`'s: an attribute (a dotted
 path for an attribute of an attribute) that each owner -- a module, or a class by
 its import path (an instance of it where the interface test builds one), or a
@@ -42,7 +42,7 @@ _LAYER = "tf_keras.layers.Layer"
 _RANDOM_GENERATOR = "tf_keras.src.backend.RandomGenerator"
 _CALL_CONTEXT = "tf_keras.src.engine.base_layer_utils.CallContext"
 _AUTOCAST = "tf_keras.src.mixed_precision.autocast_variable"
-GELU = ("tf_keras.src.activations", "gelu")  # (module, name) of the exact GELU (`recompute._gelu`)
+GELU = ("tf_keras.src.activations", "gelu")  # (module, name) of the exact GELU (`recompute.ops._gelu`)
 
 PRIVATE_NAMES = (
     ("_flatten_layers", (_LAYER,)),

@@ -26,7 +26,7 @@ pass's: JAX traces the call once and replays its jaxpr.
 
 Uses private names of Keras's JAX backend -- the raw value of a variable, the
 symbolic (shape-inference) scope, the global seed generator and the check
-that keeps it out of traced code -- here and nowhere else. `recompute._keras3`
+that keeps it out of traced code -- here and nowhere else. `recompute.adapters._keras3`
 is the TensorFlow backend's adapter; this module replaces `_core` and the
 policies' TensorFlow functions for JAX (`full`, `attention`; `_policies.POLICIES`
 names both engines').
@@ -37,7 +37,7 @@ import threading
 
 import numpy as np
 
-from . import _keras3, _keras_private
+from ..adapters import _keras3, _keras_private
 
 _running = threading.local()  # .depth: recomputed calls running in this thread
 
@@ -177,7 +177,7 @@ def recomputed_call(call, layer, args, kwargs, policy=None):
 def full(fn, layer, args, kwargs):
     """The whole call is one `jax.checkpoint`: it keeps its inputs, runs again in the backward
     pass; its attention cores run blocked (`_flash`), in both passes."""
-    from ._attention import with_blocked_cores
+    from ..ops._attention import with_blocked_cores
 
     layers = _keras3.attention_layers(_keras3.sublayers(layer))
     if layers:
@@ -196,7 +196,7 @@ def _keep_policy():
         return None
     import jax
 
-    from . import _flash_jax
+    from ..ops import _flash_jax
 
     return jax.checkpoint_policies.save_only_these_names(_flash_jax.OUTPUT_NAME,
                                                          _flash_jax.LSE_NAME)
@@ -208,8 +208,8 @@ def attention(fn, layer, args, kwargs):
     the dropout's bits), or, where the core is not the standard case, a `jax.checkpoint`
     (its dropout replayed from the seed state); and the exact GELUs of its `Dense`
     sublayers keep only their input (`_gelu.checkpointed`); everything else is kept."""
-    from . import _gelu
-    from ._attention import attention_layers  # the check and its message, shared
+    from ..ops import _gelu
+    from ..ops._attention import attention_layers  # the check and its message, shared
 
     layers = attention_layers(_keras3, layer)
     with _cores_blocked(layers, _keras3.attention_core, checkpoint_others=True), \
@@ -223,7 +223,7 @@ def _cores_blocked(layers, name, checkpoint_others=False):
     where it is the standard case (`_attention.keras_blocked`), else -- with
     `checkpoint_others` -- under `recomputed_call`, else as written. An instance
     attribute shadows the method, removed on exit."""
-    from . import _attention, _flash_jax
+    from ..ops import _attention, _flash_jax
 
     installed = []
     try:

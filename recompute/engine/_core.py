@@ -19,8 +19,8 @@ import weakref
 
 import tensorflow as tf
 
-from . import _tf
-from ._errors import created_in_recomputation
+from ..adapters import _tf
+from .._errors import created_in_recomputation
 
 _legacy_rng_warned = False
 _running = threading.local()  # .calls: the `_RunningCall` of each recomputed call running, this thread

@@ -1,10 +1,10 @@
-"""The chunked head (`_head`) on Keras 3's TensorFlow backend: a `tf.while_loop` over
+"""The chunked head (`recompute.keras_hub._head`) on Keras 3's TensorFlow backend: a `tf.while_loop` over
 chunks (the number of tokens may be known only when the step runs), inside a
 `tf.custom_gradient` in training: the forward pass forms the head's gradients
 chunk by chunk, the backward pass scales them by the incoming gradient. In
 evaluation the loop computes the loss and the hits only."""
 
-from . import _head
+from . import _step
 
 
 class _Engine:
@@ -68,9 +68,9 @@ ENGINE = _Engine()
 
 
 def _in_xla():
-    """Whether the graph being built is compiled by XLA (`recompute._tf`, the interface
+    """Whether the graph being built is compiled by XLA (`recompute.adapters._tf`, the interface
     to TensorFlow's private names)."""
-    from .. import _tf
+    from ...adapters import _tf
 
     return _tf.in_xla_context()
 
@@ -99,7 +99,7 @@ def chunked(h, kernel, targets, weights, *, chunk, cap, vocab_major, grads, kern
         dk0 = tf.zeros_like(kernel) if with_dk else 0
 
         def body(i, loss, hits, dh, dk):
-            loss_c, hits_c, dh_c, dk_c = _head.chunk_step(
+            loss_c, hits_c, dh_c, dk_c = _step.chunk_step(
                 ENGINE, hs[i], kernel, ts[i], ws[i], grads=with_grads,
                 kernel_grad=with_dk, **options)
             hits = hits.write(i, hits_c)
