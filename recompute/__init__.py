@@ -38,7 +38,8 @@ that read every private Keras or TensorFlow name, each listing them in its
 `PRIVATE_NAMES`, checked against the installed versions by the
 `test_private_interface*` tests; `keras_hub._private` lists `chunked_loss`'s, and
 `planner` reads TensorFlow's `device_lib` itself). Beside them: `_config` (the switch),
-`_errors`, `_precision` (`exact_float32`: float32 products on GPUs, where TF32 is the
+`_errors`, `_scoped` (a per-thread stack of what a thread is inside of, and instance
+attributes shadowed for a block: written once for every module), `_precision` (`exact_float32`: float32 products on GPUs, where TF32 is the
 default), `_setting` (what `exact_float32`, `attention_block_size` and `attention_core`
 share: a statement or a context manager that restores, on exit, what its entry found).
 """

@@ -28,7 +28,11 @@ def _keras():
 SUPPORTED_BACKENDS = ("tensorflow", "jax")
 
 
-def _refuse_backend(backend, what):
+def _check_backend(backend, what):
+    """Refuses `what` (a layer running, a method decorated) on a backend other than
+    TensorFlow and JAX."""
+    if backend in SUPPORTED_BACKENDS:
+        return
     raise NotImplementedError(
         "`recompute_grad` supports Keras 3 with the TensorFlow or JAX backend. "
         f"Received: {what} on the {backend!r} backend. "
@@ -42,9 +46,7 @@ def backend():
 
 
 def check_supported(layer):
-    name = backend()
-    if name not in SUPPORTED_BACKENDS:
-        _refuse_backend(name, f"layer '{layer.name}' running")
+    _check_backend(backend(), f"layer '{layer.name}' running")
 
 
 def check_decoration(fn):
@@ -60,9 +62,7 @@ def check_decoration(fn):
     backend_fn = getattr(keras.backend, "backend", None)
     if backend_fn is None:  # bert4keras's `keras` (tf_keras under another name)
         return
-    name = backend_fn()
-    if name not in SUPPORTED_BACKENDS:
-        _refuse_backend(name, f"`{getattr(fn, '__qualname__', fn)}` decorated")
+    _check_backend(backend_fn(), f"`{getattr(fn, '__qualname__', fn)}` decorated")
 
 
 def sublayers(layer):
@@ -92,8 +92,13 @@ def state_variables(layer):
     global_gen = _private.global_seed_generator()
     if global_gen is not None:
         found.append(global_gen.state)
+    return unique(found)
+
+
+def unique(values):
+    """`values` (an iterable) without repeats, by identity, in their order."""
     out, seen = [], set()
-    for v in found:
+    for v in values:
         if id(v) not in seen:
             seen.add(id(v))
             out.append(v)

@@ -171,6 +171,12 @@ def in_replica_thread():
     return isinstance(threading.current_thread(), mirrored_run._MirroredReplicaThread)
 
 
+def _in_replica_of(variable):
+    """Whether `variable` is distributed and this thread runs one of its strategy's replicas."""
+    return (isinstance(variable, tf.distribute.DistributedValues) and tf.distribute.has_strategy()
+            and not tf.distribute.in_cross_replica_context())
+
+
 def replica_local(variable):
     """In replica context, the component of a distributed `variable` that this replica owns.
 
@@ -181,9 +187,7 @@ def replica_local(variable):
     with aggregation `NONE` or a `SyncOnReadVariable` does. Anything else
     (a plain variable, cross-replica context) is returned unchanged.
     """
-    if not isinstance(variable, tf.distribute.DistributedValues):
-        return variable
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+    if not _in_replica_of(variable):
         return variable
     return variable._get_on_device_or_primary()
 
@@ -198,9 +202,7 @@ def replica_assigned_value(variable, value):
     plain variable, cross-replica context -- keeps `value`. Used where an
     assignment is recorded instead of executed (a Keras 3 `StatelessScope`).
     """
-    if not isinstance(variable, tf.distribute.DistributedValues):
-        return value
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+    if not _in_replica_of(variable):
         return value
     aggregation = variable.aggregation
     if (

@@ -15,6 +15,7 @@ from ..policies import _registry
 from . import _attention, _feed_forward
 from ..engine._core import after
 from .._decorator import recompute_grad
+from .._scoped import ThreadStack
 
 MODULE = "bert4keras.layers"
 MODELS_MODULE = "bert4keras.models"
@@ -23,7 +24,7 @@ _replaced = {}  # (class, method name) -> the method it had before `patch()`
 _module_dropout = {}  # module -> the `Dropout` it had before `patch()`
 _module_gelu = {}  # module -> the "gelu" of Keras's custom objects before `patch()`
 _hook = None
-_attending = threading.local()  # .stack: the layers inside `pay_attention_to`, this thread
+_attending = ThreadStack()  # the layers inside `pay_attention_to`, this thread
 ATTENTION_DROPOUT_ATTR = "recompute_attention_dropout"
 
 
@@ -75,10 +76,9 @@ def _owned_dropout(dropout_cls):
     """
 
     def Dropout(rate, *args, **kwargs):
-        stack = getattr(_attending, "stack", None)
-        if not stack or args or kwargs:
+        owner = _attending.top()
+        if owner is None or args or kwargs:
             return dropout_cls(rate, *args, **kwargs)
-        owner = stack[-1]
         cached = getattr(owner, ATTENTION_DROPOUT_ATTR, None)
         if cached is None or cached.rate != rate:
             cached = dropout_cls(rate, name=f"{owner.name}-{ATTENTION_DROPOUT_ATTR}")
@@ -193,14 +193,8 @@ def _attending_to(pay_attention_to):
     "attention" policy, keeps only its inputs and is recomputed."""
 
     def attending(self, *args, compute=pay_attention_to, **kwargs):
-        stack = getattr(_attending, "stack", None)
-        if stack is None:
-            stack = _attending.stack = []
-        stack.append(self)
-        try:
+        with _attending.entered(self):
             return compute(self, *args, **kwargs)
-        finally:
-            stack.pop()
 
     def lean(self, inputs, mask=None, **kwargs):
         if _attention.lean_applies(self, inputs, kwargs):

@@ -18,6 +18,7 @@ import contextlib
 from ..adapters import _backends, _keras_private, _tf
 from ..engine import _core
 from ..policies import _jax
+from .._scoped import shadowed
 
 
 def _recomputed(method, layer, args, kwargs):
@@ -50,19 +51,12 @@ def recomputed_cores(layers):
 
     A core shadowed already (an enclosing block's) is left as it is.
     """
-    installed = []
-    try:
-        for layer, name in layers:
-            if name in vars(layer):
-                continue
-            method = getattr(type(layer), name)
+    def core_of(layer, method):
+        def core(*args, **kwargs):
+            return _recomputed(method, layer, args, kwargs)
 
-            def core(*args, _layer=layer, _method=method, **kwargs):
-                return _recomputed(_method, _layer, args, kwargs)
+        return core
 
-            object.__setattr__(layer, name, core)  # a plain attribute, not tracked by Keras
-            installed.append((layer, name))
+    with shadowed((layer, name, core_of(layer, getattr(type(layer), name)))
+                  for layer, name in layers if name not in vars(layer)):
         yield
-    finally:
-        for layer, name in installed:
-            object.__delattr__(layer, name)

@@ -43,6 +43,7 @@ from ..ops import _attention, _flash_tf, _gelu
 from ..engine import _core
 from . import _jax
 from ..adapters import _tf
+from .._scoped import shadowed
 
 
 def full(adapter, fn, layer, args, kwargs):
@@ -140,25 +141,18 @@ def _cores_recomputed(adapter, layers):
     -- is left as it is.
     """
     name = adapter.attention_core
-    installed = []
-    try:
-        for layer in layers:
-            own = vars(layer).get(name)
-            if getattr(own, _MARK, False):
-                continue
-            recomputed = _class_core(adapter, getattr(type(layer), name)) if own is None \
-                else _own_core(adapter, own)
 
-            def core(*args, _layer=layer, _recomputed=recomputed, **kwargs):
-                return _recomputed(_layer, *args, **kwargs)
+    def core_of(layer, own):
+        recomputed = _class_core(adapter, getattr(type(layer), name)) if own is None \
+            else _own_core(adapter, own)
 
-            setattr(core, _MARK, True)
-            object.__setattr__(layer, name, core)  # not tracked by Keras: a plain attribute
-            installed.append((layer, own))
+        def core(*args, **kwargs):
+            return recomputed(layer, *args, **kwargs)
+
+        setattr(core, _MARK, True)
+        return core
+
+    owns = ((layer, vars(layer).get(name)) for layer in layers)
+    with shadowed((layer, name, core_of(layer, own)) for layer, own in owns
+                  if not getattr(own, _MARK, False)):
         yield
-    finally:
-        for layer, own in installed:
-            if own is None:
-                object.__delattr__(layer, name)
-            else:
-                object.__setattr__(layer, name, own)

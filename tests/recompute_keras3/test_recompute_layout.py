@@ -2,7 +2,7 @@
 the library holds more than 10 files, no import cycle between `recompute`'s modules, and
 its packages stand on floors -- `adapters` at the bottom, then `engine`, `ops`,
 `policies` -- each importing only from the floors below it (and the top folder's leaf
-modules `_errors` and `_setting`)."""
+modules `_errors`, `_scoped` and `_setting`)."""
 
 import ast
 import os
@@ -12,7 +12,7 @@ import pytest
 import accum
 import recompute
 
-LEAVES = {"_errors", "_setting"}  # top-folder modules that import nothing of recompute
+LEAVES = {"_errors", "_scoped", "_setting"}  # top-folder modules that import nothing of recompute
 FLOORS = ["adapters", "engine", "ops", "policies"]  # bottom first
 
 
