@@ -208,12 +208,9 @@ def test_blocked_core_keeps_no_attention_matrix():
             layer, [q, k, v], [None, v_mask], lambda rate: lambda x: dropout(x, training=True))
 
     def bert4keras(q, k, v):
-        _patch._attending.stack = [layer]  # its Dropout: one sublayer (`_owned_dropout`)
-        try:
-            with tf.keras.backend.learning_phase_scope(1):
-                return own(layer, [q, k, v], [None, v_mask])
-        finally:
-            _patch._attending.stack = []
+        # inside pay_attention_to: its Dropout is one sublayer (`_owned_dropout`)
+        with _patch._attending.entered(layer), tf.keras.backend.learning_phase_scope(1):
+            return own(layer, [q, k, v], [None, v_mask])
 
     assert forward_tensors_kept(graph(lean), (SEQ, SEQ)) == set()
     assert len(forward_tensors_kept(graph(bert4keras), (SEQ, SEQ))) >= 3
