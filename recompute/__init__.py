@@ -36,8 +36,7 @@ that keeps only its input); `recompute.engine` (the recomputation on TensorFlow:
 a Keras family with its Keras 3 and tf_keras implementations, and the interface modules
 that read every private Keras or TensorFlow name, each listing them in its
 `PRIVATE_NAMES`, checked against the installed versions by the
-`test_private_interface*` tests; `keras_hub._private` lists `chunked_loss`'s, and
-`planner` reads TensorFlow's `device_lib` itself). Beside them: `_config` (the switch),
+`test_private_interface*` tests; `keras_hub._private` lists `chunked_loss`'s). Beside them: `_config` (the switch),
 `_errors`, `_scoped` (a per-thread stack of what a thread is inside of, and instance
 attributes shadowed for a block: written once for every module), `_precision` (`exact_float32`: float32 products on GPUs, where TF32 is the
 default), `_setting` (what `exact_float32`, `attention_block_size` and `attention_core`

@@ -320,11 +320,9 @@ def default_budget_bytes(backend, target=None):
         stats = jax.devices()[0].memory_stats() or {}
         return stats.get("bytes_limit")
     if backend in ("tensorflow", "tf_keras") and _tf_gpu():
-        from tensorflow.python.client import device_lib
+        from .adapters import _tf
 
-        for d in device_lib.list_local_devices():
-            if d.device_type == "GPU":
-                return int(d.memory_limit)
+        return _tf.gpu_memory_limit()
     return None
 
 

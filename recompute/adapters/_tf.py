@@ -57,6 +57,7 @@ PRIVATE_NAMES = (
     ("__internal__.autograph.tf_convert", ("tensorflow",)),
     ("__internal__.autograph.control_status_ctx", ("tensorflow",)),
     ("GraphOrParentsInXlaContext", ("tensorflow.python.ops.control_flow_util",)),
+    ("list_local_devices", ("tensorflow.python.client.device_lib",)),
 )
 
 stop_recording = record.stop_recording
@@ -219,3 +220,14 @@ def replica_assigned_value(variable, value):
     if aggregation == tf.VariableAggregation.SUM:
         return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
     return context.all_reduce(tf.distribute.ReduceOp.MEAN, value)
+
+
+def gpu_memory_limit():
+    """The memory TensorFlow's allocator may use on its first GPU, in bytes, or None without
+    a GPU (`recompute.planner`'s budget by default): TensorFlow has no public API for it."""
+    from tensorflow.python.client import device_lib
+
+    for device in device_lib.list_local_devices():
+        if device.device_type == "GPU":
+            return int(device.memory_limit)
+    return None
