@@ -210,6 +210,11 @@ class AccumOptimizer:
         """The window's state (`accum.modes._window.WindowState`), once built."""
         raise NotImplementedError
 
+    def _window_variables(self):
+        """The window's state as the family's own variables (`mode="momentum"` assigns
+        them; `_window_state` as `tf.Variable`s, where they differ)."""
+        return self._window_state()
+
     def _apply_inner(self, grads, indices, touched):
         """The inner optimizer's update of the variables `indices` with `grads`, where only
         those whose `touched` (scalar bool tensors) is true change."""

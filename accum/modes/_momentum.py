@@ -153,9 +153,9 @@ class SlotAdapter:
 class MomentumRule:
     """Folds micro-gradients into an inner optimizer's slots (see the module docstring).
 
-    `adapter` gives family-specific access: `slots(var)` (the raw
+    `adapter` (a `SlotAdapter`) gives family-specific access: `slots(var)` (the raw
     `tf.Variable` moments of `var`), `learning_rate(dtype)`, `hyper`,
-    `apply_weight_decay(variables)` and `increment_iterations()`.
+    `apply_weight_decay(variables)`, and the inner `optimizer` (its `iterations`).
     """
 
     def __init__(self, kind, adapter):
@@ -167,15 +167,16 @@ class MomentumRule:
             if any(s is None for s in self.adapter.slots(v)):
                 raise unsupported(inner, f"variable {v.name} has no moment slot")
 
-    def accumulate(self, wrapper, grads, indices):
-        """One micro-step: folds `grads` into the slots (if finite) and counts it.
+    def accumulate(self, state, k, grads, indices):
+        """One micro-step of a window of `k`: folds `grads` (of the variables at `indices`)
+        into the slots (if finite) and counts it in `state` (the wrapper's
+        `accum.modes._window.WindowState`, as the family's own variables).
 
         A variable's moments decay at its first kept micro-step in the window
         (its touched flag is still 0): a variable missing from some micro-steps
         counts zero gradients there, exactly as at batch `k * b`."""
-        k = wrapper.steps_per_update
-        variables = [wrapper._model_variables_list()[i] for i in indices]
-        flags = [_tf_variable(wrapper.touched[i]) for i in indices]
+        variables = [state.variables[i] for i in indices]
+        flags = [_tf_variable(state.touched[i]) for i in indices]
         hyper = self.adapter.hyper
 
         def add():
@@ -189,18 +190,19 @@ class MomentumRule:
                     _fold(slots[0], hyper["beta_1"], first, g, (1.0 - hyper["beta_1"]) / k)
                     _fold(slots[1], hyper["beta_2"], first, g, (1.0 - hyper["beta_2"]) / k, square=True)
             _window.mark_touched(flags)
-            wrapper.window_count.assign_add(1)
+            state.window_count.assign_add(1)
 
         tf.cond(_window.all_finite(grads), add, lambda: None)
-        wrapper.window_steps.assign_add(1)
+        state.window_steps.assign_add(1)
 
-    def finish(self, wrapper):
-        """End of a window: weight decay, one move of the weights, one iteration.
+    def finish(self, state):
+        """End of a window (`state`: as `accumulate`'s): weight decay, one move of the
+        weights, one iteration.
 
         Only the variables the window touched move (a variable with no gradient
         in the whole window is left alone, as at batch `k * b`)."""
-        variables = list(wrapper._model_variables_list())
-        touched = _window.touched_mask([_tf_variable(t) for t in wrapper.touched])
+        variables = list(state.variables)
+        touched = _window.touched_mask([_tf_variable(t) for t in state.touched])
         for var, t in zip(variables, touched):
             _window.guarded(t, lambda var=var: self.adapter.apply_weight_decay([var]))
         for var, t in zip(variables, touched):
