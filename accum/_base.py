@@ -178,7 +178,8 @@ class AccumOptimizer:
 
     # ------------------------------------------------- the family's hooks
     # What `accum.modes._modes` asks of the family's implementation (each family
-    # class defines them; `_rescale_*` only where mode="rescale" can be built).
+    # class defines those that raise here; the `_rescale_*` ones go to its
+    # `_RESCALE_STEPS` module).
 
     @staticmethod
     def _momentum_rule_for(optimizer):

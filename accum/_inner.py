@@ -7,9 +7,10 @@ methods a masked update guards, how to skip the all-reduce inside its update,
 its loss scale -- is asked of the family's module: `accum.keras3._inner` (Keras 3,
 TensorFlow and JAX backends), `accum.tf_keras._inner` (tf_keras new-style) and
 `accum.tf_keras._inner_legacy` (tf_keras legacy `OptimizerV2`). Each defines every
-name of `InnerApi` below, as module-level functions and constants, and is the
-only place in `accum` where private names of a wrapped optimizer are touched;
-each lists those it relies on in `PRIVATE_NAMES`, pairs `(attribute, owners)`:
+name of `InnerApi` below, as module-level functions and constants, and is, with the
+readers of this module it takes as its own (below the protocol), the only place in
+`accum` where private names of a wrapped optimizer are touched; each lists those it
+relies on in `PRIVATE_NAMES`, pairs `(attribute, owners)`:
 an attribute (a dotted path for an attribute of an attribute) that each owner
 -- an optimizer class, built, or a module, by its import path -- must have.
 The interface tests (tests/accum_keras3/test_inner_interface.py,

@@ -9,7 +9,7 @@ modes' Keras 3 parts, its `BatchNormalization`, and `accum.local_gradients` (JAX
 | `_rescale_step` | `mode="rescale"`: one micro-step in `keras.ops` (both backends), on the wrapper's state given as an `accum.modes._rescale.Step` (the wrapper's `_RESCALE_STEPS`) |
 | `_batchnorm` | `Keras3BatchNormalization`, `accum.BatchNormalization` for Keras 3 |
 | `_local_jax` | `accum.local_gradients(model)`: under `keras.distribution` on JAX, a train step under `jax.shard_map` that keeps each device's gradients in its own row of the buffers (`DeviceRows`, `SavedRows`), one all-reduce per update |
-| `_inner` | the wrapped optimizer's private API (`accum._inner.InnerApi`, `PRIVATE_NAMES`): the only module of `accum` that touches Keras 3's private names |
+| `_inner` | the wrapped optimizer's private API (`accum._inner.InnerApi`, `PRIVATE_NAMES`): with the readers it takes from `accum._inner`, the only module of `accum` that touches Keras 3's private names |
 
 `mode="momentum"` needs no module here: the wrapper gives `accum.modes._momentum.rule_for`
 this family's `_inner` and its SGD, Adam and AdamW classes.

@@ -8,7 +8,7 @@ every module of `accum` that imports tf_keras (loaded only where a program uses 
 | `_legacy` | `LegacyAccumOptimizer` (legacy `OptimizerV2`: buffers are slots) |
 | `_rescale_step` | `mode="rescale"`: one micro-step in TensorFlow ops, on the wrapper's state given as an `accum.modes._rescale.Step` (new-style only; refuses legacy optimizers) |
 | `_batchnorm` | `TFKerasBatchNormalization`, `accum.BatchNormalization` for tf_keras |
-| `_inner`, `_inner_legacy` | the wrapped optimizer's private API (`accum._inner.InnerApi`, `PRIVATE_NAMES`), new-style and legacy: the only modules of `accum` that touch tf_keras's private names |
+| `_inner`, `_inner_legacy` | the wrapped optimizer's private API (`accum._inner.InnerApi`, `PRIVATE_NAMES`), new-style and legacy: with the readers they take from `accum._inner`, the only modules of `accum` that touch tf_keras's private names |
 
 `mode="momentum"` needs no module here: `_common` gives `accum.modes._momentum.rule_for`
 the optimizer's `_inner` or `_inner_legacy` and the SGD, Adam and AdamW classes of both kinds.
