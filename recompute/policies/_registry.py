@@ -42,7 +42,6 @@ from typing import Callable, NamedTuple
 from ..ops import _attention, _flash_tf, _gelu
 from ..engine import TensorFlowEngine, _core
 from . import _jax
-from ..adapters import _tf
 from .._scoped import shadowed
 
 
