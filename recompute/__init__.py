@@ -26,13 +26,15 @@ jitted JAX `train_step` for the local device or a GPU described by its facts;
 `benchmarks.gpu_plan` uses it too); the integrations `recompute.bert4keras` (bert4keras
 and its checkpoint converter) and `recompute.keras_hub` (keras-hub's blocks, LoRA, the
 chunked LM head, offline presets), with `_hf_checkpoint` (a Hugging Face BERT's files,
-read by both); `_decorator` (the decorator); `recompute.policies` (what is recomputed:
-the registry `POLICIES` of each policy's TensorFlow and JAX functions, and the JAX
-engine, `jax.checkpoint` with the state threaded through); `recompute.ops` (what a
+read by both); `_decorator` (the decorator: it asks the engine of the layer's family,
+`recompute.engine.of`, whether a call is recomputed and has it run the policy's
+function); `recompute.policies` (what is recomputed: the registry `POLICIES` of each
+policy's TensorFlow and JAX functions); `recompute.ops` (what a
 recomputed block runs differently: the FlashAttention-2 core, once, with its TensorFlow
 and JAX engines and the rule that picks it; Keras's attention core as that core; a GELU
-that keeps only its input); `recompute.engine` (the recomputation on TensorFlow: one
-`tf.custom_gradient`, forward, backward, unpack); `recompute.adapters` (the interface to
+that keeps only its input); `recompute.engine` (the recomputation, behind one interface: on TensorFlow one
+`tf.custom_gradient`, forward, backward, unpack; on JAX a `jax.checkpoint` with the
+layer's state threaded through); `recompute.adapters` (the interface to
 a Keras family with its Keras 3 and tf_keras implementations, and the interface modules
 that read every private Keras or TensorFlow name, each listing them in its
 `PRIVATE_NAMES`, checked against the installed versions by the

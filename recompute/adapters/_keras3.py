@@ -1,6 +1,6 @@
 """Keras 3 (`keras`, TensorFlow backend): the `_adapter.Adapter` of Keras 3 layers.
 
-On the JAX backend a Keras 3 layer is recomputed by `recompute.policies._jax` instead
+On the JAX backend a Keras 3 layer is recomputed by `recompute.engine._jax` instead
 (`_backends.on_jax`); other backends are refused here (`check_supported`).
 
 Uses a few private Keras names -- the call context that carries `training` to
@@ -138,7 +138,7 @@ def creation_refused(layer):
     """Around a call run in a `StatelessScope` that does not initialize variables (a
     recomputation): a variable the call creates -- which Keras then refuses, or defers
     to the scope's exit -- raises `VariableCreatedInRecomputationError` naming `layer`.
-    Also used by `recompute.policies._jax`."""
+    Also used by `recompute.engine._jax`."""
     pending = _private.global_attribute(
         _private.UNINITIALIZED_VARIABLES, [], set_to_default=True
     )

@@ -22,7 +22,7 @@ backward (docs/attention.md):
 - the dropout's decision is drawn once by bert4keras's own `Dropout` layer (on
   ones of the probabilities' shape: the random numbers of `RECOMPUTE=0`) and
   kept as bits (1 bit per entry); under "layer" and "block" it is kept through
-  the recomputation of the layer or block (`recompute.engine._core.kept`), not redrawn.
+  the recomputation of the layer or block (`recompute.engine.kept`), not redrawn.
 
 Only the standard case is blocked: softmax normalization, no position bias,
 and not in half precision (`recompute.ops._flash.runs_blocked`, the rule Keras's
@@ -32,7 +32,7 @@ bert4keras's own code (recomputed all the same).
 
 import tensorflow as tf
 
-from ..engine import _core
+from .. import engine
 from ..ops import _flash, _flash_tf
 
 SCORES_EINSUM = "bjhd,bkhd->bhjk"  # queries x keys, as bert4keras writes it
@@ -134,7 +134,7 @@ def lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked=True):
         whole, when asked: in a `tf.function` they are pruned when unused).
     """
     qw, kw, vw = inputs[:3]
-    bits, rate = _core.kept(lambda: _decision(layer, qw, kw, dropout))
+    bits, rate = engine.kept(lambda: _decision(layer, qw, kw, dropout))
     queries, keys = qw.shape[1], kw.shape[1]
     block = None if None in (queries, keys) else _flash.block_rows(queries, keys)
     o = _flash_tf.attention(_logits(layer), qw, kw, vw, _masks(inputs, mask), bits, rate, block,

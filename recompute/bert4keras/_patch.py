@@ -8,12 +8,12 @@ import sys
 import threading
 import warnings
 
-from ..adapters import _backends, _tf
+from ..adapters import _backends
 from .. import _config
-from ..engine import _core
+from .. import engine
 from ..policies import _registry
 from . import _attention, _feed_forward
-from ..engine._core import after
+from ..engine import after
 from .._decorator import recompute_grad
 from .._scoped import ThreadStack
 
@@ -126,7 +126,7 @@ def _marked_call(call, cls):
     def keeping_product(self, *args, **kwargs):
         # "block_keep_ffn": the FeedForward's second product is kept from the
         # forward pass for the recomputation (`_feed_forward.lean_call`).
-        if (_policy_of(self) == "block_keep_ffn" and _core.inside_recomputed_call()
+        if (_policy_of(self) == "block_keep_ffn" and engine.inside_recomputed_call()
                 and len(args) == 1 and not kwargs and _feed_forward.lean_applies(self, args[0])):
             return _feed_forward.lean_call(self, args[0], keep_product=True)
         return call(self, *args, **kwargs)
@@ -218,9 +218,9 @@ def _attending_to(pay_attention_to):
         adapter.check_supported(self)
         keep = bool(getattr(self, "return_attention_scores", True))
         inputs, mask, rest = _pay_attention_arguments(args, kwargs)
-        if (_tf.tape_is_active() and not _core.inside_recomputed_call()
+        if (engine.TensorFlowEngine.recomputes()
                 and _attention.lean_applies(self, inputs, rest)):
-            _core.check_recomputable(adapter, self, _core.float_tensors(inputs))
+            engine.check_recomputable(adapter, self, engine.float_tensors(inputs))
             return attending(self, inputs, mask, keep, compute=recomputed_unit)
         return _registry.recompute_core(adapter, recomputed, self, args, kwargs, keep)
 

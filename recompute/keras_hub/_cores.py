@@ -6,7 +6,7 @@ and DeBERTa-v3 compute attention in a method of their attention layer
 `MultiHeadAttention` core. While `recomputed_cores` is active, that method of
 each such layer in a block keeps only its inputs and runs again in the
 backward pass: on TensorFlow through `recompute.engine._core` (when a tape records),
-on JAX as a `jax.checkpoint` (`recompute.policies._jax`), its dropout replayed from the
+on JAX as a `jax.checkpoint` (`recompute.engine._jax`), its dropout replayed from the
 same seed state either way -- the loss and gradients of RECOMPUTE=0. The
 method is shadowed on the layer instance and restored on exit; the class and
 other instances are untouched. A core runs as written inside a call that is
@@ -15,22 +15,17 @@ recomputed already, and where nothing is differentiated.
 
 import contextlib
 
-from ..adapters import _backends, _keras_private, _tf
-from ..engine import _core
-from ..policies import _jax
+from .. import engine as engines
+from ..adapters import _backends, _keras_private
 from .._scoped import shadowed
 
 
 def _recomputed(method, layer, args, kwargs):
     """`method(layer, *args, **kwargs)`, recomputed for the gradient where one is taken."""
-    adapter = _backends.adapter_for(layer)
-    if _backends.on_jax(adapter):
-        if _jax.inside_recomputed_call() or _jax.in_shape_inference():
-            return method(layer, *args, **kwargs)
-        return _jax.recomputed_call(method, layer, args, kwargs)
-    if not _tf.tape_is_active() or _core.inside_recomputed_call():
+    engine = engines.of(_backends.adapter_for(layer))
+    if not engine.recomputes():
         return method(layer, *args, **kwargs)
-    return _core.recomputed_call(adapter, method, layer, args, kwargs)
+    return engine.recomputed_call(method, layer, args, kwargs)
 
 
 def core_layers(block, pairs):

@@ -40,9 +40,8 @@ import contextlib
 from typing import Callable, NamedTuple
 
 from ..ops import _attention, _flash_tf, _gelu
-from ..engine import _core
+from ..engine import TensorFlowEngine, _core
 from . import _jax
-from ..adapters import _tf
 from .._scoped import shadowed
 
 
@@ -89,7 +88,7 @@ def recompute_core(adapter, core, layer, args, kwargs, keep_scores):
     the recomputation too). Runs `core` plainly when no tape records or inside
     a recomputed call (which recomputes the core with everything else).
     """
-    if not _tf.tape_is_active() or _core.inside_recomputed_call():
+    if not TensorFlowEngine.recomputes():
         return core(layer, *args, **kwargs)
 
     def output_and_asked_scores(lyr, *a, **k):
@@ -109,7 +108,7 @@ def _class_core(adapter, core):
 
     def recomputed(layer, *args, **kwargs):
         keep_scores = adapter.scores_asked(args, kwargs)
-        if _tf.tape_is_active() and not _core.inside_recomputed_call():
+        if TensorFlowEngine.recomputes():
             _core.check_recomputable(adapter, layer, _core.float_tensors((args, kwargs)))
         blocked = _attention.keras_blocked(_flash_tf, core, layer, args, kwargs, keep_scores)
         if blocked is not None:

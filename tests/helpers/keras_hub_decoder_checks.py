@@ -345,7 +345,7 @@ def _recomputed_calls():
     blocked (policy="attention" of Keras's `MultiHeadAttention` cores), while active."""
     from recompute.ops import _attention
     from recompute.engine import _core
-    from recompute.policies import _jax
+    from recompute.engine import _jax
 
     count = [0]
     originals = _core.recomputed_call, _jax.recomputed_call, _attention.keras_blocked

@@ -1,4 +1,4 @@
-"""Keras 3 on JAX: every private Keras name that `recompute.policies._jax` relies on -- listed in
+"""Keras 3 on JAX: every private Keras name that `recompute.engine._jax` relies on -- listed in
 the `PRIVATE_NAMES` of `recompute.adapters._keras_private` and `recompute.adapters._mha_private` -- and the
 JAX and Keras names `recompute._xla_plan` reads exist on the installed versions (tests/helpers/private_names_checks.py; the TensorFlow-backend
 suite checks the same lists, with TensorFlow's, in tests/recompute_keras3)."""
