@@ -182,13 +182,29 @@ def runs_blocked(engine, dtype, queries, keys):
         queries, keys: the lengths of the query and key axes (None where known
             only when the core runs).
     """
-    del queries, keys  # the rule does not depend on the shape yet
     name = getattr(dtype, "name", None) or str(dtype)
     if name in HALF_PRECISION:
         return False
+    if _core_choice[0] == "auto" and engine.name == "tensorflow":
+        return tensorflow_pays(queries, keys)
     if _core_choice[0] != "auto":
         return _core_choice[0] == "blocked"
     return engine.name != "jax"
+
+
+TF_KERAS_CORE_KEYS = 1024  # under "auto", TensorFlow runs the layer's own core up to this many keys
+
+
+def tensorflow_pays(queries, keys):
+    """Whether the blocked core pays on TensorFlow (`runs_blocked` under `"auto"`, float32):
+    beyond `TF_KERAS_CORE_KEYS` keys, where its key blocks start (`key_block`). Up to
+    1024 keys the layer's own core is faster on TensorFlow's CPU kernels at no more memory
+    (docs/attention.md, "Which core runs"); beyond, the [seq, seq] score matrices dominate and
+    the blocked core holds one block of them. A length known only when the core runs (None):
+    the layer's own core -- the blocked core could not size its blocks and would run as one
+    block of every row and key, the layer's working set, only slower."""
+    del queries  # the keys decide: the blocked core cuts the keys beyond 1024
+    return keys is not None and keys > TF_KERAS_CORE_KEYS
 
 
 class Engine:
