@@ -114,10 +114,11 @@ class attention_core(Setting):
     """Chooses the attention core of recomputed calls: the rule, or one core forced.
 
     `"auto"` (the default) follows the rule of `runs_blocked`: the blocked core
-    on TensorFlow in float32, the layer's own core (Keras's `_compute_attention`,
-    bert4keras's `pay_attention_to`) on JAX, where XLA:GPU's plan of the
-    blocked core is above Keras's (docs/attention.md), and in half precision
-    everywhere. `"keras"` runs the layer's own core everywhere; `"blocked"`
+    on TensorFlow in float32 beyond 1024 keys, the layer's own core (Keras's
+    `_compute_attention`, bert4keras's `pay_attention_to`) on TensorFlow up to
+    1024 keys, where it is the faster at no more memory, on JAX, where XLA:GPU's
+    plan of the blocked core is above Keras's (docs/attention.md), and in half
+    precision everywhere. `"keras"` runs the layer's own core everywhere; `"blocked"`
     runs the blocked core wherever it is exact (float32 and float64, the
     standard case). Each is exact: the choice moves memory and time, not
     numbers. As a statement it holds for the rest of the process; as a
@@ -165,8 +166,13 @@ def runs_blocked(engine, dtype, queries, keys):
       (docs/limitations.md). In float32 (and float64) both agree to float
       rounding (<= 1e-5 relative).
     - `attention_core("keras")` / `("blocked")`: that core.
-    - `"auto"`: the blocked core on TensorFlow; the layer's own core on JAX,
-      where XLA:GPU's plan for an H100 of keras-hub BERT-base (12 blocks,
+    - `"auto"` on TensorFlow: by the keys' length (`tensorflow_pays`): the layer's
+      own core up to 1024 keys (`TF_KERAS_CORE_KEYS`), where on TensorFlow's CPU
+      kernels it is faster at no more memory (BERT-base, seq 512: docs/attention.md,
+      "Which core runs"), and where the length is known only when the core runs;
+      the blocked core beyond, where its key blocks start and the [seq, seq] scores
+      dominate.
+    - `"auto"` on JAX: the layer's own core, where XLA:GPU's plan for an H100 of keras-hub BERT-base (12 blocks,
       seq 512, float32) held 145.5 MiB per sample under `"full"` with the
       FlashAttention-2 core against 78.0 with Keras's; since 2026-11-28 17.7
       (`"attention"`: 265.9 against 295.6; `python -m benchmarks.gpu_plan
