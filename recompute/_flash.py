@@ -114,9 +114,9 @@ class attention_core(Setting):
     """Chooses the attention core of recomputed calls: the rule, or one core forced.
 
     `"auto"` (the default) follows the rule of `runs_blocked`: the blocked core
-    on TensorFlow in float32 beyond 1024 keys, the layer's own core (Keras's
+    on TensorFlow in float32 beyond 512 keys, the layer's own core (Keras's
     `_compute_attention`, bert4keras's `pay_attention_to`) on TensorFlow up to
-    1024 keys, where it is the faster at no more memory, on JAX, where XLA:GPU's
+    512 keys, where it is the faster at no more memory, on JAX, where XLA:GPU's
     plan of the blocked core is above Keras's (docs/attention.md), and in half
     precision everywhere. `"keras"` runs the layer's own core everywhere; `"blocked"`
     runs the blocked core wherever it is exact (float32 and float64, the
@@ -167,11 +167,11 @@ def runs_blocked(engine, dtype, queries, keys):
       rounding (<= 1e-5 relative).
     - `attention_core("keras")` / `("blocked")`: that core.
     - `"auto"` on TensorFlow: by the keys' length (`tensorflow_pays`): the layer's
-      own core up to 1024 keys (`TF_KERAS_CORE_KEYS`), where on TensorFlow's CPU
-      kernels it is faster at no more memory (BERT-base, seq 512: docs/attention.md,
-      "Which core runs"), and where the length is known only when the core runs;
-      the blocked core beyond, where its key blocks start and the [seq, seq] scores
-      dominate.
+      own core up to 512 keys (`TF_KERAS_CORE_KEYS`), where on TensorFlow's CPU
+      kernels it is faster at no more memory (BERT-base, seq 512), and where the
+      length is known only when the core runs; the blocked core beyond, where the
+      [seq, seq] scores dominate (seq 1024: far less memory; docs/attention.md,
+      "Which core runs").
     - `"auto"` on JAX: the layer's own core, where XLA:GPU's plan for an H100 of keras-hub BERT-base (12 blocks,
       seq 512, float32) held 145.5 MiB per sample under `"full"` with the
       FlashAttention-2 core against 78.0 with Keras's; since 2026-11-28 17.7
@@ -198,18 +198,21 @@ def runs_blocked(engine, dtype, queries, keys):
     return engine.name != "jax"
 
 
-TF_KERAS_CORE_KEYS = 1024  # under "auto", TensorFlow runs the layer's own core up to this many keys
+TF_KERAS_CORE_KEYS = 512  # under "auto", TensorFlow runs the layer's own core up to this many keys
 
 
 def tensorflow_pays(queries, keys):
-    """Whether the blocked core pays on TensorFlow (`runs_blocked` under `"auto"`, float32):
-    beyond `TF_KERAS_CORE_KEYS` keys, where its key blocks start (`key_block`). Up to
-    1024 keys the layer's own core is faster on TensorFlow's CPU kernels at no more memory
-    (docs/attention.md, "Which core runs"); beyond, the [seq, seq] score matrices dominate and
-    the blocked core holds one block of them. A length known only when the core runs (None):
-    the layer's own core -- the blocked core could not size its blocks and would run as one
-    block of every row and key, the layer's working set, only slower."""
-    del queries  # the keys decide: the blocked core cuts the keys beyond 1024
+    """Whether the blocked core pays on TensorFlow (`runs_blocked` under `"auto"`, float32, float64):
+    beyond `TF_KERAS_CORE_KEYS` (512) keys. Measured on TensorFlow's CPU kernels
+    (docs/attention.md, "Which core runs"): at 512 keys (BERT-base, 12 blocks) the layer's
+    own core is the faster under both policies at about the same memory; at 1024 keys its
+    backward pass holds a block's whole [heads, seq, seq] tensors, and the blocked core
+    holds far less. The keys decide (in self-attention the [queries, keys] working set
+    grows with them; a few queries over many keys run blocked too: not measured).
+    A length known only when the core runs (None): the layer's own core -- the blocked
+    core could not size its blocks and would run as one block of every row and key, the
+    layer's own working set, only slower."""
+    del queries
     return keys is not None and keys > TF_KERAS_CORE_KEYS
 
 

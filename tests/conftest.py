@@ -71,7 +71,7 @@ _pin_float32()
 def blocked_core():
     """The blocked attention core named (`recompute.attention_core("blocked")`), for the tests
     of that core: at their short sequences the rule ("auto", `recompute._flash.runs_blocked`)
-    runs the layer's own core on TensorFlow (up to 1024 keys). Use it as
+    runs the layer's own core on TensorFlow (up to 512 keys). Use it as
     `@pytest.mark.usefixtures("blocked_core")` or a module's `pytestmark`."""
     import recompute
 

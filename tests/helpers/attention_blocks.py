@@ -250,7 +250,7 @@ def test_blocked_cores_used(K, policy, monkeypatch):
     """Under either policy, with `attention_core("blocked")` Keras's own cores run blocked
     (`recompute._flash`): once per forward pass of a block (twice per block under "full",
     which recomputes the block) and once backward; off, never. Under the rule ("auto")
-    at seq 6 Keras's own core runs on TensorFlow (`_flash.runs_blocked`: up to 1024 keys)."""
+    at seq 6 Keras's own core runs on TensorFlow (`_flash.runs_blocked`: up to 512 keys)."""
     from recompute import _flash
 
     calls = []

@@ -256,16 +256,16 @@ def test_attention_core_setting_and_its_docstring_example():
 
 
 def test_tensorflow_rule_by_key_length():
-    """Under "auto" on TensorFlow, float32: the layer's own core up to
-    `_flash.TF_KERAS_CORE_KEYS` (1024) keys, the blocked core beyond (where its key blocks
-    start); a key length known only when the core runs (None): the layer's own core. The
-    override and half precision win over the shape."""
+    """Under "auto" on TensorFlow, float32 and float64: the layer's own core up to
+    `_flash.TF_KERAS_CORE_KEYS` (512) keys, the blocked core beyond; a key length known only
+    when the core runs (None): the layer's own core. The override and half precision win
+    over the shape."""
     from recompute import _flash, _flash_tf
 
     tf_engine = _flash_tf.ENGINE
-    assert _flash.TF_KERAS_CORE_KEYS == _flash.LONG_KEYS == 1024
-    for queries, keys, blocked in [(6, 6, False), (512, 512, False), (1024, 1024, False),
-                                   (1025, 1025, True), (2048, 2048, True), (1, 4096, True),
+    assert _flash.TF_KERAS_CORE_KEYS == 512
+    for queries, keys, blocked in [(6, 6, False), (512, 512, False), (513, 513, True),
+                                   (1024, 1024, True), (2048, 2048, True), (1, 4096, True),
                                    (4096, 512, False), (None, None, False), (2048, None, False),
                                    (None, 2048, True)]:
         assert _flash.runs_blocked(tf_engine, "float32", queries, keys) is blocked, (queries, keys)
