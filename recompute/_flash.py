@@ -172,7 +172,8 @@ def runs_blocked(engine, dtype, queries, keys):
       length is known only when the core runs; the blocked core beyond, where the
       [seq, seq] scores dominate (seq 1024: far less memory; docs/attention.md,
       "Which core runs").
-    - `"auto"` on JAX: the layer's own core, where XLA:GPU's plan for an H100 of keras-hub BERT-base (12 blocks,
+    - `"auto"` on JAX: the layer's own core, where XLA:GPU's plan for an H100
+      of keras-hub BERT-base (12 blocks,
       seq 512, float32) held 145.5 MiB per sample under `"full"` with the
       FlashAttention-2 core against 78.0 with Keras's; since 2026-11-28 17.7
       (`"attention"`: 265.9 against 295.6; `python -m benchmarks.gpu_plan
@@ -202,8 +203,8 @@ TF_KERAS_CORE_KEYS = 512  # under "auto", TensorFlow runs the layer's own core u
 
 
 def tensorflow_pays(queries, keys):
-    """Whether the blocked core pays on TensorFlow (`runs_blocked` under `"auto"`, float32, float64):
-    beyond `TF_KERAS_CORE_KEYS` (512) keys. Measured on TensorFlow's CPU kernels
+    """Whether the blocked core pays on TensorFlow (`runs_blocked` under `"auto"`, float32
+    and float64): beyond `TF_KERAS_CORE_KEYS` (512) keys. Measured on TensorFlow's CPU kernels
     (docs/attention.md, "Which core runs"): at 512 keys (BERT-base, 12 blocks) the layer's
     own core is the faster under both policies at about the same memory; at 1024 keys its
     backward pass holds a block's whole [heads, seq, seq] tensors, and the blocked core

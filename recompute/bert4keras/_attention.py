@@ -26,8 +26,9 @@ backward (docs/attention.md):
 
 Only the standard case is blocked: softmax normalization, no position bias,
 and not in half precision, and under `attention_core("auto")` beyond 512 keys
-only (`recompute._flash.runs_blocked`, the rule Keras's cores follow too). `lean_applies` says whether a call is; every other call runs
-bert4keras's own code (recomputed all the same).
+only (`recompute._flash.runs_blocked`, the rule Keras's cores follow too).
+`lean_applies` says whether a call is; every other call runs bert4keras's own
+code (recomputed all the same).
 """
 
 import tensorflow as tf
