@@ -16,7 +16,7 @@ every policy the attention cores follow one rule (`attention_core`,
 `_flash.runs_blocked`): on TensorFlow in float32 beyond 512 keys they run
 blocked (no [seq, seq] floats kept, one block of query rows alive at a time:
 `attention_block_size` sets it); up to 512 keys on TensorFlow (faster there,
-at no more memory), on JAX and in half precision the layer's own core runs,
+at about the same memory), on JAX and in half precision the layer's own core runs,
 recomputed.
 
 Modules: `_decorator` (the decorator), `_policies` (what is recomputed: one

@@ -116,7 +116,7 @@ class attention_core(Setting):
     `"auto"` (the default) follows the rule of `runs_blocked`: the blocked core
     on TensorFlow in float32 beyond 512 keys, the layer's own core (Keras's
     `_compute_attention`, bert4keras's `pay_attention_to`) on TensorFlow up to
-    512 keys, where it is the faster at no more memory, on JAX, where XLA:GPU's
+    512 keys, where it is the faster at about the same memory, on JAX, where XLA:GPU's
     plan of the blocked core is above Keras's (docs/attention.md), and in half
     precision everywhere. `"keras"` runs the layer's own core everywhere; `"blocked"`
     runs the blocked core wherever it is exact (float32 and float64, the
@@ -168,7 +168,7 @@ def runs_blocked(engine, dtype, queries, keys):
     - `attention_core("keras")` / `("blocked")`: that core.
     - `"auto"` on TensorFlow: by the keys' length (`tensorflow_pays`): the layer's
       own core up to 512 keys (`TF_KERAS_CORE_KEYS`), where on TensorFlow's CPU
-      kernels it is faster at no more memory (BERT-base, seq 512), and where the
+      kernels it is faster at about the same memory (BERT-base, seq 512), and where the
       length is known only when the core runs; the blocked core beyond, where the
       [seq, seq] scores dominate (seq 1024: far less memory; docs/attention.md,
       "Which core runs").
