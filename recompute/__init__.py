@@ -13,10 +13,11 @@ Set `RECOMPUTE=1` (read when the layer runs) or use `recompute_scope(True)`.
 `@recompute_grad(policy="attention")` recomputes only the attention
 probabilities of the block's `MultiHeadAttention` layers (`POLICIES`). Under
 every policy the attention cores follow one rule (`attention_core`,
-`recompute.ops._flash.runs_blocked`): on TensorFlow in float32 they run blocked (no [seq,
-seq] floats kept, one block of query rows alive at a time:
-`attention_block_size` sets it); on JAX and in half precision the layer's own
-core runs, recomputed.
+`recompute.ops._flash.runs_blocked`): on TensorFlow in float32 beyond 512 keys they run
+blocked (no [seq, seq] floats kept, one block of query rows alive at a time:
+`attention_block_size` sets it); up to 512 keys on TensorFlow (faster there,
+at about the same memory), on JAX and in half precision the layer's own core runs,
+recomputed.
 
 Packages, from the top floor down: `planner` (`plan`: the policy, micro-batch and
 accumulation steps of an effective batch within a memory budget, measured; its command

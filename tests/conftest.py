@@ -68,6 +68,18 @@ _two_logical_cpus()
 _pin_float32()
 
 
+@pytest.fixture
+def blocked_core():
+    """The blocked attention core named (`recompute.attention_core("blocked")`), for the tests
+    of that core: at their short sequences the rule ("auto", `recompute.ops._flash.runs_blocked`)
+    runs the layer's own core on TensorFlow (up to 512 keys). Use it as
+    `@pytest.mark.usefixtures("blocked_core")` or a module's `pytestmark`."""
+    import recompute
+
+    with recompute.attention_core("blocked"):
+        yield
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", f"slow: a long test (benchmark-like or many processes); deselected with {FAST_TESTS}=1"

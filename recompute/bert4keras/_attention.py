@@ -25,9 +25,10 @@ backward (docs/attention.md):
   the recomputation of the layer or block (`recompute.engine.kept`), not redrawn.
 
 Only the standard case is blocked: softmax normalization, no position bias,
-and not in half precision (`recompute.ops._flash.runs_blocked`, the rule Keras's
-cores follow too). `lean_applies` says whether a call is; every other call runs
-bert4keras's own code (recomputed all the same).
+and not in half precision, and under `attention_core("auto")` beyond 512 keys
+only (`recompute.ops._flash.runs_blocked`, the rule Keras's cores follow too).
+`lean_applies` says whether a call is; every other call runs bert4keras's own
+code (recomputed all the same).
 """
 
 import tensorflow as tf
@@ -44,7 +45,7 @@ def lean_applies(layer, inputs, kwargs):
     softmax, no position bias; an attention bias (`a_bias`: the language model's
     causal mask, UniLM's) is supported; and `recompute.ops._flash.runs_blocked` says
     the blocked core runs (not in half precision: there bert4keras's own code
-    runs, recomputed, as for Keras's core)."""
+    runs, recomputed, as for Keras's core; under "auto" beyond 512 keys only)."""
     return (
         getattr(layer, "normalization", None) == "softmax"
         and not kwargs.get("p_bias")

@@ -233,9 +233,9 @@ def test_attention_core_setting_and_its_docstring_example():
 
     from recompute.ops import _flash, _flash_tf
 
-    assert _flash.runs_blocked(_flash_tf.ENGINE, "float32", 12, 12)  # "auto" on TensorFlow
+    assert _flash.runs_blocked(_flash_tf.ENGINE, "float32", 2048, 2048)  # "auto" on TensorFlow
     with recompute.attention_core("keras"):
-        assert not _flash.runs_blocked(_flash_tf.ENGINE, "float32", 12, 12)
+        assert not _flash.runs_blocked(_flash_tf.ENGINE, "float32", 2048, 2048)
         inputs = keras.Input((6, 8))
         block = keras.layers.MultiHeadAttention(2, 4, dropout=0.1)
         model = keras.Model(inputs, block(inputs, inputs))
@@ -244,11 +244,34 @@ def test_attention_core_setting_and_its_docstring_example():
         with recompute.recompute_scope(True):
             model.fit(np.ones((4, 6, 8), "float32"), np.zeros((4, 6, 8), "float32"), epochs=1,
                       verbose=0)
-    assert _flash.runs_blocked(_flash_tf.ENGINE, "float32", 12, 12)
-    assert not _flash.runs_blocked(_flash_tf.ENGINE, "bfloat16", 12, 12)  # half precision
+    assert _flash.runs_blocked(_flash_tf.ENGINE, "float32", 2048, 2048)
+    assert not _flash.runs_blocked(_flash_tf.ENGINE, "bfloat16", 2048, 2048)  # half precision
     with recompute.attention_core("blocked"):
+        assert _flash.runs_blocked(_flash_tf.ENGINE, "float32", 12, 12)
         assert not _flash.runs_blocked(_flash_tf.ENGINE, "float16", 12, 12)
     assert repr(recompute.attention_core("auto")) == "attention_core('auto')"
     with pytest.raises(ValueError, match=r'`core` must be one of "auto", "blocked", "keras"\. '
                                          r"Received: core='flash'"):
         recompute.attention_core("flash")
+
+
+def test_tensorflow_rule_by_key_length():
+    """Under "auto" on TensorFlow, float32 and float64: the layer's own core up to
+    `_flash.TF_KERAS_CORE_KEYS` (512) keys, the blocked core beyond; a key length known only
+    when the core runs (None): the layer's own core. The override and half precision win
+    over the shape."""
+    from recompute.ops import _flash, _flash_tf
+
+    tf_engine = _flash_tf.ENGINE
+    assert _flash.TF_KERAS_CORE_KEYS == 512
+    for queries, keys, blocked in [(6, 6, False), (512, 512, False), (513, 513, True),
+                                   (1024, 1024, True), (2048, 2048, True), (1, 4096, True),
+                                   (4096, 512, False), (None, None, False), (2048, None, False),
+                                   (None, 2048, True)]:
+        assert _flash.runs_blocked(tf_engine, "float32", queries, keys) is blocked, (queries, keys)
+        assert _flash.runs_blocked(tf_engine, "float64", queries, keys) is blocked, (queries, keys)
+        assert not _flash.runs_blocked(tf_engine, "float16", queries, keys)
+        with recompute.attention_core("blocked"):
+            assert _flash.runs_blocked(tf_engine, "float32", queries, keys)
+        with recompute.attention_core("keras"):
+            assert not _flash.runs_blocked(tf_engine, "float32", queries, keys)
