@@ -1,7 +1,7 @@
 """The recomputation engines, behind one interface: `of(adapter)` is the engine that runs a
 layer's recomputation, `inside_recomputed_call()` tells either engine's.
 
-An engine (`TensorFlowEngine`, `JaxEngine`) answers these, and nothing else of the
+An `Engine` (`TensorFlowEngine`, `JaxEngine`) answers these, and nothing else of the
 recomputation is asked by what uses it (`recompute._decorator`, the policies, the
 integrations):
 
@@ -30,13 +30,31 @@ from . import _core, _jax
 from ._core import after, check_recomputable, float_tensors, kept  # noqa: F401  (TensorFlow's)
 
 
-class TensorFlowEngine:
-    """Keras 3 on TensorFlow and tf_keras: `_core`, with the layer's family `adapter`."""
+class Engine:
+    """What every engine answers (the module's docstring); built for one layer's family."""
 
-    name = "tensorflow"
+    name = None  # "tensorflow" or "jax"
 
     def __init__(self, adapter):
         self.adapter = adapter
+
+    def recomputes(self):
+        """Whether a call made now is recomputed (else it runs as written)."""
+        raise NotImplementedError
+
+    def recomputed_call(self, fn, layer, args, kwargs):
+        """`fn(layer, *args, **kwargs)`, recomputed for the gradient."""
+        raise NotImplementedError
+
+    def run(self, policy, fn, layer, args, kwargs):
+        """`policy`'s function for this engine (a `recompute.policies._registry.Policy`)."""
+        raise NotImplementedError
+
+
+class TensorFlowEngine(Engine):
+    """Keras 3 on TensorFlow and tf_keras: `_core`, with the layer's family `adapter`."""
+
+    name = "tensorflow"
 
     @staticmethod
     def recomputes():
@@ -49,24 +67,19 @@ class TensorFlowEngine:
         return policy.tensorflow(self.adapter, fn, layer, args, kwargs)
 
 
-class JaxEngine:
-    """Keras 3 on JAX: `_jax`."""
+class JaxEngine(Engine):
+    """Keras 3 on JAX: `_jax` (its family is always Keras 3's)."""
 
     name = "jax"
-
-    def __init__(self, adapter):
-        self.adapter = adapter
 
     @staticmethod
     def recomputes():
         return not (_jax.inside_recomputed_call() or _jax.in_shape_inference())
 
-    @staticmethod
-    def recomputed_call(fn, layer, args, kwargs):
+    def recomputed_call(self, fn, layer, args, kwargs):
         return _jax.recomputed_call(fn, layer, args, kwargs)
 
-    @staticmethod
-    def run(policy, fn, layer, args, kwargs):
+    def run(self, policy, fn, layer, args, kwargs):
         return policy.jax(fn, layer, args, kwargs)
 
 

@@ -94,3 +94,27 @@ def test_packages_stand_on_floors():
             if top not in below and target not in LEAVES:
                 wrong.append(f"{module} -> {target}")
     assert wrong == []
+
+
+def test_integrations_use_the_engine_interface():
+    """bert4keras's and keras-hub's integrations reach the engines through `recompute.engine`
+    (its `of`, `kept`, `after`, ...), never through an engine's own module."""
+    graph = _imports(recompute)
+    inside = sorted(f"{module} -> {target}" for module, targets in graph.items()
+                    if module.split(".")[0] in ("bert4keras", "keras_hub")
+                    for target in targets if target in ("engine._core", "engine._jax"))
+    assert inside == []
+
+
+def test_engine_interface():
+    import keras
+
+    from recompute import engine
+    from recompute.adapters import _backends
+
+    layer = keras.layers.Dense(2)
+    chosen = engine.of(_backends.adapter_for(layer))
+    assert chosen.name == keras.backend.backend()
+    assert isinstance(chosen, engine.Engine)
+    assert chosen.recomputes() is False  # no tape records here
+    assert engine.inside_recomputed_call() is False
