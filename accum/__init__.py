@@ -20,17 +20,18 @@ Where things are (each package's `__init__` maps its own modules):
 |---|---|
 | the public class; its family hooks; argument checks | `_base` (`AccumOptimizer`); `_validation` |
 | which family an optimizer is; which class serves it (and registers it for loading) | `_families`; `_dispatch` |
-| what accumulation asks of a wrapped optimizer, one interface per family | `_inner` (`InnerApi`; the families' `_inner` modules implement it) |
+| what accumulation asks of a wrapped optimizer, one interface per family | `_inner` (`InnerApi`, and the readers Keras 3 and tf_keras new-style share; the families' `_inner` modules implement it) |
 | `flush_callback`; the warning when `compile` drops pending micro-steps | `_flush`; `_recompile` |
+| what is read off the call stack (the model a Keras method runs for; the module constructing a `BatchNormalization`), its `PRIVATE_NAMES` | `_callers` |
 | an instance's methods changed in one place: a wrapped optimizer's while its update is traced, a model's `compile` and train step until taken back | `_shadow` |
-| `modes/`: the three modes, once for every family (TensorFlow ops), and `"buffer"` under `tf.distribute` | `_modes` (`Buffer`, `Momentum`, `Rescale`), `_window` (`WindowState`), `_momentum`, `_rescale`, `_distributed` |
-| `keras3/`: Keras 3 (TensorFlow and JAX backends), and `local_gradients` (JAX) | `_optimizer`, `_jax`, `_buffer_step`, `_slots`, `_rescale_step`, `_batchnorm`, `_local_jax`, `_inner` |
-| `tf_keras/`: tf_keras new-style and legacy | `_common`, `_optimizer`, `_legacy`, `_slots`, `_rescale_step`, `_batchnorm`, `_inner`, `_inner_legacy` |
+| `modes/`: the three modes, once for every family (TensorFlow ops; `"momentum"`'s slot adapter too), and `"buffer"` under `tf.distribute` | `_modes` (`Buffer`, `Momentum`, `Rescale`), `_window` (`WindowState`), `_momentum`, `_rescale`, `_distributed` |
+| `keras3/`: Keras 3 (TensorFlow and JAX backends), and `local_gradients` (JAX) | `_optimizer`, `_jax`, `_buffer_step`, `_rescale_step`, `_batchnorm`, `_local_jax`, `_inner` |
+| `tf_keras/`: tf_keras new-style and legacy | `_common`, `_optimizer`, `_legacy`, `_rescale_step`, `_batchnorm`, `_inner`, `_inner_legacy` |
 | `batchnorm/`: `accum.BatchNormalization` and the warning | `_layer`, `_warning` |
 
 The imports go down: this module -> `_dispatch` -> the family packages
 (`keras3/`, `tf_keras/`) -> `_base` -> `batchnorm/` -> `modes/` -> `_validation`,
-`_recompile`, `_families`, `_shadow` and the families' `_inner` (which import nothing of
+`_recompile` (-> `_callers`), `_families`, `_shadow` and the families' `_inner` (which import nothing of
 `accum` above them). `modes/` imports no family package: what a mode needs of a
 family comes through the wrapper's hooks (declared in `_base`) and the family's
 `_inner`.

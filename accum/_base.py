@@ -9,7 +9,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from .modes import _modes, _window
+from .modes import _distributed, _modes, _rescale, _window
 from . import _families, _validation
 
 
@@ -97,6 +97,21 @@ class AccumOptimizer:
         """`steps_per_update` and `mode` validated (`optimizer` is checked in `__new__`)."""
         return _validation.check_steps_per_update(steps_per_update), _validation.check_mode(mode)
 
+    def _checked(self, optimizer, steps_per_update, mode, kwargs):
+        """The constructor's arguments validated, with the mode's rule for `optimizer`
+        (`_mode_rule`): `(steps_per_update, mode, rule)`; keyword arguments left in
+        `kwargs` are refused (`_check_kwargs`)."""
+        steps_per_update, mode = self._check_arguments(steps_per_update, mode)
+        self._check_kwargs(kwargs)
+        return steps_per_update, mode, self._mode_rule(optimizer, mode, steps_per_update)
+
+    def _check_kwargs(self, kwargs):
+        if kwargs:
+            raise ValueError(
+                f"AccumOptimizer does not support arguments: `{'`, `'.join(kwargs)}`. "
+                "Set them on the inner optimizer."
+            )
+
     def _mode_rule(self, optimizer, mode, steps_per_update):
         """What the mode needs of `optimizer`, refusing those it cannot handle: the
         family's `MomentumRule` (`mode="momentum"`), its `accum.modes._rescale.Rescale`
@@ -163,29 +178,43 @@ class AccumOptimizer:
 
     # ------------------------------------------------- the family's hooks
     # What `accum.modes._modes` asks of the family's implementation (each family
-    # class defines them; `_rescale_*` only where mode="rescale" can be built).
+    # class defines those that raise here; the `_rescale_*` ones go to its
+    # `_RESCALE_STEPS` module).
 
     @staticmethod
     def _momentum_rule_for(optimizer):
         """`mode="momentum"`: the family's `accum.modes._momentum.MomentumRule` for `optimizer`."""
         raise NotImplementedError
 
-    @staticmethod
-    def _rescale_spec_for(optimizer, steps_per_update):
+    # The family's `mode="rescale"` steps, a module: `spec_for(optimizer, k)` (its
+    # `accum.modes._rescale.Rescale`, or a Keras-style `ValueError`), `check_variables(spec,
+    # variables)` and `micro_step(step, grads, indices)` (`accum.keras3._rescale_step`,
+    # `accum.tf_keras._rescale_step`).
+    _RESCALE_STEPS = None
+
+    def _rescale_spec_for(self, optimizer, steps_per_update):
         """`mode="rescale"`: the family's `accum.modes._rescale.Rescale` for `optimizer`."""
-        raise NotImplementedError
+        return self._RESCALE_STEPS.spec_for(optimizer, steps_per_update)
 
     def _rescale_check_variables(self, variables):
         """`mode="rescale"`: refuses variables whose dtype cannot hold the coefficients."""
-        raise NotImplementedError
+        self._RESCALE_STEPS.check_variables(self._rule, variables)
 
     def _rescale_micro_step(self, grads, indices):
-        """`mode="rescale"`: the whole micro-step (`accum.modes._rescale`)."""
-        raise NotImplementedError
+        """`mode="rescale"`: the whole micro-step (`accum.modes._rescale`), given this
+        wrapper's state (`accum.modes._rescale.Step`)."""
+        step = _rescale.Step(self._rule, self.inner_optimizer, list(self._model_variables_list()),
+                             self._micro_steps_variable(), self.window_steps, self._finish_batch_norm)
+        return self._RESCALE_STEPS.micro_step(step, grads, indices)
 
     def _window_state(self):
         """The window's state (`accum.modes._window.WindowState`), once built."""
         raise NotImplementedError
+
+    def _window_variables(self):
+        """The window's state as the family's own variables (`mode="momentum"` assigns
+        them; `_window_state` as `tf.Variable`s, where they differ)."""
+        return self._window_state()
 
     def _apply_inner(self, grads, indices, touched):
         """The inner optimizer's update of the variables `indices` with `grads`, where only
@@ -205,6 +234,15 @@ class AccumOptimizer:
         """A context entered (cross-replica context) around the replicas' `_apply_inner`
         (`accum.modes._distributed`)."""
         return contextlib.nullcontext()
+
+    def _begin_build(self, var_list):
+        """What every family's `build` starts with (once): the `tf.distribute` strategy, if
+        any (the window is then replica-local, `accum.modes._distributed`), refusing a mode
+        that cannot be distributed, and variables the mode cannot update."""
+        self._accum_strategy = _distributed.current_strategy()
+        if self._accum_strategy is not None:
+            self._mode.check_distributable()
+        self._mode.check_variables(self, var_list)
 
     # ------------------------------------------------- accum.BatchNormalization
 
@@ -267,6 +305,10 @@ class AccumOptimizer:
             self._distributed_window().flush(self._accum_strategy, indices)
             return
         self._flush_window()
+
+    def _distributed_window(self):
+        """The `accum.modes._distributed.Window` of this optimizer (see there)."""
+        return _distributed.Window(self)
 
     def _flush_window(self):
         """Ends the window now if it holds a micro-step (no strategy; overridden per family)."""

@@ -7,9 +7,10 @@ methods a masked update guards, how to skip the all-reduce inside its update,
 its loss scale -- is asked of the family's module: `accum.keras3._inner` (Keras 3,
 TensorFlow and JAX backends), `accum.tf_keras._inner` (tf_keras new-style) and
 `accum.tf_keras._inner_legacy` (tf_keras legacy `OptimizerV2`). Each defines every
-name of `InnerApi` below, as module-level functions and constants, and is the
-only place in `accum` where private names of a wrapped optimizer are touched;
-each lists those it relies on in `PRIVATE_NAMES`, pairs `(attribute, owners)`:
+name of `InnerApi` below, as module-level functions and constants, and is, with the
+readers of this module it takes as its own (below the protocol), the only place in
+`accum` where private names of a wrapped optimizer are touched; each lists those it
+relies on in `PRIVATE_NAMES`, pairs `(attribute, owners)`:
 an attribute (a dotted path for an attribute of an attribute) that each owner
 -- an optimizer class, built, or a module, by its import path -- must have.
 The interface tests (tests/accum_keras3/test_inner_interface.py,
@@ -19,6 +20,13 @@ renames one fails there. A member that does not apply to a family returns a
 value that says so (None, False, a context that does nothing); a family module
 may define a few more functions only its own wrapper uses (the legacy one's
 `compute_gradients`).
+
+Keras 3's `Optimizer` and tf_keras's new-style one keep the same private state under
+the same names (`_var_key`, `_use_weight_decay`, `_variables`, `_iterations`, the
+`momentums`/`_momentums`/`_velocities` slot lists): the functions below the protocol
+read it once for both; `accum.keras3._inner` and `accum.tf_keras._inner` take them
+as their own and list those names in their `PRIVATE_NAMES`, checked there against
+each installed Keras.
 """
 
 from typing import Any, ContextManager, Hashable, Optional, Protocol, Sequence, Tuple
@@ -81,3 +89,64 @@ class InnerApi(Protocol):
 MEMBERS = [name for name in InnerApi.__annotations__] + [
     name for name, value in vars(InnerApi).items() if callable(value) and not name.startswith("_")
 ]
+
+
+def owned_by(owners, *attributes):
+    """`PRIVATE_NAMES` entries: each of `attributes`, on each of `owners`."""
+    return tuple((attribute, owners) for attribute in attributes)
+
+
+# Shared by `accum.keras3._inner` and `accum.tf_keras._inner` (see the module's docstring).
+
+
+def shared_private_names(every, adam, wrapper_base):
+    """The `PRIVATE_NAMES` entries of the readers below, for a family whose optimizers are
+    `every`, whose Adam and AdamW are `adam` and whose wrapper's base class is
+    `wrapper_base` (owners, by import path)."""
+    return (owned_by(every, "_var_key", "_use_weight_decay")
+            + owned_by(adam, "_momentums", "_velocities")
+            + owned_by(wrapper_base, "_variables", "_iterations"))
+
+
+def var_key(optimizer, variable):
+    return optimizer._var_key(variable)
+
+
+def uses_weight_decay(optimizer, variable):
+    return optimizer._use_weight_decay(variable)
+
+
+def has_momentum(optimizer):
+    return bool(getattr(optimizer, "momentum", 0))
+
+
+def build(optimizer, variables):
+    optimizer.build(variables)
+
+
+def moment_slots(optimizer, variable, index_of, sgd, adam):
+    """`InnerApi.slots`: the moments of `variable` (at `index_of(optimizer, variable)` in
+    the slot lists) of an `sgd` or `adam` (class, or tuple of classes) `optimizer`."""
+    if isinstance(optimizer, sgd):
+        return (optimizer.momentums[index_of(optimizer, variable)],)
+    if isinstance(optimizer, adam):
+        i = index_of(optimizer, variable)
+        return (optimizer._momentums[i], optimizer._velocities[i])
+    return None
+
+
+def reader(attribute, doc):
+    """The function `f(optimizer)` returning `optimizer`'s private `attribute` (listed in
+    `PRIVATE_NAMES` by the family module that defines `f`), documented by `doc`."""
+
+    def read(optimizer):
+        return getattr(optimizer, attribute)
+
+    read.__doc__ = doc
+    return read
+
+
+# The wrapper's own base-class state, the same in both (each lists it in `_WRAPPER_BASE`).
+own_variables = reader(
+    "_variables", "The list of `optimizer`'s own variables (the base class's; appended to in place).")
+own_iterations = reader("_iterations", "`optimizer`'s own step counter, the variable behind `iterations`.")

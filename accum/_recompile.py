@@ -6,8 +6,8 @@ its inner optimizer's moments) never reach the weights. Keras tells an
 optimizer nothing when it is replaced, so the model is told instead: when an
 `AccumOptimizer` is built, or finalized at the end of `fit`, from a method of
 the model (`fit`, `train_on_batch`: the model is `self` in a calling frame
-whose `optimizer` is or wraps the `AccumOptimizer`, as `accum.batchnorm._warning`
-finds it), the model's `compile` becomes `guarded_compile` bound to it (an
+whose `optimizer` is or wraps the `AccumOptimizer`, `accum._callers.model_calling`,
+as `accum.batchnorm._warning` finds it), the model's `compile` becomes `guarded_compile` bound to it (an
 instance method, `accum._shadow.replace_methods`; it calls the class's own `compile`;
 the families' `_inner` list `Model.compile` in `PRIVATE_NAMES`). In a custom loop no
 model is found and nothing is installed.
@@ -17,21 +17,10 @@ model is found and nothing is installed.
 (compiling again with the same `AccumOptimizer` keeps its window).
 """
 
-import inspect
 import warnings
 
-from . import _shadow
-
-_MAX_FRAMES = 24
-
-
-def chain(optimizer):
-    """`optimizer` and the optimizers it wraps (`inner_optimizer`), outermost first."""
-    found = []
-    while optimizer is not None and all(optimizer is not o for o in found):
-        found.append(optimizer)
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return found
+from . import _callers, _shadow
+from ._callers import chain  # noqa: F401 (`accum.batchnorm._layer` asks here)
 
 
 def is_accum_optimizer(optimizer):
@@ -40,29 +29,10 @@ def is_accum_optimizer(optimizer):
     return callable(getattr(optimizer, "_pending_micro_steps", None))
 
 
-def training_model(optimizer):
-    """The model whose method (`fit`, `train_on_batch`, ...) called us with `optimizer`
-    (its `optimizer`, or one it wraps), or None."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(_MAX_FRAMES):
-            frame = frame.f_back if frame is not None else None
-            if frame is None:
-                return None
-            candidate = frame.f_locals.get("self")
-            if candidate is None or candidate is optimizer or not hasattr(candidate, "layers"):
-                continue
-            if any(o is optimizer for o in chain(getattr(candidate, "optimizer", None))):
-                return candidate
-        return None
-    finally:
-        del frame
-
-
 def guard_training_model(optimizer):
     """Installs `guarded_compile` on the model `optimizer` is training, if one is found
     (once per model; not over a `compile` the instance already overrides)."""
-    model = training_model(optimizer)
+    model = _callers.model_calling(optimizer)
     if model is None or "compile" in vars(model):
         return
     _shadow.replace_methods(model, {"compile": guarded_compile})

@@ -131,6 +131,27 @@ def run_workers(argv, workers=2, timeout=600.0):
 
 
 def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    forwarded = ["--k", str(args.k), "--micro-batch", str(args.micro_batch), "--batches",
+                 str(args.batches), "--features", str(args.features), "--hidden", str(args.hidden),
+                 "--layers", str(args.layers)]
+    try:
+        results = run_workers(forwarded, timeout=args.timeout)
+    except RuntimeError as e:  # a worker failed: its stderr tail is printed already
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    _print_report(args, results, argv)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("json", "out")}, "workers": results},
+                      f, indent=2)
+    return results
+
+
+def parse_args(argv=None):
+    """The command line, with the defaults of `--quick` or of a full run filled in."""
     parser = harness.parser(
         "benchmarks.accum_distribute",
         "All-reduce bytes and step time of AccumOptimizer on 2 workers on loopback.",
@@ -157,16 +178,11 @@ def main(argv=None):
     args.features = args.features or (64 if quick else 512)
     args.hidden = args.hidden or (256 if quick else 1024)
     args.layers = args.layers or (3 if quick else 2)
-    if args.worker:
-        return _worker(args)
-    forwarded = ["--k", str(args.k), "--micro-batch", str(args.micro_batch), "--batches",
-                 str(args.batches), "--features", str(args.features), "--hidden", str(args.hidden),
-                 "--layers", str(args.layers)]
-    try:
-        results = run_workers(forwarded, timeout=args.timeout)
-    except RuntimeError as e:  # a worker failed: its stderr tail is printed already
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    return args
+
+
+def _print_report(args, results, argv):
+    """Worker 0's measurements, a row per configuration (and into the docs page with `--docs`)."""
     w0 = results[0]
     params = w0["accum"]["parameters"]
     with harness.report_to_docs(args.docs, TOOL, argv):
@@ -188,11 +204,6 @@ def main(argv=None):
         print(f"accumulation on vs per-micro-step all-reduce: {base['bytes'] / w0['accum']['bytes']:.1f}x "
               f"fewer bytes, wall {w0['accum']['wall'] / base['wall']:.2f}x, "
               f"CPU {w0['accum']['cpu'] / base['cpu']:.2f}x")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("json", "out")}, "workers": results},
-                      f, indent=2)
-    return results
 
 
 if __name__ == "__main__":

@@ -175,6 +175,15 @@ def run_worker(cfg, policy, mode, sizes, search, out):
         sharding = xla.target_sharding(mode, TOOL)
     _progress(f"{policy}: building the model ({jax.devices()[0].platform} device)")
     model, accumulation = build(cfg, policy)
+    point = _point_function(cfg, policy, mode, out, xla, sharding, model, accumulation)
+    records = [point(b) for b in sizes]
+    if search:
+        _search(point, records, cfg, mode)
+
+
+def _point_function(cfg, policy, mode, out, xla, sharding, model, accumulation):
+    """`point(batch)`: the record of `model`'s step at micro-batch `batch` (planned, and with
+    `mode` "measure" run and measured), appended to `out`."""
     budget = cfg["budget_gib"] * GiB
     scope = None
     if policy != "none":
@@ -198,16 +207,7 @@ def run_worker(cfg, policy, mode, sizes, search, out):
         record = dict(batch=batch, planned=planned and planned["peak"], accumulation=accumulation,
                       compile_seconds=time.perf_counter() - t0)
         if mode == "measure" and planned is not None:
-            try:
-                xla.run_step(model, compiled, x, y)
-                t0 = time.perf_counter()
-                xla.run_step(model, compiled, x, y)
-                record["seconds"] = time.perf_counter() - t0
-                record["measured"], record["meter"] = _peak_bytes()
-            except Exception as e:
-                if not _is_oom(e):
-                    raise
-                record["oom"] = f"{type(e).__name__}: {str(e)[:200]}"
+            _run_and_measure(xla, model, compiled, x, y, record)
         value = record.get("measured") if mode == "measure" else record["planned"]
         record["fits"] = value is not None and value <= budget and "oom" not in record
         _progress(f"{policy}, micro-batch {batch} ({mode}): planned "
@@ -219,13 +219,32 @@ def run_worker(cfg, policy, mode, sizes, search, out):
             f.write(json.dumps(record) + "\n")
         return record
 
-    records = [point(b) for b in sizes]
-    if not search:
-        return
+    return point
+
+
+def _run_and_measure(xla, model, compiled, x, y, record):
+    """Runs the compiled step twice, the second timed and its peak measured, into `record`
+    (an `oom` there if it runs out of memory)."""
+    try:
+        xla.run_step(model, compiled, x, y)
+        t0 = time.perf_counter()
+        xla.run_step(model, compiled, x, y)
+        record["seconds"] = time.perf_counter() - t0
+        record["measured"], record["meter"] = _peak_bytes()
+    except Exception as e:
+        if not _is_oom(e):
+            raise
+        record["oom"] = f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def _search(point, records, cfg, mode):
+    """From the line through the first two `records`: `point` at the predicted divisor of the
+    effective batch, then up while it fits (a plan steps down while it does not)."""
     key = "measured" if mode == "measure" else "planned"
     if any(r.get(key) is None for r in records[:2]):
         return
     divs = divisors(cfg["effective_batch"])
+    budget = cfg["budget_gib"] * GiB
     b, _, _ = predict([(r["batch"], r[key]) for r in records[:2]], cfg["effective_batch"], budget)
     i = divs.index(b)
     done = {r["batch"]: r for r in records}

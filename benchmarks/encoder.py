@@ -35,9 +35,22 @@ def build_model(cfg, block="lean", policy="full"):
 
     from recompute import recompute_grad
 
-    hidden, heads, ffn = cfg["hidden"], cfg["heads"], cfg["ffn"]
-    seq, vocab, rate = cfg["seq"], cfg["vocab"], cfg["dropout"]
-    head_dim = hidden // heads
+    dropout_cls = _dropout_class()
+    block_cls = _lean_block_class(cfg, dropout_cls) if block == "lean" else standard_block_class(cfg)
+    block_cls.call = recompute_grad(block_cls.call, policy=policy)
+    drop_cls = keras.layers.Dropout if block == "standard" else dropout_cls  # embedding's, head's
+
+    keras.utils.set_random_seed(0)
+    model = _encoder_class(cfg, block_cls, drop_cls)()
+    model(tf.zeros([1, cfg["seq"]], tf.int32), training=False)
+    optimizer = _fused_adam_class()(1e-4)
+    optimizer.build(model.trainable_variables)
+    return model, optimizer, _train_step(model, optimizer)
+
+
+def _gelu():
+    """The lean block's GELU (a new `tf.custom_gradient` function per model)."""
+    import tensorflow as tf
 
     @tf.custom_gradient
     def gelu(x):
@@ -61,6 +74,14 @@ def build_model(cfg, block="lean", policy="full"):
             return dy * derivative
 
         return y, grad
+
+    return gelu
+
+
+def _dropout_class():
+    """The lean encoder's `Dropout` class (a new class per model)."""
+    import keras
+    import tensorflow as tf
 
     class Dropout(keras.layers.Layer):
         """Inverted dropout like `keras.layers.Dropout`, drawing 16 random bits per element.
@@ -94,6 +115,18 @@ def build_model(cfg, block="lean", policy="full"):
             else:
                 keep = tf.random.stateless_uniform(tf.shape(x), seed) >= self.rate
             return tf.where(keep, x * (1.0 / (1.0 - self.rate)), 0.0)
+
+    return Dropout
+
+
+def _lean_block_class(cfg, Dropout):
+    """The "lean" block class for `cfg` (a new class per model), its dropout `Dropout`."""
+    import keras
+    import tensorflow as tf
+
+    hidden, heads, ffn, rate = cfg["hidden"], cfg["heads"], cfg["ffn"], cfg["dropout"]
+    head_dim = hidden // heads
+    gelu = _gelu()
 
     class Block(keras.layers.Layer):
         """Post-LN transformer block: self-attention + FFN, 2 LayerNorms, residuals, dropout."""
@@ -137,9 +170,16 @@ def build_model(cfg, block="lean", policy="full"):
             y = self.ffn_out(self.ffn_in(x))
             return self.norm2(x + self.drop2(y, training=training))
 
-    block_cls = Block if block == "lean" else standard_block_class(cfg)
-    block_cls.call = recompute_grad(block_cls.call, policy=policy)
-    drop_cls = keras.layers.Dropout if block == "standard" else Dropout  # embedding's, head's
+    return Block
+
+
+def _encoder_class(cfg, block_cls, drop_cls):
+    """The encoder model class for `cfg`: embeddings, blocks of `block_cls`, a CLS classifier;
+    `drop_cls` for the embedding's and the head's dropout."""
+    import keras
+    import tensorflow as tf
+
+    hidden, seq, vocab, rate = cfg["hidden"], cfg["seq"], cfg["vocab"], cfg["dropout"]
 
     class Encoder(keras.Model):
         def __init__(self, **kwargs):
@@ -160,6 +200,14 @@ def build_model(cfg, block="lean", policy="full"):
                 x = block(x, training=training)
             pooled = self.head_drop(self.pool(x[:, 0]), training=training)
             return self.classifier(pooled)
+
+    return Encoder
+
+
+def _fused_adam_class():
+    """`FusedAdam` (a new class per model)."""
+    import keras
+    import tensorflow as tf
 
     class FusedAdam(keras.optimizers.Adam):
         """Keras's Adam (same update), applied in place by TensorFlow's fused kernel.
@@ -189,11 +237,14 @@ def build_model(cfg, block="lean", policy="full"):
                 grad=tf.cast(gradient, dtype),
             )
 
-    keras.utils.set_random_seed(0)
-    model = Encoder()
-    model(tf.zeros([1, seq], tf.int32), training=False)
-    optimizer = FusedAdam(1e-4)
-    optimizer.build(model.trainable_variables)
+    return FusedAdam
+
+
+def _train_step(model, optimizer):
+    """The compiled train step: the classifier's loss, its gradients, `optimizer.apply`."""
+    import keras
+    import tensorflow as tf
+
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function
@@ -205,7 +256,7 @@ def build_model(cfg, block="lean", policy="full"):
         optimizer.apply(grads, model.trainable_variables)
         return loss
 
-    return model, optimizer, train_step
+    return train_step
 
 
 def standard_block_class(cfg):

@@ -506,22 +506,8 @@ def run_workers(progress, argv, envs, timeout=None, rss_abort_bytes=None):
                 stderr=subprocess.PIPE, text=True)
             for env, out in zip(envs, outs)
         ]
-        tails = [[] for _ in procs]
-
-        def read_stderr(proc, tail):
-            for line in proc.stderr:
-                if line.startswith(progress.prefix):
-                    sys.stderr.write(line)
-                    sys.stderr.flush()
-                else:
-                    tail[:] = (tail + [line])[-40:]
-
-        readers = [threading.Thread(target=read_stderr, args=(p, t), daemon=True)
-                   for p, t in zip(procs, tails)]
-        for r in readers:
-            r.start()
+        tails, readers = _forward_stderr(procs, progress.prefix)
         hwm, killed = [0] * len(procs), [None] * len(procs)
-        deadline = None if timeout is None else time.monotonic() + timeout
 
         def kill(i, why):
             if procs[i].poll() is None:
@@ -529,41 +515,9 @@ def run_workers(progress, argv, envs, timeout=None, rss_abort_bytes=None):
                 procs[i].send_signal(signal.SIGKILL)
 
         try:
-            while True:
-                for i, p in enumerate(procs):
-                    rss = proc_status_kib(p.pid, "VmRSS")
-                    # The peak is read after the current size, and is at least it: the
-                    # peak reported for a worker killed over the limit is over the limit.
-                    hwm[i] = max(hwm[i], proc_status_kib(p.pid, "VmHWM") or 0, rss or 0)
-                    if rss_abort_bytes and rss and rss * 1024 > rss_abort_bytes:
-                        kill(i, "memory")
-                finished = [p.poll() is not None for p in procs]
-                written = [os.path.exists(out) for out in outs]
-                if all(f or w for f, w in zip(finished, written)):
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    for i in range(len(procs)):
-                        kill(i, "timeout")
-                    break
-                if len(procs) > 1 and any(f and not w for f, w in zip(finished, written)):
-                    for i in range(len(procs)):
-                        kill(i, "peer")
-                    break
-                time.sleep(0.05)
+            _watch_workers(procs, outs, hwm, kill, timeout, rss_abort_bytes)
         finally:
-            for p in procs:
-                try:
-                    p.stdin.close()  # the workers may leave now
-                except OSError:
-                    pass
-            for i, p in enumerate(procs):
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    kill(i, killed[i] or "timeout")
-                    p.wait()
-            for r in readers:
-                r.join(5.0)
+            _release_workers(procs, readers, kill, killed)
         runs = []
         for i, (p, out) in enumerate(zip(procs, outs)):
             result = None
@@ -572,6 +526,72 @@ def run_workers(progress, argv, envs, timeout=None, rss_abort_bytes=None):
                     result = json.load(f)
             runs.append(WorkerRun(i, p.returncode, result, hwm[i], killed[i], "".join(tails[i])))
         return runs
+
+
+def _forward_stderr(procs, prefix):
+    """Threads (started) that forward each worker's stderr lines starting with `prefix` and
+    keep its last 40 other lines: (the tails, a list per worker; the threads)."""
+    tails = [[] for _ in procs]
+
+    def read_stderr(proc, tail):
+        for line in proc.stderr:
+            if line.startswith(prefix):
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            else:
+                tail[:] = (tail + [line])[-40:]
+
+    readers = [threading.Thread(target=read_stderr, args=(p, t), daemon=True)
+               for p, t in zip(procs, tails)]
+    for r in readers:
+        r.start()
+    return tails, readers
+
+
+def _watch_workers(procs, outs, hwm, kill, timeout, rss_abort_bytes):
+    """Polls the workers (peak RSS into `hwm`) until each has exited or written its result
+    (`outs`); `kill(i, why)`s one over `rss_abort_bytes`, every one past `timeout` seconds,
+    and, with several, every one once one exits without a result."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        for i, p in enumerate(procs):
+            rss = proc_status_kib(p.pid, "VmRSS")
+            # The peak is read after the current size, and is at least it: the
+            # peak reported for a worker killed over the limit is over the limit.
+            hwm[i] = max(hwm[i], proc_status_kib(p.pid, "VmHWM") or 0, rss or 0)
+            if rss_abort_bytes and rss and rss * 1024 > rss_abort_bytes:
+                kill(i, "memory")
+        finished = [p.poll() is not None for p in procs]
+        written = [os.path.exists(out) for out in outs]
+        if all(f or w for f, w in zip(finished, written)):
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            for i in range(len(procs)):
+                kill(i, "timeout")
+            return
+        if len(procs) > 1 and any(f and not w for f, w in zip(finished, written)):
+            for i in range(len(procs)):
+                kill(i, "peer")
+            return
+        time.sleep(0.05)
+
+
+def _release_workers(procs, readers, kill, killed):
+    """Closes the workers' stdin (they may leave now), waits for them (a minute, then kills)
+    and for their stderr readers."""
+    for p in procs:
+        try:
+            p.stdin.close()  # the workers may leave now
+        except OSError:
+            pass
+    for i, p in enumerate(procs):
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            kill(i, killed[i] or "timeout")
+            p.wait()
+    for r in readers:
+        r.join(5.0)
 
 
 def require_results(runs, what, timeout=None):

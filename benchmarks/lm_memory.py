@@ -301,7 +301,6 @@ def block_params(results):
 
 def print_report(args, results, fits):
     shape = MODELS[args.model]
-    n = shape["blocks"]
     p = print
     p(f"keras-hub {args.model}-shaped CausalLM ({shape['kind']}: hidden {shape['hidden']}, "
       f"{shape['heads']} query / {shape['kv_heads']} key-value heads of {shape['head_dim']}, "
@@ -313,6 +312,17 @@ def print_report(args, results, fits):
           else "TensorFlow, its CPU allocator's peak of an Adam step, every configuration in a fresh "
                "process, mode 0 = RECOMPUTE=0, else patch(policy) + RECOMPUTE=1")
       + f"; batches {','.join(map(str, args.batch_sizes))}")
+    _print_measured(args, results, fits)
+    _print_failures(args, results)
+    _print_budget(args, fits)
+    if args.predict_seq:
+        print_prediction(args, results, fits)
+
+
+def _print_measured(args, results, fits):
+    """The table of what was measured: a row per seq and mode."""
+    n = MODELS[args.model]["blocks"]
+    p = print
     p("")
     top = max(args.layers)
     p(f"{'seq':>5} {'mode':>9} " + " ".join(f"{f'MiB/sample {n_}bl':>15}" for n_ in args.layers)
@@ -336,6 +346,11 @@ def print_report(args, results, fits):
             slower = (f"x{run['cpu_s_per_step'] / off_run['cpu_s_per_step']:.2f}"
                       if run and off_run and mode != "0" else "-")
             p(f"{seq:>5} {mode:>9} {' '.join(cells)} {kept} {once} {proj} {ratio:>7} {cpu} {slower:>7}")
+
+
+def _print_failures(args, results):
+    """The configurations that failed (not those skipped after one)."""
+    p = print
     failed = [(seq, mode, key, r) for seq in args.seqs for mode in args.modes
               for key, r in results[seq][mode].items() if "failed" in r]
     for seq, mode, (layers, batch), r in failed:
@@ -343,6 +358,12 @@ def print_report(args, results, fits):
             p(f"seq {seq}, mode {mode}, {layers} block(s), batch {batch}: {r['failed']} "
               f"(resident memory limit {args.rss_limit_gib:g} GiB; peak "
               f"{r['peak_rss_bytes'] / GiB:.1f} GiB); larger ones not run")
+
+
+def _print_budget(args, fits):
+    """The projection for the real model's blocks: what fits in `--budget-gib`."""
+    n = MODELS[args.model]["blocks"]
+    p = print
     p("")
     p(f"Projected (not measured) for the real {n} blocks: per sample = {n} x kept + once. "
       f"In a budget of {args.budget_gib:g} GiB of activation memory (weights not counted):")
@@ -364,8 +385,6 @@ def print_report(args, results, fits):
         fitting = [seq for seq in args.seqs if (rows[seq, mode][0] or 0) >= 1]
         p(f"longest measured seq that fits at batch 1 in {args.budget_gib:g} GiB, mode {mode}: "
           f"{max(fitting) if fitting else 'none'}")
-    if args.predict_seq:
-        print_prediction(args, results, fits)
 
 
 def print_prediction(args, results, fits):
@@ -524,6 +543,11 @@ def parse_args(argv=None):
     harness.add_output_arguments(parser, TOOL)
     args = parser.parse_args(argv)
     args.layers, args.batch_sizes = tuple(sorted(args.layers)), tuple(sorted(args.batch_sizes))
+    return _checked_args(parser, args)
+
+
+def _checked_args(parser, args):
+    """`args`, after refusing what does not go together (`parser.error`)."""
     if args.worker and args.backend == "jax":
         return args
     if args.worker:

@@ -159,6 +159,25 @@ def measure(args):
     if not args.target:
         data = jax.tree.map(jax.numpy.asarray, data)
 
+    modes, compiled = _compile_modes(args, lm, state, data, sharding)
+    measurable = not args.target and _stats(device)[0] is not None
+    if not args.target:
+        _run_modes(args, modes, compiled, state, data, device)
+    return dict(config=dict(model=args.model, layers=layers, vocab=vocab, seq=args.seq, batch=1,
+                            dtype=args.dtype, rank=args.rank, dropout=args.dropout,
+                            learning_rate=args.learning_rate, target=args.target,
+                            chunk_tokens=recompute.keras_hub.is_chunked(lm),
+                            device=where, params=n_params, lora_params=lora,
+                            jax=jax.__version__, keras=keras.__version__),
+                weights_bytes=weights, measurable=measurable, modes=modes)
+
+
+def _compile_modes(args, lm, state, data, sharding):
+    """({mode: {compile_s, plan_bytes, temp_bytes}}, {mode: executable}) of every mode of
+    `args`, in `args.modes`' order."""
+    import recompute
+    import recompute.keras_hub
+
     modes, compiled = {}, {}
     # The chunked loss is set on the model itself: traced after every other mode.
     for mode in sorted(args.modes, key=lambda m: m == "chunked"):
@@ -171,9 +190,14 @@ def measure(args):
                            plan_bytes=plan["peak"], temp_bytes=plan["temp"])
         _progress(f"mode {mode}: compiled in {modes[mode]['compile_s']:.0f} s; XLA's plan "
                   f"{plan['peak'] / GiB:.2f} GiB")
-    modes = {mode: modes[mode] for mode in args.modes}
-    measurable = not args.target and _stats(device)[0] is not None
-    order = [] if args.target else sorted(args.modes, key=lambda m: modes[m]["plan_bytes"])
+    return {mode: modes[mode] for mode in args.modes}, compiled
+
+
+def _run_modes(args, modes, compiled, state, data, device):
+    """Runs `args.steps` steps of each mode, the smallest plan first, each from the state the
+    one before left, into `modes`; after a mode runs out of memory, the later ones are
+    skipped."""
+    order = sorted(args.modes, key=lambda m: modes[m]["plan_bytes"])
     for mode in order:
         losses, times = [], []
         modes[mode]["peak_before_bytes"] = _stats(device)[0]
@@ -198,13 +222,6 @@ def measure(args):
         _progress(f"mode {mode}: {args.steps} steps, loss {losses[0]:.5f}, "
                   f"{modes[mode]['step_s']:.3f} s/step"
                   + (f", peak {peak / GiB:.2f} GiB" if peak is not None else ""))
-    return dict(config=dict(model=args.model, layers=layers, vocab=vocab, seq=args.seq, batch=1,
-                            dtype=args.dtype, rank=args.rank, dropout=args.dropout,
-                            learning_rate=args.learning_rate, target=args.target,
-                            chunk_tokens=recompute.keras_hub.is_chunked(lm),
-                            device=where, params=n_params, lora_params=lora,
-                            jax=jax.__version__, keras=keras.__version__),
-                weights_bytes=weights, measurable=measurable, modes=modes)
 
 
 _MODE_NAMES = {"0": "RECOMPUTE=0", "chunked": '`"full"` + `chunked_loss`'}

@@ -315,6 +315,39 @@ def run_torch_worker(cfg, row, batch, steps, precision, out_path):
         torch.backends.cudnn.allow_tf32 = precision == "tf32"
     tag = f"torch {row} batch={batch}"
     _progress(f"{tag}: building the model (transformers {transformers.__version__})")
+    model = _torch_model(cfg, attention, checkpointing, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    data = [tuple(torch.from_numpy(a).long().to(device) for a in b)
+            for b in _batches(cfg, batch, steps + 2)]
+    autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if precision == "bf16" \
+        else contextlib.nullcontext
+    step = _torch_step(model, optimizer, data, autocast)
+
+    t0 = time.perf_counter()
+    first_loss = step(0)
+    _progress(f"{tag}: ran the first step in {time.perf_counter() - t0:.1f} s")
+    step(1)
+    measured = _torch_measured(step, steps, gpu)
+    memory = harness.lower_median([m[1] for m in measured])
+    result = dict(side="peer", backend="torch", model="transformers BertForSequenceClassification",
+                  row=row, batch=batch, memory_bytes=int(memory),
+                  measure=("torch's CUDA allocator (peak of a step)" if gpu else
+                           "torch's tensors saved for backward (CPU)"),
+                  first_loss=first_loss, step_s=harness.lower_median([m[2] for m in measured]),
+                  step_s_each=[m[2] for m in measured], precision=precision,
+                  attn_implementation=getattr(model.config, "_attn_implementation", None),
+                  torch=torch.__version__, transformers=transformers.__version__,
+                  params=int(sum(p.numel() for p in model.parameters())))
+    _progress(f"{tag}: {memory / MiB:.1f} MiB, {result['step_s']:.3f} s/step, "
+              f"first loss {first_loss:.6f}")
+    harness.write_result(out_path, result)
+
+
+def _torch_model(cfg, attention, checkpointing, device):
+    """transformers' `BertForSequenceClassification` of the shape `cfg`, in training mode."""
+    import torch
+    import transformers
+
     config = transformers.BertConfig(
         vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
         num_attention_heads=cfg["heads"], intermediate_size=cfg["ffn"],
@@ -326,11 +359,16 @@ def run_torch_worker(cfg, row, batch, steps, precision, out_path):
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-    data = [tuple(torch.from_numpy(a).long().to(device) for a in b)
-            for b in _batches(cfg, batch, steps + 2)]
-    autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if precision == "bf16" \
-        else contextlib.nullcontext
+    return model
+
+
+def _torch_step(model, optimizer, data, autocast):
+    """`step(i, saved=None)`: one train step on `data[i]`, its loss; with a dict `saved`, the
+    bytes of each tensor storage saved for backward (not a parameter's) noted in it."""
+    import contextlib
+
+    import torch
+
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def step(i, saved=None):
@@ -351,10 +389,14 @@ def run_torch_worker(cfg, row, batch, steps, precision, out_path):
         optimizer.step()
         return float(loss.item())  # waits for the step
 
-    t0 = time.perf_counter()
-    first_loss = step(0)
-    _progress(f"{tag}: ran the first step in {time.perf_counter() - t0:.1f} s")
-    step(1)
+    return step
+
+
+def _torch_measured(step, steps, gpu):
+    """`(loss, peak bytes, wall s)` of the steps 2 to `steps + 1` (the CUDA allocator's peak,
+    or on the CPU the tensors saved for backward)."""
+    import torch
+
     measured = []
     for i in range(2, steps + 2):
         saved = None if gpu else {}
@@ -367,19 +409,7 @@ def run_torch_worker(cfg, row, batch, steps, precision, out_path):
         wall = time.perf_counter() - w0
         peak = torch.cuda.max_memory_allocated() - before if gpu else sum(saved.values())
         measured.append((loss, peak, wall))
-    memory = harness.lower_median([m[1] for m in measured])
-    result = dict(side="peer", backend="torch", model="transformers BertForSequenceClassification",
-                  row=row, batch=batch, memory_bytes=int(memory),
-                  measure=("torch's CUDA allocator (peak of a step)" if gpu else
-                           "torch's tensors saved for backward (CPU)"),
-                  first_loss=first_loss, step_s=harness.lower_median([m[2] for m in measured]),
-                  step_s_each=[m[2] for m in measured], precision=precision,
-                  attn_implementation=getattr(model.config, "_attn_implementation", None),
-                  torch=torch.__version__, transformers=transformers.__version__,
-                  params=int(sum(p.numel() for p in model.parameters())))
-    _progress(f"{tag}: {memory / MiB:.1f} MiB, {result['step_s']:.3f} s/step, "
-              f"first loss {first_loss:.6f}")
-    harness.write_result(out_path, result)
+    return measured
 
 
 def run_worker(args):

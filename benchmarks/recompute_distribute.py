@@ -45,7 +45,7 @@ RSS per process moves less (x1.27 MWMS, x1.44 mirrored, x1.46 at 12 blocks):
 about 1.1 GiB of it is TensorFlow's runtime. With 2 replicas sharing one
 executor (mirrored), recomputation saved only x1.50 (13.2 MiB/sample/replica)
 until a block's input gradients were made to wait for its weight gradients
-(see `recompute._core._after`): the executor ran the input gradients of one
+(see `recompute.engine._core._after`): the executor ran the input gradients of one
 replica ahead while the other replica's work kept its weight-gradient ops
 waiting, and the recomputed activations of several blocks stayed alive.
 At the smallest batches the "on" peak is set by fixed costs (the gradients
@@ -74,6 +74,45 @@ _progress = harness.Progress(TOOL)
 
 
 def run_worker(cfg, strategy_name, batch_sizes, steps, out_path):
+    strategy, task = _start_strategy(strategy_name)
+    import tensorflow as tf
+    import keras
+
+    import recompute
+
+    mode = os.environ.get(recompute.ENV_VAR, "")
+    local_replicas = len(strategy.extended.worker_devices)
+    tag = f"RECOMPUTE={mode} worker {task}"
+    _progress(f"{tag}: building the model ({strategy.num_replicas_in_sync} replicas, "
+              f"{local_replicas} in this process)")
+    with strategy.scope():
+        model, optimizer, _ = encoder.build_model(cfg)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    n_params = int(sum(int(tf.size(v)) for v in model.trainable_variables))
+
+    rng = tf.random.Generator.from_seed(1000 * task + 1)
+    result = dict(recompute=mode, recompute_enabled=recompute.is_enabled(), task=task,
+                  local_replicas=local_replicas, params=n_params, batches={})
+    for batch in sorted(batch_sizes):
+        step = _make_step(strategy, model, optimizer, loss_fn, batch * strategy.num_replicas_in_sync)
+
+        def batch_values():
+            return _batch_values(strategy, rng, cfg, batch)
+
+        def run(ids, labels):
+            losses = strategy.experimental_local_results(step(ids, labels))
+            return float(sum(float(v) for v in losses) / len(losses))
+
+        result["batches"][str(batch)] = _measure_batch(
+            run, batch_values, steps, f"{tag} batch {batch}/replica", local_replicas)
+    result["rss_hwm_bytes"] = harness.peak_rss_kib() * 1024
+    harness.write_result(out_path, result)
+    harness.hold_then_exit()  # until the parent has every worker's result
+
+
+def _start_strategy(strategy_name):
+    """TensorFlow's threads and devices for `strategy_name`, then the strategy: (strategy,
+    this worker's task index)."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import tensorflow as tf
 
@@ -85,87 +124,73 @@ def run_worker(cfg, strategy_name, batch_sizes, steps, out_path):
         tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
 
-    import keras
+    import keras  # noqa: F401 (Keras and recompute loaded before the strategy, as always)
 
-    import recompute
+    import recompute  # noqa: F401
 
     if strategy_name == "mirrored":
-        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-        task = 0
-    else:
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        task = harness.task_index()
-    mode = os.environ.get(recompute.ENV_VAR, "")
-    local_replicas = len(strategy.extended.worker_devices)
-    tag = f"RECOMPUTE={mode} worker {task}"
-    _progress(f"{tag}: building the model ({strategy.num_replicas_in_sync} replicas, "
-              f"{local_replicas} in this process)")
-    with strategy.scope():
-        model, optimizer, _ = encoder.build_model(cfg)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    n_params = int(sum(int(tf.size(v)) for v in model.trainable_variables))
+        return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), 0
+    return tf.distribute.MultiWorkerMirroredStrategy(), harness.task_index()
 
-    def make_step(global_batch):
-        def replica_step(ids, labels):
-            with tf.GradientTape() as tape:
-                per_example = loss_fn(labels, model(ids, training=True))
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply(grads, model.trainable_variables)
-            return loss
 
-        @tf.function
-        def step(ids, labels):
-            return strategy.run(replica_step, args=(ids, labels))
+def _make_step(strategy, model, optimizer, loss_fn, global_batch):
+    """The compiled distributed train step of `model` at `global_batch` examples."""
+    import tensorflow as tf
 
-        return step
+    def replica_step(ids, labels):
+        with tf.GradientTape() as tape:
+            per_example = loss_fn(labels, model(ids, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
 
-    rng = tf.random.Generator.from_seed(1000 * task + 1)
-    result = dict(recompute=mode, recompute_enabled=recompute.is_enabled(), task=task,
-                  local_replicas=local_replicas, params=n_params, batches={})
-    for batch in sorted(batch_sizes):
-        step = make_step(batch * strategy.num_replicas_in_sync)
+    @tf.function
+    def step(ids, labels):
+        return strategy.run(replica_step, args=(ids, labels))
 
-        def batch_values():
-            # Each replica of this process gets its own [batch, seq] ids and labels.
-            def per_replica(_):
-                return (rng.uniform([batch, cfg["seq"]], 0, cfg["vocab"], dtype=tf.int32),
-                        rng.uniform([batch], 0, 2, dtype=tf.int32))
+    return step
 
-            if local_replicas == 1:
-                return per_replica(None)
-            ids = strategy.experimental_distribute_values_from_function(lambda c: per_replica(c)[0])
-            labels = strategy.experimental_distribute_values_from_function(lambda c: per_replica(c)[1])
-            return ids, labels
 
-        def run(ids, labels):
-            losses = strategy.experimental_local_results(step(ids, labels))
-            return float(sum(float(v) for v in losses) / len(losses))
+def _batch_values(strategy, rng, cfg, batch):
+    """Each replica of this process gets its own [batch, seq] ids and labels."""
+    import tensorflow as tf
 
-        t0 = time.process_time()
-        run(*batch_values())  # trace + first step (creates the slots)
-        run(*batch_values())
-        _progress(f"{tag} batch {batch}/replica: traced and warmed up in "
-                  f"{time.process_time() - t0:.1f} CPU s; measuring {steps} step(s)")
-        activations, cpu, wall, losses = [], [], [], []
-        for _ in range(steps):
-            ids, labels = batch_values()
-            loss, activation, cpu_s, wall_s = harness.allocator_step(lambda: run(ids, labels))
-            losses.append(loss)
-            cpu.append(cpu_s)
-            wall.append(wall_s)
-            activations.append(activation)
-        activation = harness.lower_median(activations)
-        result["batches"][str(batch)] = dict(
-            activation_bytes=int(activation), activation_bytes_per_step=[int(a) for a in activations],
-            cpu_s_per_step=sum(cpu) / len(cpu), wall_s_per_step=sum(wall) / len(wall), loss=losses[0],
-        )
-        _progress(f"{tag} batch {batch}/replica: activation memory "
-                  f"{activation / MiB / local_replicas:.1f} MiB per replica; "
-                  f"{sum(cpu) / len(cpu):.2f} CPU s/step")
-    result["rss_hwm_bytes"] = harness.peak_rss_kib() * 1024
-    harness.write_result(out_path, result)
-    harness.hold_then_exit()  # until the parent has every worker's result
+    def per_replica(_):
+        return (rng.uniform([batch, cfg["seq"]], 0, cfg["vocab"], dtype=tf.int32),
+                rng.uniform([batch], 0, 2, dtype=tf.int32))
+
+    if len(strategy.extended.worker_devices) == 1:
+        return per_replica(None)
+    ids = strategy.experimental_distribute_values_from_function(lambda c: per_replica(c)[0])
+    labels = strategy.experimental_distribute_values_from_function(lambda c: per_replica(c)[1])
+    return ids, labels
+
+
+def _measure_batch(run, batch_values, steps, tag, local_replicas):
+    """`run(*batch_values())` traced and warmed up, then measured over `steps` steps: the
+    result of one batch size."""
+    t0 = time.process_time()
+    run(*batch_values())  # trace + first step (creates the slots)
+    run(*batch_values())
+    _progress(f"{tag}: traced and warmed up in "
+              f"{time.process_time() - t0:.1f} CPU s; measuring {steps} step(s)")
+    activations, cpu, wall, losses = [], [], [], []
+    for _ in range(steps):
+        ids, labels = batch_values()
+        loss, activation, cpu_s, wall_s = harness.allocator_step(lambda: run(ids, labels))
+        losses.append(loss)
+        cpu.append(cpu_s)
+        wall.append(wall_s)
+        activations.append(activation)
+    activation = harness.lower_median(activations)
+    _progress(f"{tag}: activation memory "
+              f"{activation / MiB / local_replicas:.1f} MiB per replica; "
+              f"{sum(cpu) / len(cpu):.2f} CPU s/step")
+    return dict(
+        activation_bytes=int(activation), activation_bytes_per_step=[int(a) for a in activations],
+        cpu_s_per_step=sum(cpu) / len(cpu), wall_s_per_step=sum(wall) / len(wall), loss=losses[0],
+    )
 
 
 # --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import contextvars
 import os
 import threading
 
-from . import _tf
+from .adapters import _tf
 
 ENV_VAR = "RECOMPUTE"
 

@@ -6,7 +6,11 @@ import weakref
 
 import tensorflow as tf
 
-from . import _attention, _backends, _config, _core, _jax, _policies, _tf
+from .ops import _attention
+from .adapters import _backends, _tf
+from . import _config
+from . import engine as engines
+from .policies import _registry
 
 
 def _describe(obj):
@@ -108,7 +112,7 @@ def recompute_grad(call=None, *, policy="full"):
     (TensorFlow backend) and tf_keras; eager, `tf.function`, `jit_compile`,
     `fit`, mixed precision, `tf.distribute`. On Keras 3's JAX backend the
     call becomes a `jax.checkpoint` with its state threaded through
-    (`recompute._jax`, docs/jax.md): `fit`, `stateless_call` under `jax.grad`. The outermost decorated call is
+    (`recompute.engine._jax`, docs/jax.md): `fit`, `stateless_call` under `jax.grad`. The outermost decorated call is
     the unit; a functional block: `block.call = recompute_grad(block.call)`.
 
     Limits: sublayers with variables or random state must exist before the
@@ -137,10 +141,10 @@ def recompute_grad(call=None, *, policy="full"):
             "`recompute_grad` takes the policy as a keyword argument: "
             f"`@recompute_grad(policy={call!r})`. Received: recompute_grad({call!r})"
         )
-    _policies.check_policy(policy)
+    _registry.check_policy(policy)
     if call is None:
         return functools.partial(recompute_grad, policy=policy)
-    run_policy = _policies.POLICIES[policy]
+    run_policy = _registry.POLICIES[policy]
     bound_to, unbound = _checked_call(call)
 
     # Layers that passed the policy's check (policy="attention": it has MultiHeadAttention
@@ -163,12 +167,11 @@ def recompute_grad(call=None, *, policy="full"):
         if not _config.is_enabled():
             return _autographed(unbound, autograph_status)(layer, *args, **kwargs)
         adapter.check_supported(layer)
-        if _backends.on_jax(adapter):
-            return _jax.run(run_policy.jax, unbound, layer, args, kwargs)
-        fn = _autographed(unbound, autograph_status)
-        if not _tf.tape_is_active() or _core.inside_recomputed_call():
+        engine = engines.of(adapter)
+        fn = _autographed(unbound, autograph_status)  # as it is, on JAX (TensorFlow is eager)
+        if not engine.recomputes():
             return fn(layer, *args, **kwargs)
-        return run_policy.tensorflow(adapter, fn, layer, args, kwargs)
+        return engine.run(run_policy, fn, layer, args, kwargs)
 
     # The wrappers are two lines so that AutoGraph, which converts them when it
     # converts the caller, passes its status on; `run` is never converted.

@@ -20,7 +20,7 @@ platform must be named before JAX starts: `prepare_environment()` sets
 whose JAX started without them.
 
 Two private names are read here, listed in `PRIVATE_NAMES` (the format of
-`recompute._keras_private`'s; tests/recompute_jax/test_private_interface_jax.py checks
+`recompute.adapters._keras_private`'s; tests/recompute_jax/test_private_interface_jax.py checks
 them on the installed versions): whether JAX has started its backends (JAX's
 `xla_bridge`), and Keras's `Model._symbolic_build`, which builds what `fit` builds
 before its first step.

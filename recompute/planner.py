@@ -59,7 +59,6 @@ The command (`python -m recompute.planner`, this module; `recompute.plan` is
 the function) plans a keras-hub preset or a bert4keras checkpoint: see `main`.
 """
 
-import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -321,11 +320,9 @@ def default_budget_bytes(backend, target=None):
         stats = jax.devices()[0].memory_stats() or {}
         return stats.get("bytes_limit")
     if backend in ("tensorflow", "tf_keras") and _tf_gpu():
-        from tensorflow.python.client import device_lib
+        from .adapters import _tf
 
-        for d in device_lib.list_local_devices():
-            if d.device_type == "GPU":
-                return int(d.memory_limit)
+        return _tf.gpu_memory_limit()
     return None
 
 
@@ -807,9 +804,49 @@ class _Planner:
         cand = Candidate(policy)
         reason = self.bounded(policy)
         if reason is not None:
-            cand.error = reason
-            self.say(f"policy {_policy_name(policy)}: {reason}")
-            return cand
+            return self.left_out(cand, reason)
+        model = self.built(cand, first)
+        # The accumulation buffers are part of the peak; their size does not depend on k.
+        _wrap_optimizer(model, 2)
+        dominant = self.dominant(cand)
+        try:
+            if dominant is not None and dominant.micro_batch >= self.effective_batch:
+                return self.left_out(cand, f"no larger: policy {_policy_name(dominant.policy)}, "
+                                           "which recomputes less, fits the effective batch",
+                                     "not measured, ")
+            if not self.predicted(cand, model, dominant):
+                return cand
+            if dominant is not None:  # at or below its micro-batch, this one is no faster
+                self.say(f"policy {_policy_name(policy)}: checked above micro-batch "
+                         f"{dominant.micro_batch}, which policy "
+                         f"{_policy_name(dominant.policy)} fits recomputing less")
+            cand.checked = True
+            self.check(cand, model, floor=dominant.micro_batch if dominant else None)
+            if dominant is not None and not cand.fits:
+                return self.left_out(cand, f"no larger: policy {_policy_name(dominant.policy)}, "
+                                           f"which recomputes less, fits micro-batch "
+                                           f"{dominant.micro_batch}; this one does not fit "
+                                           f"{cand.refused_batch}")
+            self.time(cand, model)
+            self.retime(cand)
+        finally:
+            self.compiled.clear()
+            self.sizes_seen.clear()
+            family = _backend_of(model)
+            del model
+            _clear_session(family)
+        return cand
+
+    def left_out(self, cand, reason, how=""):
+        """`cand`, left out for `reason` (said, after `how`)."""
+        cand.error = reason
+        self.say(f"policy {_policy_name(cand.policy)}: {how}{reason}")
+        return cand
+
+    def built(self, cand, first):
+        """`cand`'s model, built, with what the process held before it measured (the first
+        candidate refuses a budget below the model's weights)."""
+        policy = cand.policy
         before = None
         if self.meter is not None and self.meter.name != "plan":
             self.meter.reset()
@@ -840,61 +877,37 @@ class _Planner:
                     f"`budget_gib` must be above the model's weights alone "
                     f"({weights / GiB:.3f} GiB): no micro-batch can train within it. "
                     f"Received: budget_gib={self.budget / GiB:g}")
-        # The accumulation buffers are part of the peak; their size does not depend on k.
-        _wrap_optimizer(model, 2)
-        dominant = self.dominant(cand)
-        try:
-            if dominant is not None and dominant.micro_batch >= self.effective_batch:
-                cand.error = (f"no larger: policy {_policy_name(dominant.policy)}, which "
-                              f"recomputes less, fits the effective batch")
-                self.say(f"policy {_policy_name(policy)}: not measured, {cand.error}")
-                return cand
-            self.line(cand, model)
-            (b1, (p1, t1)), (b2, (p2, t2)) = sorted(cand.points.items())[:2] \
-                if len(cand.points) >= 2 else ((None, (float("inf"), None)),) * 2
-            if p1 == float("inf") or p2 == float("inf"):
-                cand.error = "out of memory at a measured micro-batch"
-                return cand
-            cand.intercept, cand.slope = fit_line([(b1, p1), (b2, p2)])
-            cand.predicted_batch = predict(cand.intercept, cand.slope, self.effective_batch,
-                                           self.budget)
-            if t1 is not None and t2 is not None:
-                cand.time_intercept, cand.time_slope = fit_line([(b1, t1), (b2, t2)])
-            divs = divisors(self.effective_batch)
-            above = [d for d in divs if dominant is None or d > dominant.micro_batch]
-            target = max(cand.predicted_batch or 1, above[0])
-            cand.estimated_seconds_per_sample = cand.estimate(target)
-            estimate = "" if cand.estimated_seconds_per_sample is None else \
-                f", ~{cand.estimated_seconds_per_sample:.4f} {self.clock_name}/sample there"
-            self.say(f"policy {_policy_name(policy)}: peak ~ {cand.intercept / MiB:.0f} MiB + "
-                     f"{cand.slope / MiB:.2f} MiB x batch; predicted micro-batch "
-                     f"{cand.predicted_batch}{estimate}")
-            reason = self.cannot_win(cand, target)
-            if reason is not None:
-                cand.error = reason
-                self.say(f"policy {_policy_name(policy)}: {cand.error}")
-                return cand
-            if dominant is not None:  # at or below its micro-batch, this one is no faster
-                self.say(f"policy {_policy_name(policy)}: checked above micro-batch "
-                         f"{dominant.micro_batch}, which policy "
-                         f"{_policy_name(dominant.policy)} fits recomputing less")
-            cand.checked = True
-            self.check(cand, model, floor=dominant.micro_batch if dominant else None)
-            if dominant is not None and not cand.fits:
-                cand.error = (f"no larger: policy {_policy_name(dominant.policy)}, which "
-                              f"recomputes less, fits micro-batch {dominant.micro_batch}; "
-                              f"this one does not fit {cand.refused_batch}")
-                self.say(f"policy {_policy_name(policy)}: {cand.error}")
-                return cand
-            self.time(cand, model)
-            self.retime(cand)
-        finally:
-            self.compiled.clear()
-            self.sizes_seen.clear()
-            family = _backend_of(model)
-            del model
-            _clear_session(family)
-        return cand
+        return model
+
+    def predicted(self, cand, model, dominant):
+        """Measures `cand`'s line and predicts its micro-batch; False (its `error` set) when
+        it cannot be measured or cannot win."""
+        policy = cand.policy
+        self.line(cand, model)
+        (b1, (p1, t1)), (b2, (p2, t2)) = sorted(cand.points.items())[:2] \
+            if len(cand.points) >= 2 else ((None, (float("inf"), None)),) * 2
+        if p1 == float("inf") or p2 == float("inf"):
+            cand.error = "out of memory at a measured micro-batch"
+            return False
+        cand.intercept, cand.slope = fit_line([(b1, p1), (b2, p2)])
+        cand.predicted_batch = predict(cand.intercept, cand.slope, self.effective_batch,
+                                       self.budget)
+        if t1 is not None and t2 is not None:
+            cand.time_intercept, cand.time_slope = fit_line([(b1, t1), (b2, t2)])
+        divs = divisors(self.effective_batch)
+        above = [d for d in divs if dominant is None or d > dominant.micro_batch]
+        target = max(cand.predicted_batch or 1, above[0])
+        cand.estimated_seconds_per_sample = cand.estimate(target)
+        estimate = "" if cand.estimated_seconds_per_sample is None else \
+            f", ~{cand.estimated_seconds_per_sample:.4f} {self.clock_name}/sample there"
+        self.say(f"policy {_policy_name(policy)}: peak ~ {cand.intercept / MiB:.0f} MiB + "
+                 f"{cand.slope / MiB:.2f} MiB x batch; predicted micro-batch "
+                 f"{cand.predicted_batch}{estimate}")
+        reason = self.cannot_win(cand, target)
+        if reason is not None:
+            self.left_out(cand, reason)
+            return False
+        return True
 
     def bounded(self, policy):
         """Why `policy` is not even built, or None: a candidate checked before that
@@ -1345,20 +1358,10 @@ def _int_pair(text):
     return values
 
 
-def main(argv=None):
-    """`python -m recompute.planner --preset PATH --seq N --effective-batch N [--budget-gib G]
-    [--target h100|a100-40|l4|rtx4090]`.
-
-    Plans a keras-hub preset (a folder with config.json) or a bert4keras checkpoint (a
-    folder with bert_config.json; run with TF_KERAS=1 TF_USE_LEGACY_KERAS=1) with a 2-way
-    classification head, on random token ids. Prints progress on stderr, the table on
-    stdout, and the record as JSON with `--json PATH`. Returns the exit code."""
+def _parser():
+    """The command's arguments."""
     import argparse
 
-    global np
-    import numpy
-
-    np = numpy
     parser = argparse.ArgumentParser(
         prog="python -m recompute.planner",
         description="The recomputation policy, micro-batch and accumulation steps that train "
@@ -1383,15 +1386,11 @@ def main(argv=None):
                              "lighter policy's bound or on its time line's estimate)")
     parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
-    args = parser.parse_args(argv)
-    if args.target is not None:
-        import keras
+    return parser
 
-        if keras.backend.backend() != "jax":
-            parser.error(f"--target plans with XLA on Keras's JAX backend; Keras runs on "
-                         f"{keras.backend.backend()!r} here (KERAS_BACKEND="
-                         f"{os.environ.get('KERAS_BACKEND')!r}): unset KERAS_BACKEND or set it "
-                         "to jax")
+
+def _builder(parser, args):
+    """(build_model, make_inputs, vocabulary, what it is, folder) of `--preset`."""
     folder = _preset_folder(args.preset)
     if folder == "bert-base" and os.environ.get("TF_USE_LEGACY_KERAS") == "1":
         build_model, make_inputs, vocab = _bert4keras_builder(folder, args.seq, args.learning_rate)
@@ -1412,6 +1411,32 @@ def main(argv=None):
     else:
         parser.error(f"--preset: expected a folder with config.json (keras-hub) or "
                      f"bert_config.json (bert4keras), got {args.preset!r}")
+    return build_model, make_inputs, vocab, kind, folder
+
+
+def main(argv=None):
+    """`python -m recompute.planner --preset PATH --seq N --effective-batch N [--budget-gib G]
+    [--target h100|a100-40|l4|rtx4090]`.
+
+    Plans a keras-hub preset (a folder with config.json) or a bert4keras checkpoint (a
+    folder with bert_config.json; run with TF_KERAS=1 TF_USE_LEGACY_KERAS=1) with a 2-way
+    classification head, on random token ids. Prints progress on stderr, the table on
+    stdout, and the record as JSON with `--json PATH`. Returns the exit code."""
+    global np
+    import numpy
+
+    np = numpy
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.target is not None:
+        import keras
+
+        if keras.backend.backend() != "jax":
+            parser.error(f"--target plans with XLA on Keras's JAX backend; Keras runs on "
+                         f"{keras.backend.backend()!r} here (KERAS_BACKEND="
+                         f"{os.environ.get('KERAS_BACKEND')!r}): unset KERAS_BACKEND or set it "
+                         "to jax")
+    build_model, make_inputs, vocab, kind, folder = _builder(parser, args)
     ids, labels = _sample(args.seq, vocab)
     print(f"{PREFIX} {kind} {folder}, seq {args.seq}", file=sys.stderr, flush=True)
     try:

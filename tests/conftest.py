@@ -10,8 +10,9 @@
   fresh processes inherit the devices and `XLA_FLAGS`, and pin float32
   themselves (`tests/helpers/save_resume_worker.py`).
 - Two logical CPU devices, for the `MirroredStrategy` tests of every suite.
-- `KTM_FAST_TESTS=1` runs the fast subset: the tests marked `slow` are
-  deselected (`.ci/run` does so on every Python but the newest).
+- `KTM_FAST_TESTS=1` runs the fast subset (`.ci/run` does so on every Python but the
+  newest, whose run has every test): the tests marked `slow` are deselected, and of a
+  parametrized test only its first case runs (every test function still runs once).
 """
 
 import os
@@ -67,6 +68,18 @@ _two_logical_cpus()
 _pin_float32()
 
 
+@pytest.fixture
+def blocked_core():
+    """The blocked attention core named (`recompute.attention_core("blocked")`), for the tests
+    of that core: at their short sequences the rule ("auto", `recompute.ops._flash.runs_blocked`)
+    runs the layer's own core on TensorFlow (up to 512 keys). Use it as
+    `@pytest.mark.usefixtures("blocked_core")` or a module's `pytestmark`."""
+    import recompute
+
+    with recompute.attention_core("blocked"):
+        yield
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", f"slow: a long test (benchmark-like or many processes); deselected with {FAST_TESTS}=1"
@@ -76,15 +89,22 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if os.environ.get(FAST_TESTS, "") not in ("1", "true", "yes"):
         return
-    slow = [item for item in items if item.get_closest_marker("slow") is not None]
-    if slow:
-        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
-        config.hook.pytest_deselected(items=slow)
+    kept, left_out, seen = [], [], set()
+    for item in items:
+        function = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
+        if item.get_closest_marker("slow") is not None or function in seen:
+            left_out.append(item)
+        else:
+            seen.add(function)
+            kept.append(item)
+    if left_out:
+        items[:] = kept
+        config.hook.pytest_deselected(items=left_out)
 
 
 def pytest_report_header(config):
     fast = os.environ.get(FAST_TESTS, "") in ("1", "true", "yes")
-    return (f"{FAST_TESTS}={'1: the tests marked slow are deselected' if fast else 'unset: every test'}; "
+    return (f"{FAST_TESTS}={'1: no test marked slow, one case of each parametrized test' if fast else 'unset: every test'}; "
             "float32 pinned (recompute.exact_float32)")
 
 

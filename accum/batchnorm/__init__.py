@@ -7,5 +7,7 @@
 
 The family classes are `accum.keras3._batchnorm` and `accum.tf_keras._batchnorm`
 (picked by `accum._dispatch.batch_normalization_class`). Imports: `_warning` ->
-`_layer` -> `accum.modes._distributed` (replica-local sums), `accum._recompile`.
+`_layer` -> `accum.modes._distributed` (replica-local sums), `accum._recompile`; both ->
+`accum._callers` (the model being trained, the model whose train step runs the layer,
+the module constructing it: what Keras links to nothing, read off the call stack).
 """

@@ -27,7 +27,8 @@ before the optimizer is built (tf_keras's `fit`, a `tf.function` custom loop)
 is linked from its first run. In `fit` and `train_on_batch` the layer also
 asks, at each training call (once per trace of a compiled step, so after
 every `compile`), which optimizer Keras's train step applies: the model's,
-the `self` of the family's `Model.train_step` on the call stack. If that is
+the `self` of the family's `Model.train_step` on the call stack (`accum._callers`:
+Keras links a layer to no model). If that is
 (or wraps) an `AccumOptimizer` that trains the layer, the layer is linked to
 it; if it is a plain optimizer, or an `AccumOptimizer` that does not train
 the layer, the layer is unlinked: Keras's layer from then on. A partial
@@ -54,6 +55,8 @@ import os
 import sys
 import warnings
 import weakref
+
+from .. import _callers
 
 KERAS3, TF_KERAS = "keras3", "tf_keras"
 # Every built `accum.BatchNormalization`, for the optimizers to find theirs.
@@ -189,7 +192,7 @@ class BatchNormalization:
         (see "Who is linked" in the module docstring) and says how the call treats its
         batch: False, as Keras's layer (a plain optimizer trains it); None, as the
         `accum_linked` variable says when the step runs."""
-        model = _model_in_train_step(self._train_step_code())
+        model = _callers.self_running(self._train_step_code())
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None:
             return None  # a custom loop: the AccumOptimizer built on the layer's variables links it
@@ -246,20 +249,6 @@ class BatchNormalization:
                     copy.assign(tf.fill(tf.shape(copy), tf.constant(value, copy.dtype)))
 
 
-def _model_in_train_step(code):
-    """The model whose `train_step` (`code`: the family's `Model.train_step`) runs the
-    current call -- `fit`, `train_on_batch`, or an override calling Keras's -- or None."""
-    frame = sys._getframe(1)
-    try:
-        while frame is not None:
-            if frame.f_code is code:
-                return frame.f_locals.get("self")
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
-
-
 def _accum_optimizer_in(optimizer):
     """The `AccumOptimizer` that `optimizer` is or wraps (a `LossScaleOptimizer` around it), or None."""
     from .._recompile import chain, is_accum_optimizer
@@ -279,11 +268,9 @@ def _choose_family(family):
         return TF_KERAS
     if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes"):
         return TF_KERAS
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(("accum", "keras", "tf_keras")):
-        frame = frame.f_back
-    if frame is not None:
-        modules = {getattr(v, "__name__", None) for v in frame.f_globals.values() if type(v) is type(sys)}
+    # The module constructing the layer (from `__new__`'s caller on, past Keras's and ours).
+    modules = _callers.caller_imports(("accum", "keras", "tf_keras"), depth=2)
+    if modules is not None:
         uses_tf_keras = any(m and (m == "tf_keras" or m.startswith("tf_keras.")) for m in modules)
         uses_keras3 = any(m and (m == "keras" or m.startswith("keras.")) for m in modules)
         if uses_tf_keras and not uses_keras3:

@@ -9,7 +9,7 @@ statistics and accumulate exactly.
 
 import warnings
 
-from .._recompile import training_model
+from .._callers import model_calling
 
 
 def _layers(layer, seen):
@@ -65,7 +65,7 @@ def warn_for_training_model(optimizer):
     `optimizer` is (or wraps) this optimizer (`_recompile.training_model`). In
     a custom loop no model is found: call `warn_if_batch_normalization(model)` there.
     """
-    model = training_model(optimizer)
+    model = model_calling(optimizer)
     if model is None:
         return False
     return warn_if_batch_normalization(model, optimizer.steps_per_update)

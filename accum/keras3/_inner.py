@@ -1,13 +1,18 @@
 """`accum._inner.InnerApi` for Keras 3 optimizers (TensorFlow and JAX backends).
 
 The only place in `accum` where private names of a wrapped Keras 3 optimizer
-are touched (`PRIVATE_NAMES`; tests/accum_keras3/test_inner_interface.py
+are touched, with the readers it shares with tf_keras new-style (`var_key`,
+`uses_weight_decay`, `has_momentum`, `build`, `own_variables`, `own_iterations`,
+`accum._inner`) (`PRIVATE_NAMES`; tests/accum_keras3/test_inner_interface.py
 checks them against the installed Keras).
 """
 
 import keras
 
 from .. import _shadow
+from .._inner import owned_by, reader, shared_private_names
+from .._inner import (  # noqa: F401 (members of this family's interface)
+    build, has_momentum, moment_slots, own_iterations, own_variables, uses_weight_decay, var_key)
 
 # `accum._families.KERAS3`, not imported: `_families` reads `optimizer_base_class` here
 name = "keras3"
@@ -26,46 +31,30 @@ _ADAM = _MOMENTUM[1:]
 _WRAPPER_BASE = ("keras.optimizers.SGD",)
 
 PRIVATE_NAMES = (
-    ("update_step", _EVERY),
-    ("_var_key", _EVERY),
-    ("_use_weight_decay", _EVERY),
-    ("_apply_weight_decay", _EVERY),
-    ("_get_current_learning_rate", _EVERY),
-    ("_iterations", _EVERY),
-    ("_all_reduce_sum_gradients", _EVERY),  # TensorFlow backend
-    ("_get_variable_index", _MOMENTUM + _WRAPPER_BASE),
-    ("_variables", _WRAPPER_BASE),
-    ("_trainable_variables", _WRAPPER_BASE),
-    ("_check_variables_are_known", _WRAPPER_BASE),
-    # `accum._families` tells a Keras 3 optimizer by its base class (not exported as such
-    # where `keras` is tf_keras under another name)
-    ("Optimizer", ("keras.src.optimizers.optimizer",)),
-    # `accum.local_gradients` (JAX): the mask Keras's losses read; the trainer's metrics update
-    ("get_keras_mask", ("keras.src.backend",)),
-    ("JAXTrainer._update_metrics_variables", ("keras.src.backend.jax.trainer",)),
-    ("_momentums", _ADAM),
-    ("_velocities", _ADAM),
+    shared_private_names(_EVERY, _ADAM, _WRAPPER_BASE)
+    # `_all_reduce_sum_gradients`: TensorFlow backend
+    + owned_by(_EVERY, "update_step", "_apply_weight_decay", "_get_current_learning_rate",
+               "_iterations", "_all_reduce_sum_gradients")
+    + owned_by(_MOMENTUM + _WRAPPER_BASE, "_get_variable_index")
+    + owned_by(_WRAPPER_BASE, "_trainable_variables", "_check_variables_are_known")
+    + (
+        # `accum._families` tells a Keras 3 optimizer by its base class (not exported as such
+        # where `keras` is tf_keras under another name)
+        ("Optimizer", ("keras.src.optimizers.optimizer",)),
+        # `accum.local_gradients` (JAX): the mask Keras's losses read; the trainer's metrics update
+        ("get_keras_mask", ("keras.src.backend",)),
+        ("JAXTrainer._update_metrics_variables", ("keras.src.backend.jax.trainer",)),
+    )
     # replaced on a model instance (`accum._shadow.replace_methods`): `compile` by
     # `accum._recompile`, the train step by `accum.keras3._local_jax`
-    ("Model.compile", ("keras",)),
-    ("Model.train_step", ("keras",)),
-    ("Model.make_train_function", ("keras",)),
-    ("Model.fit", ("keras",)),
-    ("Model.train_on_batch", ("keras",)),
+    + owned_by(("keras",), "Model.compile", "Model.train_step", "Model.make_train_function",
+               "Model.fit", "Model.train_on_batch")
 )
-
-
-def var_key(optimizer, variable):
-    return optimizer._var_key(variable)
 
 
 def var_keys(optimizer, variables):
     """`var_key` of each of `variables`, in order."""
     return [optimizer._var_key(v) for v in variables]
-
-
-def uses_weight_decay(optimizer, variable):
-    return optimizer._use_weight_decay(variable)
 
 
 def apply_weight_decay(optimizer, variables):
@@ -89,17 +78,9 @@ def weight_decay_where(optimizer, variables, flags, learning_rate=None):
             variable.assign(new if flag is None else keras.ops.where(flag, new, variable.value))
 
 
-def has_momentum(optimizer):
-    return bool(getattr(optimizer, "momentum", 0))
-
-
 def slots(optimizer, variable):
-    if isinstance(optimizer, keras.optimizers.SGD):
-        return (optimizer.momentums[variable_index(optimizer, variable)],)
-    if isinstance(optimizer, (keras.optimizers.Adam, keras.optimizers.AdamW)):
-        i = variable_index(optimizer, variable)
-        return (optimizer._momentums[i], optimizer._velocities[i])
-    return None
+    return moment_slots(optimizer, variable, variable_index, keras.optimizers.SGD,
+                        (keras.optimizers.Adam, keras.optimizers.AdamW))
 
 
 def current_learning_rate(optimizer, dtype=None):
@@ -128,26 +109,11 @@ def loss_scale(optimizer):
     return None
 
 
-def build(optimizer, variables):
-    optimizer.build(variables)
-
-
 # The wrapper's own base-class state (`_WRAPPER_BASE`).
 
 
-def own_variables(optimizer):
-    """The list of `optimizer`'s own variables (the base class's; appended to in place)."""
-    return optimizer._variables
-
-
-def own_iterations(optimizer):
-    """`optimizer`'s own step counter, the variable behind `iterations`."""
-    return optimizer._iterations
-
-
-def own_trainable_variables(optimizer):
-    """The model variables `optimizer` was built on, in its order."""
-    return optimizer._trainable_variables
+own_trainable_variables = reader(
+    "_trainable_variables", "The model variables `optimizer` was built on, in its order.")
 
 
 def variable_index(optimizer, variable):

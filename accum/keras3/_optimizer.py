@@ -5,9 +5,9 @@ import tensorflow as tf
 
 from .._base import AccumOptimizer, claim_inner
 from ..batchnorm import _warning
-from ..modes import _distributed, _window
+from ..modes import _distributed, _momentum, _window
 from .. import _families
-from . import _buffer_step, _inner
+from . import _buffer_step, _inner, _rescale_step
 
 _BASE_DEFAULTS = {
     "weight_decay": None,
@@ -28,9 +28,23 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
 
     _FAMILY = _families.KERAS3
     _FAMILY_DESCRIPTION = "Keras 3"
+    _RESCALE_STEPS = _rescale_step
 
     def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
-        steps_per_update, mode = self._check_arguments(steps_per_update, mode)
+        steps_per_update, mode, rule = self._checked(optimizer, steps_per_update, mode, kwargs)
+        super().__init__(learning_rate=0.0, name=name or "accum_optimizer")
+        self.inner_optimizer = optimizer
+        self._init_window(steps_per_update, mode, rule)
+        claim_inner(self, optimizer)
+
+    @staticmethod
+    def _momentum_rule_for(optimizer):
+        opts = keras.optimizers
+        return _momentum.rule_for(optimizer, _inner, (opts.SGD,), (opts.Adam, opts.AdamW))
+
+    def _check_kwargs(self, kwargs):
+        """Refuses the base optimizer's arguments (set them on the inner optimizer), unless
+        given their defaults, and any other."""
         for arg_name, default in _BASE_DEFAULTS.items():
             if arg_name in kwargs and kwargs.pop(arg_name) != default:
                 raise ValueError(
@@ -41,45 +55,13 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             raise ValueError(
                 f"AccumOptimizer does not support arguments: `{'`, `'.join(kwargs)}`."
             )
-        rule = self._mode_rule(optimizer, mode, steps_per_update)
-        super().__init__(learning_rate=0.0, name=name or "accum_optimizer")
-        self.inner_optimizer = optimizer
-        self._init_window(steps_per_update, mode, rule)
-        claim_inner(self, optimizer)
-
-    @staticmethod
-    def _momentum_rule_for(optimizer):
-        from ._slots import rule_for
-
-        return rule_for(optimizer)
-
-    @staticmethod
-    def _rescale_spec_for(optimizer, steps_per_update):
-        from ._rescale_step import spec_for
-
-        return spec_for(optimizer, steps_per_update)
-
-    def _rescale_check_variables(self, variables):
-        from ._rescale_step import check_variables
-
-        check_variables(self._rule, variables)
-
-    def _rescale_micro_step(self, grads, indices):
-        from ._rescale_step import micro_step
-
-        return micro_step(self, grads, indices)
 
     # ------------------------------------------------------------------ state
 
     def build(self, var_list):
         """Creates the counters, the buffers (`mode="buffer"`) and the inner optimizer's slots."""
         var_list = list(var_list)
-        # Under a strategy, the window count and the buffers are replica-local
-        # (see `accum.modes._distributed`).
-        self._accum_strategy = _distributed.current_strategy()
-        if self._accum_strategy is not None:
-            self._mode.check_distributable()
-        self._mode.check_variables(self, var_list)
+        self._begin_build(var_list)
         self.window_steps = self.add_variable(
             shape=(), dtype="int64", initializer="zeros", name="window_steps"
         )
@@ -211,10 +193,6 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         self._buffer_window.end_window_when(self.window_steps.value > 0)
 
     # ---------------------------------------------------- tf.distribute path
-
-    def _distributed_window(self):
-        """The `accum.modes._distributed.Window` of this optimizer (see there)."""
-        return _distributed.Window(self)
 
     def _window_variables(self):
         """The window's state as the wrapper's `keras.Variable`s (`accum.keras3._buffer_step`)."""

@@ -59,15 +59,11 @@ def _dense(variable, value, assign):
     return tf.tensor_scatter_nd_add(tf.zeros(variable.shape, variable.dtype), indices, values)
 
 
-def micro_step(wrapper, grads, indices):
-    """One micro-step of `wrapper` (a built Keras 3 `AccumOptimizer`, `mode="rescale"`)
-    with `grads` for the variables at `indices`."""
-    spec = wrapper._rule
-    inner = wrapper.inner_optimizer
-    variables = list(_inner.own_trainable_variables(wrapper))
-    grads = _rescale.every_gradient(variables, indices, grads, lambda v: ops.zeros(v.shape, v.dtype))
-
-    micro = _inner.own_iterations(wrapper)
+def micro_step(step, grads, indices):
+    """One micro-step of a built Keras 3 `AccumOptimizer` (`mode="rescale"`; its state in
+    `step`, an `accum.modes._rescale.Step`) with `grads` for the variables at `indices`."""
+    spec, inner, variables, micro = step.spec, step.inner, step.variables, step.micro_steps
+    grads = step.gradients(indices, grads, lambda v: ops.zeros(v.shape, v.dtype))
     last = ops.equal(ops.mod(micro.value + 1, spec.k), 0)
     # A non-finite micro-step counts as a zero gradient, as a missing one does (the
     # window's update still comes at its last micro-step; `accum.modes._rescale`).
@@ -105,9 +101,9 @@ def micro_step(wrapper, grads, indices):
     with _shadow.shadowed(inner, hooks):
         inner.apply(grads, variables)
     inner.iterations.assign(inner.iterations + ops.cast(last, inner.iterations.dtype))
-    steps = wrapper.window_steps
+    steps = step.window_steps
     steps.assign(ops.where(last, ops.zeros_like(steps.value), steps.value + 1))
-    wrapper._finish_batch_norm(last)
+    step.finish_batch_norm(last)
 
 
 def _values(g):

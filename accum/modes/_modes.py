@@ -14,7 +14,7 @@ keeps `MODES[name]` as `_mode`; the families ask it instead of comparing names:
 | `tf.distribute`, `flush()` | yes | no | no |
 
 A mode calls the family's implementation through the wrapper's hooks, declared
-in `AccumOptimizer` (`_window_state`, `_apply_inner`, `_loss_scale`, `_on_skip`,
+in `AccumOptimizer` (`_window_state`, `_window_variables`, `_apply_inner`, `_loss_scale`, `_on_skip`,
 `_momentum_rule_for`, `_rescale_spec_for`, `_rescale_check_variables`,
 `_rescale_micro_step`).
 """
@@ -72,7 +72,7 @@ class Mode:
 
     def window_end(self, wrapper):
         """The update at the window's end."""
-        return lambda: wrapper._rule.finish(wrapper)
+        return lambda: wrapper._rule.finish(wrapper._window_variables())
 
     def check_flushable(self, k):
         """Raises unless `flush()` can apply a partial window."""
@@ -118,7 +118,7 @@ class Momentum(Mode):
         wrapper._rule.check_built(optimizer, variables)
 
     def accumulate(self, wrapper, grads, indices):
-        wrapper._rule.accumulate(wrapper, grads, indices)
+        wrapper._rule.accumulate(wrapper._window_variables(), wrapper.steps_per_update, grads, indices)
 
     def check_flushable(self, k):
         # The slot holds `decay * m_old + scale * sum(g_i) / k` once a micro-step is

@@ -44,6 +44,8 @@ sum apart from the old moment, i.e. a buffer; a partial window is carried
 into the next one instead (exact).
 """
 
+import dataclasses
+
 import tensorflow as tf
 
 from . import _window
@@ -100,27 +102,60 @@ def _fold(slot, decay, first, g, scale, square=False):
         slot.assign(slot * factor + scale * g)
 
 
+def rule_for(optimizer, api, sgd, adam):
+    """The `MomentumRule` for `optimizer`, or a Keras-style `ValueError`: `sgd`, `adam`
+    (tuples of classes) are the family's SGD and Adam/AdamW classes (exactly, not their
+    subclasses), `api` the family's `accum._inner.InnerApi` for `optimizer`."""
+    check_common(optimizer)
+    if type(optimizer) in sgd:
+        if not api.has_momentum(optimizer):
+            raise unsupported(optimizer, "`momentum=0` has no moment slot")
+        if optimizer.nesterov:
+            raise unsupported(optimizer, "`nesterov=True` needs the old momentum at the end")
+        kind = SGD
+    elif type(optimizer) in adam:
+        if optimizer.amsgrad:
+            raise unsupported(optimizer, "`amsgrad=True`")
+        kind = ADAM
+    else:
+        raise unsupported(optimizer, "it is not SGD, Adam or AdamW")
+    return MomentumRule(kind, SlotAdapter(optimizer, kind, api))
+
+
+@dataclasses.dataclass(frozen=True)
 class SlotAdapter:
-    """Base of the families' `MomentumRule` adapters (see `MomentumRule`): the
-    wrapped optimizer, the kind of rule and its `iterations`."""
+    """What a `MomentumRule` asks of a built `optimizer` of any family, through the family's
+    `accum._inner.InnerApi` (`api`): its slots (as `tf.Variable`s), hyperparameters,
+    current learning rate and weight decay (`kind`: `SGD` or `ADAM`)."""
 
-    def __init__(self, optimizer, kind):
-        self.optimizer = optimizer
-        self.kind = kind
+    optimizer: object
+    kind: str
+    api: object
 
-    def iterations(self):
-        return self.optimizer.iterations
+    @property
+    def hyper(self):
+        # Read at each use (a legacy optimizer's hyperparameters are variables once created).
+        opt = self.optimizer
+        if self.kind == SGD:
+            return {"momentum": opt.momentum}
+        return {"beta_1": opt.beta_1, "beta_2": opt.beta_2, "epsilon": opt.epsilon}
 
-    def increment_iterations(self):
-        self.optimizer.iterations.assign_add(1)
+    def slots(self, variable):
+        return tuple(None if s is None else _tf_variable(s) for s in self.api.slots(self.optimizer, variable))
+
+    def learning_rate(self, dtype):
+        return self.api.current_learning_rate(self.optimizer, dtype)
+
+    def apply_weight_decay(self, variables):
+        self.api.apply_weight_decay(self.optimizer, variables)
 
 
 class MomentumRule:
     """Folds micro-gradients into an inner optimizer's slots (see the module docstring).
 
-    `adapter` gives family-specific access: `slots(var)` (the raw
+    `adapter` (a `SlotAdapter`) gives family-specific access: `slots(var)` (the raw
     `tf.Variable` moments of `var`), `learning_rate(dtype)`, `hyper`,
-    `apply_weight_decay(variables)` and `increment_iterations()`.
+    `apply_weight_decay(variables)`, and the inner `optimizer` (its `iterations`).
     """
 
     def __init__(self, kind, adapter):
@@ -132,15 +167,16 @@ class MomentumRule:
             if any(s is None for s in self.adapter.slots(v)):
                 raise unsupported(inner, f"variable {v.name} has no moment slot")
 
-    def accumulate(self, wrapper, grads, indices):
-        """One micro-step: folds `grads` into the slots (if finite) and counts it.
+    def accumulate(self, state, k, grads, indices):
+        """One micro-step of a window of `k`: folds `grads` (of the variables at `indices`)
+        into the slots (if finite) and counts it in `state` (the wrapper's
+        `accum.modes._window.WindowState`, as the family's own variables).
 
         A variable's moments decay at its first kept micro-step in the window
         (its touched flag is still 0): a variable missing from some micro-steps
         counts zero gradients there, exactly as at batch `k * b`."""
-        k = wrapper.steps_per_update
-        variables = [wrapper._model_variables_list()[i] for i in indices]
-        flags = [_flag(wrapper.touched[i]) for i in indices]
+        variables = [state.variables[i] for i in indices]
+        flags = [_tf_variable(state.touched[i]) for i in indices]
         hyper = self.adapter.hyper
 
         def add():
@@ -154,23 +190,24 @@ class MomentumRule:
                     _fold(slots[0], hyper["beta_1"], first, g, (1.0 - hyper["beta_1"]) / k)
                     _fold(slots[1], hyper["beta_2"], first, g, (1.0 - hyper["beta_2"]) / k, square=True)
             _window.mark_touched(flags)
-            wrapper.window_count.assign_add(1)
+            state.window_count.assign_add(1)
 
         tf.cond(_window.all_finite(grads), add, lambda: None)
-        wrapper.window_steps.assign_add(1)
+        state.window_steps.assign_add(1)
 
-    def finish(self, wrapper):
-        """End of a window: weight decay, one move of the weights, one iteration.
+    def finish(self, state):
+        """End of a window (`state`: as `accumulate`'s): weight decay, one move of the
+        weights, one iteration.
 
         Only the variables the window touched move (a variable with no gradient
         in the whole window is left alone, as at batch `k * b`)."""
-        variables = list(wrapper._model_variables_list())
-        touched = _window.touched_mask([_flag(t) for t in wrapper.touched])
+        variables = list(state.variables)
+        touched = _window.touched_mask([_tf_variable(t) for t in state.touched])
         for var, t in zip(variables, touched):
             _window.guarded(t, lambda var=var: self.adapter.apply_weight_decay([var]))
         for var, t in zip(variables, touched):
             _window.guarded(t, lambda var=var: self._move(var))
-        self.adapter.increment_iterations()
+        self.adapter.optimizer.iterations.assign_add(1)
 
     def _move(self, var):
         """The weights' move from the folded moments (inside the window's update)."""
@@ -181,7 +218,7 @@ class MomentumRule:
             var.assign_add(slots[0].read_value())
         else:
             lr = self.adapter.learning_rate(dtype)
-            t = tf.cast(self.adapter.iterations() + 1, dtype)
+            t = tf.cast(self.adapter.optimizer.iterations + 1, dtype)
             b1, b2 = tf.cast(hyper["beta_1"], dtype), tf.cast(hyper["beta_2"], dtype)
             alpha = lr * tf.sqrt(1.0 - tf.pow(b2, t)) / (1.0 - tf.pow(b1, t))
             m, v = slots[0].read_value(), slots[1].read_value()
@@ -191,6 +228,6 @@ class MomentumRule:
             var.assign(var.constraint(var))
 
 
-def _flag(variable):
-    """The `tf.Variable` of a touched flag (Keras 3 flags are `keras.Variable`s)."""
+def _tf_variable(variable):
+    """The `tf.Variable` of a touched flag or a slot (Keras 3's are `keras.Variable`s)."""
     return variable if isinstance(variable, tf.Variable) else variable.value

@@ -273,6 +273,34 @@ def spec_for(optimizer, k, classes, family_description, dtype):
     return spec
 
 
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What a family's rescaled micro-step (`micro_step(step, grads, indices)` of
+    `accum.keras3._rescale_step`, `accum.tf_keras._rescale_step`) works on, given by the
+    wrapper (`AccumOptimizer._rescale_micro_step`).
+
+    Attributes:
+        spec: the `Rescale` of the inner optimizer.
+        inner: the inner optimizer.
+        variables: the model variables the wrapper was built on, in its order.
+        micro_steps: the wrapper's micro-step counter (a variable).
+        window_steps: the micro-steps of the current window (a variable).
+        finish_batch_norm: `f(last)`, the window's end of the linked
+            `accum.BatchNormalization` layers where the scalar bool `last` holds.
+    """
+
+    spec: Rescale
+    inner: object
+    variables: list
+    micro_steps: object
+    window_steps: object
+    finish_batch_norm: object
+
+    def gradients(self, indices, grads, zeros):
+        """A gradient for each variable (`every_gradient`)."""
+        return every_gradient(self.variables, indices, grads, zeros)
+
+
 def every_gradient(variables, indices, grads, zeros):
     """A gradient for each of `variables`: `grads` at `indices`, `zeros(variable)` for the
     others (a variable missing from a micro-step counts a zero gradient there)."""

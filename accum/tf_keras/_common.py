@@ -4,8 +4,8 @@
 optimizer class. A class using it provides: `_INNER_API` (its family's
 `accum._inner.InnerApi`), `build`, `_micro_steps_variable()`,
 `_config_name()`, `_variable_index(variable)`, `_aggregated(grads_and_vars)`
-(the tf_keras all-reduce), `_inner_apply(grads_and_vars)` (the inner
-optimizer's `apply_gradients` without aggregation), `_count_micro_step()`
+(the tf_keras all-reduce), `_NO_AGGREGATION` (the keyword argument that keeps the
+inner optimizer's `apply_gradients` from all-reducing), `_count_micro_step()`
 and `_masked_updates(variables, touched)`; and the attributes
 `_built_accum`, `_model_variables`, `accumulators`, `touched`,
 `window_steps`, `window_count`.
@@ -15,13 +15,15 @@ import tensorflow as tf
 import tf_keras
 
 from .._base import AccumOptimizer
-from ..modes import _distributed, _window
+from ..modes import _distributed, _momentum, _window
 from .. import _families
-from . import _inner
+from . import _inner, _inner_legacy, _rescale_step
 
 
 class TFKerasWindow:
     """The window, delegation and serialization shared by both tf_keras implementations."""
+
+    _RESCALE_STEPS = _rescale_step  # refuses legacy optimizers
 
     # ------------------------------------------------------------ delegation
     # Legacy `OptimizerV2` keeps hyperparameters in `_hyper`; the wrapper sets
@@ -35,28 +37,12 @@ class TFKerasWindow:
     def _model_variables_list(self):
         return self._model_variables
 
-    def _check_no_kwargs(self, kwargs):
-        if kwargs:
-            raise ValueError(
-                f"AccumOptimizer does not support arguments: `{'`, `'.join(kwargs)}`. "
-                "Set them on the inner optimizer."
-            )
-
     @staticmethod
     def _momentum_rule_for(optimizer):
-        from ._slots import rule_for
-
-        return rule_for(optimizer)
-
-    def _rescale_check_variables(self, variables):
-        from ._rescale_step import check_variables
-
-        check_variables(self._rule, variables)
-
-    def _rescale_micro_step(self, grads, indices):
-        from ._rescale_step import micro_step
-
-        return micro_step(self, grads, indices)
+        new, legacy = tf_keras.optimizers, tf_keras.optimizers.legacy
+        api = _inner_legacy if isinstance(optimizer, legacy.Optimizer) else _inner
+        return _momentum.rule_for(
+            optimizer, api, (new.SGD, legacy.SGD), (new.Adam, new.AdamW, legacy.Adam))
 
     @AccumOptimizer.iterations.setter
     def iterations(self, variable):
@@ -124,9 +110,9 @@ class TFKerasWindow:
             return list(grads_and_vars)
         return aggregate(grads_and_vars)
 
-    def _distributed_window(self):
-        """The `accum.modes._distributed.Window` of this optimizer (see there)."""
-        return _distributed.Window(self)
+    def _inner_apply(self, grads_and_vars):
+        """The inner optimizer's `apply_gradients`, without all-reducing the gradients."""
+        self.inner_optimizer.apply_gradients(grads_and_vars, **self._NO_AGGREGATION)
 
     def _window_state(self):
         return _window.WindowState(

@@ -2,7 +2,8 @@
 
 The only place in `accum` where private names of a wrapped tf_keras new-style
 optimizer (and of tf_keras's `LossScaleOptimizer`, also for legacy ones) are
-touched (`PRIVATE_NAMES`; tests/accum_tf_keras/test_inner_interface_tf_keras.py
+touched, with the readers it shares with Keras 3 (`var_key`, `uses_weight_decay`,
+`has_momentum`, `build`, `own_variables`, `own_iterations`, `accum._inner`) (`PRIVATE_NAMES`; tests/accum_tf_keras/test_inner_interface_tf_keras.py
 checks them against the installed tf_keras). tf_keras has no public slot
 accessors for these optimizers, nor a public current learning rate under a
 schedule; it is frozen at 2.x, so these names are stable.
@@ -13,6 +14,9 @@ import contextlib
 import tensorflow as tf
 
 from .. import _families
+from .._inner import owned_by, reader, shared_private_names
+from .._inner import (  # noqa: F401 (members of this family's interface)
+    build, has_momentum, moment_slots, own_iterations, own_variables, uses_weight_decay, var_key)
 
 name = _families.TF_KERAS
 UPDATE_STEPS = ("_update_step", "_update_step_xla")
@@ -33,39 +37,20 @@ LOSS_SCALE_NAMES = ("_loss_scale.current_loss_scale", "_loss_scale.counter")
 _WRAPPER_BASE = ("tf_keras.optimizers.SGD",)
 
 PRIVATE_NAMES = (
-    ("_update_step", _EVERY),
-    ("_update_step_xla", _EVERY),
-    ("_var_key", _EVERY),
-    ("_use_weight_decay", _EVERY),
-    ("_apply_weight_decay", _EVERY),
-    ("_compute_current_learning_rate", _EVERY),
-    ("_learning_rate", _EVERY),
-    ("_iterations", _EVERY),
-    ("_index_dict", _MOMENTUM),
-    ("_momentums", _ADAM),
-    ("_velocities", _ADAM),
-    ("_variables", _WRAPPER_BASE),
-    ("_built", _WRAPPER_BASE),
-    ("_index_dict", _WRAPPER_BASE),
-    ("_no_dependency", _WRAPPER_BASE),
-    ("_create_iteration_variable", _WRAPPER_BASE),
+    shared_private_names(_EVERY, _ADAM, _WRAPPER_BASE)
+    + owned_by(_EVERY, "_update_step", "_update_step_xla", "_apply_weight_decay",
+               "_compute_current_learning_rate", "_learning_rate", "_iterations")
+    + owned_by(_MOMENTUM + _WRAPPER_BASE, "_index_dict")
+    + owned_by(_WRAPPER_BASE, "_built", "_no_dependency", "_create_iteration_variable")
     # set on the optimizer a `LossScaleOptimizer` wraps (`accum.modes._distributed`)
-    ("inner_optimizer._is_wrapped_by_loss_scale_optimizer",
-     ("tf_keras.mixed_precision.LossScaleOptimizer",)),
+    + owned_by(("tf_keras.mixed_precision.LossScaleOptimizer",),
+               "inner_optimizer._is_wrapped_by_loss_scale_optimizer", *LOSS_SCALE_NAMES)
     # the overridden updates of the moving statistics (`accum.tf_keras._batchnorm`)
-    ("BatchNormalization._assign_moving_average", ("tf_keras.layers",)),
-    ("BatchNormalization._assign_new_value", ("tf_keras.layers",)),
+    + owned_by(("tf_keras.layers",), "BatchNormalization._assign_moving_average",
+               "BatchNormalization._assign_new_value")
     # replaced on a model instance by `accum._recompile` (`accum._shadow.replace_methods`)
-    ("Model.compile", ("tf_keras",)),
-) + tuple((attribute, ("tf_keras.mixed_precision.LossScaleOptimizer",)) for attribute in LOSS_SCALE_NAMES)
-
-
-def var_key(optimizer, variable):
-    return optimizer._var_key(variable)
-
-
-def uses_weight_decay(optimizer, variable):
-    return optimizer._use_weight_decay(variable)
+    + owned_by(("tf_keras",), "Model.compile")
+)
 
 
 def apply_weight_decay(optimizer, variables):
@@ -75,20 +60,15 @@ def apply_weight_decay(optimizer, variables):
     optimizer._apply_weight_decay(variables)
 
 
-def has_momentum(optimizer):
-    return bool(getattr(optimizer, "momentum", 0))
-
-
 def slots(optimizer, variable):
     import tf_keras
 
     new = tf_keras.optimizers
-    if isinstance(optimizer, new.SGD):
-        return (optimizer.momentums[optimizer._index_dict[optimizer._var_key(variable)]],)
-    if isinstance(optimizer, (new.Adam, new.AdamW)):
-        i = optimizer._index_dict[optimizer._var_key(variable)]
-        return (optimizer._momentums[i], optimizer._velocities[i])
-    return None
+    return moment_slots(optimizer, variable, _index, new.SGD, (new.Adam, new.AdamW))
+
+
+def _index(optimizer, variable):
+    return optimizer._index_dict[optimizer._var_key(variable)]
 
 
 def current_learning_rate(optimizer, dtype=None):
@@ -121,21 +101,7 @@ def loss_scale(optimizer):
     return None
 
 
-def build(optimizer, variables):
-    optimizer.build(variables)
-
-
 # The wrapper's own base-class state (`_WRAPPER_BASE`).
-
-
-def own_variables(optimizer):
-    """The list of `optimizer`'s own variables (the base class's; appended to in place)."""
-    return optimizer._variables
-
-
-def own_iterations(optimizer):
-    """`optimizer`'s own step counter, the variable behind `iterations`."""
-    return optimizer._iterations
 
 
 def set_own_iterations(optimizer, variable):
@@ -147,9 +113,7 @@ def mark_built(optimizer):
     optimizer._built = True
 
 
-def own_index(optimizer):
-    """`optimizer`'s map of a variable's key (`var_key`) to its index."""
-    return optimizer._index_dict
+own_index = reader("_index_dict", "`optimizer`'s map of a variable's key (`var_key`) to its index.")
 
 
 def untracked(optimizer, value):

@@ -13,6 +13,7 @@ import contextlib
 import tensorflow as tf
 
 from .. import _families
+from .._inner import owned_by, reader
 from ._inner import LOSS_SCALE_NAMES, loss_scale  # noqa: F401 (the same LossScaleOptimizer)
 
 name = _families.TF_KERAS_LEGACY
@@ -27,19 +28,15 @@ _EVERY = tuple(
 _SGD, _ADAM = "tf_keras.optimizers.legacy.SGD", "tf_keras.optimizers.legacy.Adam"
 
 PRIVATE_NAMES = (
-    ("_var_key", (_OPTIMIZER_V2,)),  # a function of the module
-    ("_resource_apply_dense", _EVERY),
-    ("_create_all_weights", _EVERY),
-    ("_compute_gradients", _EVERY),
-    ("_momentum", (_SGD, "tf_keras.optimizers.legacy.RMSprop")),
-    ("_decayed_lr", (_SGD, _ADAM)),
+    owned_by((_OPTIMIZER_V2,), "_var_key")  # a function of the module
+    + owned_by(_EVERY, "_resource_apply_dense", "_create_all_weights", "_compute_gradients")
+    + owned_by((_SGD, "tf_keras.optimizers.legacy.RMSprop"), "_momentum")
+    + owned_by((_SGD, _ADAM), "_decayed_lr")
     # The wrapper's own base class, `OptimizerV2` (as SGD has it): its state, and the method
     # the wrapper overrides (`_aggregate_gradients`: named there, it cannot go through a function)
-    ("_track_trackable", (_SGD,)),
-    ("_weights", (_SGD,)),
-    ("_name", (_SGD,)),
-    ("_aggregate_gradients", (_SGD,)),
-) + tuple((attribute, ("tf_keras.mixed_precision.LossScaleOptimizer",)) for attribute in LOSS_SCALE_NAMES)
+    + owned_by((_SGD,), "_track_trackable", "_weights", "_name", "_aggregate_gradients")
+    + owned_by(("tf_keras.mixed_precision.LossScaleOptimizer",), *LOSS_SCALE_NAMES)
+)
 
 
 def var_key(optimizer, variable):
@@ -106,11 +103,5 @@ def track(optimizer, trackable, name):
     optimizer._track_trackable(trackable, name=name)
 
 
-def own_weights(optimizer):
-    """`optimizer`'s own variables (the base class's list)."""
-    return optimizer._weights
-
-
-def own_name(optimizer):
-    """The name `optimizer` was given (the base class keeps it)."""
-    return optimizer._name
+own_weights = reader("_weights", "`optimizer`'s own variables (the base class's list).")
+own_name = reader("_name", "The name `optimizer` was given (the base class keeps it).")

@@ -30,11 +30,10 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
     _FAMILY = _families.TF_KERAS_LEGACY
     _FAMILY_DESCRIPTION = "tf_keras legacy"
     _INNER_API = _api  # the inner optimizer's private API (`accum._inner`)
+    _NO_AGGREGATION = {"experimental_aggregate_gradients": False}
 
     def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
-        steps_per_update, mode = self._check_arguments(steps_per_update, mode)
-        self._check_no_kwargs(kwargs)
-        rule = self._mode_rule(optimizer, mode, steps_per_update)
+        steps_per_update, mode, rule = self._checked(optimizer, steps_per_update, mode, kwargs)
         super().__init__(name or "AccumOptimizer")
         self._inner = optimizer
         _api.track(self, optimizer, "inner_optimizer")
@@ -46,12 +45,6 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
         self.accumulators = []
         self.touched = []
         claim_inner(self, optimizer)
-
-    @staticmethod
-    def _rescale_spec_for(optimizer, steps_per_update):
-        from ._rescale_step import refuse_legacy
-
-        return refuse_legacy(optimizer, steps_per_update)
 
     @property
     def inner_optimizer(self):
@@ -72,9 +65,7 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
         first = not self._built_accum
         with tf.init_scope():
             if first:
-                self._accum_strategy = _distributed.current_strategy()
-                if self._accum_strategy is not None:
-                    self._mode.check_distributable()
+                self._begin_build(new)
             _api.build(self._inner, new)  # slots of new variables only
             if first:
                 weight = dict(
@@ -147,9 +138,6 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
 
     def _aggregated(self, grads_and_vars):
         return self.gradient_aggregator(grads_and_vars)
-
-    def _inner_apply(self, grads_and_vars):
-        self._inner.apply_gradients(grads_and_vars, experimental_aggregate_gradients=False)
 
     def _variable_index(self, variable):
         if variable.ref() not in self._index:

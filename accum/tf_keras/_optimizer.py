@@ -39,12 +39,11 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
     _FAMILY = _families.TF_KERAS
     _FAMILY_DESCRIPTION = "tf_keras (new-style)"
     _INNER_API = _inner  # the inner optimizer's private API (`accum._inner`)
+    _NO_AGGREGATION = {"skip_gradients_aggregation": True}
 
     def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
-        steps_per_update, mode = self._check_arguments(steps_per_update, mode)
         kwargs.pop("is_legacy_optimizer", None)
-        self._check_no_kwargs(kwargs)
-        rule = self._mode_rule(optimizer, mode, steps_per_update)
+        steps_per_update, mode, rule = self._checked(optimizer, steps_per_update, mode, kwargs)
         super().__init__(name=name or "AccumOptimizer")
         self.inner_optimizer = optimizer
         self._init_window(steps_per_update, mode, rule)
@@ -73,10 +72,7 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         if self._built_accum:
             return
         var_list = list(var_list)
-        self._accum_strategy = _distributed.current_strategy()
-        if self._accum_strategy is not None:
-            self._mode.check_distributable()
-        self._mode.check_variables(self, var_list)
+        self._begin_build(var_list)
         self.inner_optimizer.build(var_list)
         super().build(var_list)
         self._model_variables.extend(var_list)
@@ -98,12 +94,6 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
         self._link_batch_norm(var_list)
         _warning.warn_for_training_model(self)
         self._guard_recompile()
-
-    @staticmethod
-    def _rescale_spec_for(optimizer, steps_per_update):
-        from ._rescale_step import spec_for
-
-        return spec_for(optimizer, steps_per_update)
 
     def _create_iteration_variable(self):
         # The micro-step counter (tf_keras's `_iterations` of the wrapper) is
@@ -178,9 +168,6 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
 
     def _aggregated(self, grads_and_vars):
         return self.aggregate_gradients(grads_and_vars)
-
-    def _inner_apply(self, grads_and_vars):
-        self.inner_optimizer.apply_gradients(grads_and_vars, skip_gradients_aggregation=True)
 
     def _masked_updates(self, variables, touched):
         return masked_updates(self.inner_optimizer, variables, touched)

@@ -21,7 +21,10 @@ from . import _inner as _api
 
 
 def spec_for(optimizer, k):
-    """The `Rescale` of a tf_keras new-style optimizer (or a Keras-style `ValueError`)."""
+    """The `Rescale` of a tf_keras new-style optimizer (or a Keras-style `ValueError`; for a
+    legacy one, pointing to its new-style class)."""
+    if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
+        refuse_legacy(optimizer, k)
     return _rescale.spec_for(
         optimizer, k, tf_keras.optimizers, "tf_keras (new-style)", tf_keras.backend.floatx()
     )
@@ -41,15 +44,11 @@ def refuse_legacy(optimizer, k):
     )
 
 
-def micro_step(wrapper, grads, indices):
-    """One micro-step of `wrapper` (a built tf_keras `AccumOptimizer`, `mode="rescale"`)
-    with `grads` for its variables at `indices`."""
-    spec = wrapper._rule
-    inner = wrapper.inner_optimizer
-    variables = list(wrapper._model_variables)
-    grads = _rescale.every_gradient(variables, indices, grads, tf.zeros_like)
-
-    micro = _api.own_iterations(wrapper)
+def micro_step(step, grads, indices):
+    """One micro-step of a built tf_keras `AccumOptimizer` (`mode="rescale"`; its state in
+    `step`, an `accum.modes._rescale.Step`) with `grads` for its variables at `indices`."""
+    spec, inner, variables, micro = step.spec, step.inner, step.variables, step.micro_steps
+    grads = step.gradients(indices, grads, tf.zeros_like)
     last = tf.equal((micro + 1) % spec.k, 0)
     # A non-finite micro-step counts as a zero gradient, as a missing one does (the
     # window's update still comes at its last micro-step; `accum.modes._rescale`).
@@ -82,8 +81,9 @@ def micro_step(wrapper, grads, indices):
     with _shadow.shadowed(inner, hooks):
         result = inner.apply_gradients(list(zip(grads, variables)), skip_gradients_aggregation=True)
     inner.iterations.assign_add(tf.cast(last, inner.iterations.dtype))
-    wrapper.window_steps.assign(tf.where(last, tf.zeros_like(wrapper.window_steps), wrapper.window_steps + 1))
-    wrapper._finish_batch_norm(last)
+    steps = step.window_steps
+    steps.assign(tf.where(last, tf.zeros_like(steps), steps + 1))
+    step.finish_batch_norm(last)
     return result
 
 

@@ -1,4 +1,4 @@
-"""The blocked attention core (`recompute._flash`) for bert4keras's `pay_attention_to`,
+"""The blocked attention core (`recompute.ops._flash`) for bert4keras's `pay_attention_to`,
 used while patched with recomputation on, under every policy.
 
 bert4keras computes the attention probabilities as
@@ -22,17 +22,19 @@ backward (docs/attention.md):
 - the dropout's decision is drawn once by bert4keras's own `Dropout` layer (on
   ones of the probabilities' shape: the random numbers of `RECOMPUTE=0`) and
   kept as bits (1 bit per entry); under "layer" and "block" it is kept through
-  the recomputation of the layer or block (`recompute._core.kept`), not redrawn.
+  the recomputation of the layer or block (`recompute.engine.kept`), not redrawn.
 
 Only the standard case is blocked: softmax normalization, no position bias,
-and not in half precision (`recompute._flash.runs_blocked`, the rule Keras's
-cores follow too). `lean_applies` says whether a call is; every other call runs
-bert4keras's own code (recomputed all the same).
+and not in half precision, and under `attention_core("auto")` beyond 512 keys
+only (`recompute.ops._flash.runs_blocked`, the rule Keras's cores follow too).
+`lean_applies` says whether a call is; every other call runs bert4keras's own
+code (recomputed all the same).
 """
 
 import tensorflow as tf
 
-from .. import _core, _flash, _flash_tf
+from .. import engine
+from ..ops import _flash, _flash_tf
 
 SCORES_EINSUM = "bjhd,bkhd->bhjk"  # queries x keys, as bert4keras writes it
 P_EINSUM = "bhjk,bkhd->bjhd"  # probabilities x values, as bert4keras writes it
@@ -41,9 +43,9 @@ P_EINSUM = "bhjk,bkhd->bjhd"  # probabilities x values, as bert4keras writes it
 def lean_applies(layer, inputs, kwargs):
     """True if `layer.pay_attention_to(inputs, mask, **kwargs)` is the standard case:
     softmax, no position bias; an attention bias (`a_bias`: the language model's
-    causal mask, UniLM's) is supported; and `recompute._flash.runs_blocked` says
+    causal mask, UniLM's) is supported; and `recompute.ops._flash.runs_blocked` says
     the blocked core runs (not in half precision: there bert4keras's own code
-    runs, recomputed, as for Keras's core)."""
+    runs, recomputed, as for Keras's core; under "auto" beyond 512 keys only)."""
     return (
         getattr(layer, "normalization", None) == "softmax"
         and not kwargs.get("p_bias")
@@ -113,7 +115,7 @@ def _decision(layer, qw, kw, dropout):
 
 def lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked=True):
     """bert4keras's `pay_attention_to(inputs, mask)` for the standard case
-    (`lean_applies`) as the blocked attention core (`recompute._flash_tf`): it keeps
+    (`lean_applies`) as the blocked attention core (`recompute.ops._flash_tf`): it keeps
     its inputs and the dropout's bits, and holds one block of [.., seq, seq] floats
     at a time, forward and backward.
 
@@ -133,7 +135,7 @@ def lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked=True):
         whole, when asked: in a `tf.function` they are pruned when unused).
     """
     qw, kw, vw = inputs[:3]
-    bits, rate = _core.kept(lambda: _decision(layer, qw, kw, dropout))
+    bits, rate = engine.kept(lambda: _decision(layer, qw, kw, dropout))
     queries, keys = qw.shape[1], kw.shape[1]
     block = None if None in (queries, keys) else _flash.block_rows(queries, keys)
     o = _flash_tf.attention(_logits(layer), qw, kw, vw, _masks(inputs, mask), bits, rate, block,

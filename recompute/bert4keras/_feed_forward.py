@@ -13,7 +13,7 @@ recomputation on it keeps only the GELU's input:
   the two dense layers as tf_keras's `Dense` does, with `gelu(h) @ kernel`
   under one gradient (`_gelu_matmul`) that recomputes `gelu(h)` for the
   kernel's gradient instead of keeping it;
-- every recomputation waits for the incoming gradient (`_core.after`): a
+- every recomputation waits for the incoming gradient (`recompute.engine.after`): a
   graph executor runs an op as soon as its inputs exist, so ops that read
   only forward tensors would run in the forward pass and keep their outputs;
 - elsewhere (a gated or other activation, mixed precision), the GELU alone
@@ -28,8 +28,8 @@ import math
 
 import tensorflow as tf
 
-from .. import _core
-from .._core import after
+from .. import engine
+from ..engine import after
 
 
 def gelu_grad(x, dy):
@@ -103,7 +103,7 @@ def lean_call(layer, inputs, keep_product=False):
 
     With `keep_product` (the "block_keep_ffn" policy, inside a recomputed
     block) the product `gelu(h) @ kernel` of the forward pass is kept
-    (`_core.kept`) and the recomputation takes it instead of computing it
+    (`recompute.engine.kept`) and the recomputation takes it instead of computing it
     again: that product is 30% of a BERT block's forward FLOPs (hidden x ffn
     of the block's 4 x hidden^2 + 2 x hidden x ffn + 2 x seq x hidden
     multiply-adds per token: 30% at BERT-base, seq 512) and one [seq, hidden]
@@ -117,7 +117,7 @@ def lean_call(layer, inputs, keep_product=False):
         h = tf.nn.bias_add(h, i0.bias)
     gelu = getattr(i0.activation, "__wrapped__", i0.activation)
     kernel = tf.convert_to_tensor(o.kernel)
-    product = _core.kept(lambda: _matmul_last(gelu(h), kernel)) if keep_product else None
+    product = engine.kept(lambda: _matmul_last(gelu(h), kernel)) if keep_product else None
     y = _gelu_matmul(h, kernel, gelu, product)
     if o.use_bias:
         y = tf.nn.bias_add(y, o.bias)

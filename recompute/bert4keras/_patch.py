@@ -8,10 +8,14 @@ import sys
 import threading
 import warnings
 
-from .. import _backends, _config, _core, _policies, _tf
+from ..adapters import _backends
+from .. import _config
+from .. import engine
+from ..policies import _registry
 from . import _attention, _feed_forward
-from .._core import after
+from ..engine import after
 from .._decorator import recompute_grad
+from .._scoped import ThreadStack
 
 MODULE = "bert4keras.layers"
 MODELS_MODULE = "bert4keras.models"
@@ -20,7 +24,7 @@ _replaced = {}  # (class, method name) -> the method it had before `patch()`
 _module_dropout = {}  # module -> the `Dropout` it had before `patch()`
 _module_gelu = {}  # module -> the "gelu" of Keras's custom objects before `patch()`
 _hook = None
-_attending = threading.local()  # .stack: the layers inside `pay_attention_to`, this thread
+_attending = ThreadStack()  # the layers inside `pay_attention_to`, this thread
 ATTENTION_DROPOUT_ATTR = "recompute_attention_dropout"
 
 
@@ -72,10 +76,9 @@ def _owned_dropout(dropout_cls):
     """
 
     def Dropout(rate, *args, **kwargs):
-        stack = getattr(_attending, "stack", None)
-        if not stack or args or kwargs:
+        owner = _attending.top()
+        if owner is None or args or kwargs:
             return dropout_cls(rate, *args, **kwargs)
-        owner = stack[-1]
         cached = getattr(owner, ATTENTION_DROPOUT_ATTR, None)
         if cached is None or cached.rate != rate:
             cached = dropout_cls(rate, name=f"{owner.name}-{ATTENTION_DROPOUT_ATTR}")
@@ -123,7 +126,7 @@ def _marked_call(call, cls):
     def keeping_product(self, *args, **kwargs):
         # "block_keep_ffn": the FeedForward's second product is kept from the
         # forward pass for the recomputation (`_feed_forward.lean_call`).
-        if (_policy_of(self) == "block_keep_ffn" and _core.inside_recomputed_call()
+        if (_policy_of(self) == "block_keep_ffn" and engine.inside_recomputed_call()
                 and len(args) == 1 and not kwargs and _feed_forward.lean_applies(self, args[0])):
             return _feed_forward.lean_call(self, args[0], keep_product=True)
         return call(self, *args, **kwargs)
@@ -190,14 +193,8 @@ def _attending_to(pay_attention_to):
     "attention" policy, keeps only its inputs and is recomputed."""
 
     def attending(self, *args, compute=pay_attention_to, **kwargs):
-        stack = getattr(_attending, "stack", None)
-        if stack is None:
-            stack = _attending.stack = []
-        stack.append(self)
-        try:
+        with _attending.entered(self):
             return compute(self, *args, **kwargs)
-        finally:
-            stack.pop()
 
     def lean(self, inputs, mask=None, **kwargs):
         if _attention.lean_applies(self, inputs, kwargs):
@@ -221,11 +218,11 @@ def _attending_to(pay_attention_to):
         adapter.check_supported(self)
         keep = bool(getattr(self, "return_attention_scores", True))
         inputs, mask, rest = _pay_attention_arguments(args, kwargs)
-        if (_tf.tape_is_active() and not _core.inside_recomputed_call()
+        if (engine.TensorFlowEngine.recomputes()
                 and _attention.lean_applies(self, inputs, rest)):
-            _core.check_recomputable(adapter, self, _core.float_tensors(inputs))
+            engine.check_recomputable(adapter, self, engine.float_tensors(inputs))
             return attending(self, inputs, mask, keep, compute=recomputed_unit)
-        return _policies.recompute_core(adapter, recomputed, self, args, kwargs, keep)
+        return _registry.recompute_core(adapter, recomputed, self, args, kwargs, keep)
 
     functools.update_wrapper(wrapper, pay_attention_to)
     return wrapper
@@ -418,7 +415,7 @@ def patch(policy=None, *, blocks=None):
     if blocks is not None and not isinstance(blocks, bool):
         raise TypeError(f"`blocks` must be True or False. Received: blocks={blocks!r}")
     if policy is not None:
-        _policies.check_policy(policy, POLICIES)
+        _registry.check_policy(policy, POLICIES)
     if blocks is not None:
         implied = "block" if blocks else "layer"
         if policy is not None and policy != implied:

@@ -44,7 +44,7 @@ by `patch()` only. Modules: `_blocks` (the registry of block classes: how a
 decoding call is told, which attention core `"attention"` reaches), `_patch`
 (applies it: `patch`, `unpatch`, `covered`), `_cores` (keras-hub's own
 attention cores recomputed), `_chunked` (`chunked_loss`: the model's methods), `_head`
-(the chunked head's algorithm) with its engines `_head_tf` and `_head_jax`, `_private`
+(the chunked head: its algorithm once, `_step`, and its engines `_tf` and `_jax`), `_private`
 (the private Keras names it reads), `preset`.
 """
 

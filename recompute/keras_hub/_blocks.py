@@ -32,7 +32,7 @@ import importlib
 import importlib.resources
 from typing import NamedTuple
 
-from .. import _mha_private
+from ..adapters import _mha_private
 
 KERAS = "keras"  # `core` of the blocks built on Keras's `MultiHeadAttention` core
 _SRC = "keras_hub.src.models."

@@ -20,17 +20,16 @@ does), on Keras's TensorFlow and JAX backends:
 `train_on_batch`/`test_on_batch` run as keras-hub wrote them: the full logits.
 """
 
-import contextlib
-import threading
 import types
 
 from . import _head, _private
+from .._scoped import ThreadStack
 
 _REPLACED = ("call", "compute_loss", "compute_metrics", "train_step", "test_step", "compile")
 _STATE = "_recompute_chunked_head"
 _ACCURACY_NAMES = ("accuracy", "acc", "sparse_categorical_accuracy")
 _REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
-_active = threading.local()
+_active = ThreadStack()  # ids of the models whose chunked step runs, this thread
 
 
 def chunked_loss(causal_lm, chunk_tokens=None):
@@ -250,21 +249,12 @@ def _compile(self, *args, **kwargs):
     return self.compile(*args, **kwargs)
 
 
-@contextlib.contextmanager
 def _on(model):
-    stack = getattr(_active, "models", None)
-    if stack is None:
-        stack = _active.models = []
-    stack.append(id(model))
-    try:
-        yield
-    finally:
-        stack.pop()
+    return _active.entered(id(model))
 
 
 def _is_on(model):
-    stack = getattr(_active, "models", None)
-    return bool(stack) and stack[-1] == id(model)
+    return _active.top() == id(model)
 
 
 def _step(model, name):

@@ -5,8 +5,8 @@ and DeBERTa-v3 compute attention in a method of their attention layer
 (`_compute_attention`; XLNet's `compute_attention`), not in Keras's
 `MultiHeadAttention` core. While `recomputed_cores` is active, that method of
 each such layer in a block keeps only its inputs and runs again in the
-backward pass: on TensorFlow through `recompute._core` (when a tape records),
-on JAX as a `jax.checkpoint` (`recompute._jax`), its dropout replayed from the
+backward pass: on TensorFlow through `recompute.engine._core` (when a tape records),
+on JAX as a `jax.checkpoint` (`recompute.engine._jax`), its dropout replayed from the
 same seed state either way -- the loss and gradients of RECOMPUTE=0. The
 method is shadowed on the layer instance and restored on exit; the class and
 other instances are untouched. A core runs as written inside a call that is
@@ -15,19 +15,17 @@ recomputed already, and where nothing is differentiated.
 
 import contextlib
 
-from .. import _backends, _core, _jax, _keras_private, _tf
+from .. import engine as engines
+from ..adapters import _backends, _keras_private
+from .._scoped import shadowed
 
 
 def _recomputed(method, layer, args, kwargs):
     """`method(layer, *args, **kwargs)`, recomputed for the gradient where one is taken."""
-    adapter = _backends.adapter_for(layer)
-    if _backends.on_jax(adapter):
-        if _jax.inside_recomputed_call() or _jax.in_shape_inference():
-            return method(layer, *args, **kwargs)
-        return _jax.recomputed_call(method, layer, args, kwargs)
-    if not _tf.tape_is_active() or _core.inside_recomputed_call():
+    engine = engines.of(_backends.adapter_for(layer))
+    if not engine.recomputes():
         return method(layer, *args, **kwargs)
-    return _core.recomputed_call(adapter, method, layer, args, kwargs)
+    return engine.recomputed_call(method, layer, args, kwargs)
 
 
 def core_layers(block, pairs):
@@ -48,19 +46,12 @@ def recomputed_cores(layers):
 
     A core shadowed already (an enclosing block's) is left as it is.
     """
-    installed = []
-    try:
-        for layer, name in layers:
-            if name in vars(layer):
-                continue
-            method = getattr(type(layer), name)
+    def core_of(layer, method):
+        def core(*args, **kwargs):
+            return _recomputed(method, layer, args, kwargs)
 
-            def core(*args, _layer=layer, _method=method, **kwargs):
-                return _recomputed(_method, _layer, args, kwargs)
+        return core
 
-            object.__setattr__(layer, name, core)  # a plain attribute, not tracked by Keras
-            installed.append((layer, name))
+    with shadowed((layer, name, core_of(layer, getattr(type(layer), name)))
+                  for layer, name in layers if name not in vars(layer)):
         yield
-    finally:
-        for layer, name in installed:
-            object.__delattr__(layer, name)

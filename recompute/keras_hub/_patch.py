@@ -17,11 +17,13 @@ import inspect
 import warnings
 import weakref
 
-from .. import _config, _keras3, _policies
+from .. import _config
+from ..adapters import _keras3
+from ..policies import _registry
 from .._decorator import recompute_grad
 from . import _blocks, _cores
 
-POLICIES = _policies.NAMES  # "full", "attention"
+POLICIES = _registry.NAMES  # "full", "attention"
 _patched = {}  # class -> (its own `call` before `patch()`, the policy)
 _MARK = "__recompute_keras_hub__"  # on a patched `call`: its policy
 _warned = set()  # the block classes policy="attention" recomputed in full, warned about once
@@ -139,7 +141,7 @@ def patch(policy="full"):
     Args:
         policy: "full" (default) or "attention" (`recompute.POLICIES`).
     """
-    _policies.check_policy(policy)
+    _registry.check_policy(policy)
     _import_keras_hub()
     changed = []
     for cls, row in _blocks.installed():

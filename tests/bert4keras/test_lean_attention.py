@@ -26,6 +26,10 @@ from tests.helpers.numerics import assert_all_close, to_numpy  # noqa: E402
 
 SEQ = 10
 
+# Every test here is of the blocked core, named: at SEQ the rule ("auto") runs bert4keras's own
+# core on TensorFlow (up to 512 keys: `test_rule_runs_bert4keras_core_up_to_512_keys`).
+pytestmark = pytest.mark.usefixtures("blocked_core")
+
 
 @pytest.fixture
 def config_path(tmp_path):
@@ -208,12 +212,9 @@ def test_blocked_core_keeps_no_attention_matrix():
             layer, [q, k, v], [None, v_mask], lambda rate: lambda x: dropout(x, training=True))
 
     def bert4keras(q, k, v):
-        _patch._attending.stack = [layer]  # its Dropout: one sublayer (`_owned_dropout`)
-        try:
-            with tf.keras.backend.learning_phase_scope(1):
-                return own(layer, [q, k, v], [None, v_mask])
-        finally:
-            _patch._attending.stack = []
+        # inside pay_attention_to: its Dropout is one sublayer (`_owned_dropout`)
+        with _patch._attending.entered(layer), tf.keras.backend.learning_phase_scope(1):
+            return own(layer, [q, k, v], [None, v_mask])
 
     assert forward_tensors_kept(graph(lean), (SEQ, SEQ)) == set()
     assert len(forward_tensors_kept(graph(bert4keras), (SEQ, SEQ))) >= 3
@@ -241,3 +242,25 @@ def test_dropout_decision_kept_as_bits(config_path, policy):
             tf.TensorSpec([None, SEQ], tf.int32), tf.TensorSpec([None, SEQ], tf.int32),
             tf.TensorSpec([None], tf.int32)).graph
     check_mask_kept_as_bits(graph, SEQ)
+
+
+@pytest.mark.parametrize("core", ["auto", "blocked", "keras"])
+def test_rule_runs_bert4keras_core_up_to_512_keys(core):
+    """`lean_applies` follows `recompute.ops._flash.runs_blocked`: under "auto" bert4keras's own
+    core up to 512 keys and where the length is known only when the core runs, the blocked
+    core beyond; `attention_core` overrides it; half precision runs bert4keras's own core."""
+    layer = B.MultiHeadAttention(heads=2, head_size=4)
+
+    def applies(keys, queries=None, dtype=tf.float32):
+        if keys is None:  # symbolic: a length known only when the core runs
+            q = k = tf.keras.Input((None, 2, 4), dtype=dtype)
+        else:
+            q, k = tf.zeros([1, queries or keys, 2, 4], dtype), tf.zeros([1, keys, 2, 4], dtype)
+        return _attention.lean_applies(layer, [q, k, k], {})
+
+    with recompute.attention_core(core):
+        expected = {"auto": [False, False, True, True, True, False],
+                    "blocked": [True] * 6, "keras": [False] * 6}[core]
+        assert [applies(SEQ), applies(512), applies(513), applies(1024), applies(2048, 1),
+                applies(None)] == expected
+        assert not applies(2048, dtype=tf.float16)

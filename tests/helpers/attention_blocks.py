@@ -7,6 +7,8 @@ how often each block and attention core ran, and the step's graph (modes
 "function"/"jit") for the memory checks. `block` is the blocked attention
 core's query rows per block (`recompute.attention_block_size`): None (the
 default: one block at this length), 4 (two blocks, the last one padded), 1.
+`core` is the attention core (`recompute.attention_core`): "blocked" by default,
+named, since at seq 6 the rule ("auto") runs Keras's own core on TensorFlow.
 
 The `test_*` functions are the policy tests of both suites, written once: each
 suite's test_recompute_policies*.py imports them (`__all__`) with its fixture `K`.
@@ -29,7 +31,7 @@ def block_class(K, policy):
 
     class CountingAttention(K.layers.MultiHeadAttention):
         # Counted in the masked softmax, which Keras's core and the blocked core
-        # (recompute._attention, once per block) both call: the core class stays Keras's own.
+        # (recompute.ops._attention, once per block) both call: the core class stays Keras's own.
         def _masked_softmax(self, *args, **kwargs):
             COUNTS["core"] += 1
             return super()._masked_softmax(*args, **kwargs)
@@ -82,9 +84,9 @@ def _loss(model, x, mask):
     return tf.reduce_mean((y - 0.5) ** 2)
 
 
-def run(K, policy, on, mode, block=None):
+def run(K, policy, on, mode, block=None, core="blocked"):
     """(loss, gradients, counts, graph) of one step; `mode` in eager/function/jit."""
-    with recompute.attention_block_size(block):
+    with recompute.attention_block_size(block), recompute.attention_core(core):
         return _run(K, policy, on, mode)
 
 
@@ -112,13 +114,13 @@ def _run(K, policy, on, mode):
     return float(loss), to_numpy(grads), counts, graph, model
 
 
-def fit_weights(K, policy, on, epochs=2):
+def fit_weights(K, policy, on, epochs=2, core="blocked"):
     """The weights after `fit` (shuffle off, dropout on, padding)."""
     model = build_model(K, policy)
     x, mask = inputs()
     y = tf.reshape(tf.range(BATCH, dtype=tf.float32), [BATCH, 1])
     model.compile(optimizer=K.optimizers.SGD(0.1), loss="mse")
-    with recompute.recompute_scope(on):
+    with recompute.recompute_scope(on), recompute.attention_core(core):
         model.fit([x, mask], y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     return [np.asarray(w) for w in model.get_weights()]
 
@@ -157,7 +159,7 @@ def ancestors(op):
 
 def check_mask_kept_as_bits(graph, seq=SEQ):
     """The dropout decision crosses from the forward to the backward pass as bits
-    (uint8 [batch, heads, seq, ceil(seq / 8)], `recompute._flash_tf.pack`), no bool
+    (uint8 [batch, heads, seq, ceil(seq / 8)], `recompute.ops._flash_tf.pack`), no bool
     [.., seq, seq] mask; the forward pass unpacks it, and so does the backward pass,
     once the gradient has arrived (`_core.after`)."""
     import tensorflow as tf
@@ -245,10 +247,11 @@ def test_policy_matches_no_recompute(K, policy, mode, block):
 
 @pytest.mark.parametrize("policy", ["full", "attention"])
 def test_blocked_cores_used(K, policy, monkeypatch):
-    """Under either policy, Keras's own cores run blocked (`recompute._flash`): once per
-    forward pass of a block (twice per block under "full", which recomputes the
-    block) and once backward; off, never."""
-    from recompute import _flash
+    """Under either policy, with `attention_core("blocked")` Keras's own cores run blocked
+    (`recompute.ops._flash`): once per forward pass of a block (twice per block under "full",
+    which recomputes the block) and once backward; off, never. Under the rule ("auto")
+    at seq 6 Keras's own core runs on TensorFlow (`_flash.runs_blocked`: up to 512 keys)."""
+    from recompute.ops import _flash
 
     calls = []
     for name in ("forward", "backward"):
@@ -260,6 +263,8 @@ def test_blocked_cores_used(K, policy, monkeypatch):
     assert sorted(calls) == ["backward"] * 2 + ["forward"] * forwards
     calls.clear()
     run(K, policy, False, "eager")
+    assert calls == []
+    run(K, policy, True, "eager", core="auto")
     assert calls == []
 
 
@@ -276,11 +281,11 @@ def test_backward_holds_no_attention_matrix(K, policy):
 
 @pytest.mark.parametrize("policy", ["full", "attention"])
 def test_gelus_keep_their_input(K, policy, monkeypatch):
-    """The blocks' exact GELUs run as `recompute._gelu.keeping_input` under "attention"
+    """The blocks' exact GELUs run as `recompute.ops._gelu.keeping_input` under "attention"
     (recomputation on), and their shadowing is undone after the call; "full"
     recomputes them as written (with it, Adam turned rounding-level differences of
     analytically zero gradients into whole steps in `examples/recompute_fit.py`)."""
-    from recompute import _gelu
+    from recompute.ops import _gelu
 
     calls = []
     real = _gelu.keeping_input

@@ -7,8 +7,8 @@ Per block class, a tiny backbone built from it (hidden 16, 2 blocks, dropout 0.1
 backbone has dropout, padded tails in every padding mask) gives with RECOMPUTE on, under
 each policy, the loss, every gradient (≤ 1e-5) and the random state of RECOMPUTE=0
 unpatched; and the recomputation is counted, so that a patch that recomputes nothing fails:
-on TensorFlow the recomputed calls (`recompute._core.Recomputation._recompute`, and the
-blocked Keras cores' backward passes, `recompute._flash.backward`), on JAX the
+on TensorFlow the recomputed calls (`recompute.engine._core.Recomputation._recompute`, and the
+blocked Keras cores' backward passes, `recompute.ops._flash.backward`), on JAX the
 `jax.checkpoint` and `custom_vjp` equations of the gradient's jaxpr. Gradients: a
 `GradientTape` in eager mode on TensorFlow; on JAX `jax.value_and_grad` of
 `stateless_call`, eager (the tiny ops' kernels, compiled once, serve every test: jitting
@@ -194,7 +194,8 @@ def _loss(outputs, losses):
 def _tf_recomputations():
     """Counts what the TensorFlow engine recomputes while active: {"calls": [the layers of
     each recomputed call], "cores": blocked Keras cores run backward}."""
-    from recompute import _core, _flash
+    from recompute.engine import _core
+    from recompute.ops import _flash
 
     seen = {"calls": [], "cores": 0}
     recompute, backward = _core.Recomputation._recompute, _flash.backward
@@ -342,7 +343,9 @@ CAUSAL_LMS = {
 def _recomputed_calls():
     """Counts the calls that start a recomputation, on either engine, or run a Keras core
     blocked (policy="attention" of Keras's `MultiHeadAttention` cores), while active."""
-    from recompute import _attention, _core, _jax
+    from recompute.ops import _attention
+    from recompute.engine import _core
+    from recompute.engine import _jax
 
     count = [0]
     originals = _core.recomputed_call, _jax.recomputed_call, _attention.keras_blocked

@@ -1,5 +1,5 @@
 """Whether a module implements an interface declared as a `typing.Protocol` (the
-adapters of `recompute._adapter`, the inner-optimizer APIs of `accum._inner`): each
+adapters of `recompute.adapters._adapter`, the inner-optimizer APIs of `accum._inner`): each
 helper returns the offending member names, for the test's own assertion."""
 
 import inspect

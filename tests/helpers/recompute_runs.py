@@ -8,7 +8,8 @@ import pytest
 import tensorflow as tf
 
 import recompute
-from recompute import _core, recompute_grad
+from recompute.engine import _core
+from recompute import recompute_grad
 from tests.helpers.numerics import assert_all_close, to_numpy
 
 

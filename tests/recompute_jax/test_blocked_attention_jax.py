@@ -131,7 +131,7 @@ def test_keep_bits_are_the_layers_masks(shape, rows):
     """`_flash_jax.keep_bits`, drawn `rows` query rows at a time, is the layer's own
     dropout mask (a padded last block, keys not a multiple of 8), and advances its seed
     generator as the layer does."""
-    from recompute import _flash_jax
+    from recompute.ops import _flash_jax
 
     batch, heads, queries, keys = shape
     own, blocked = keras.layers.Dropout(0.2, seed=5), keras.layers.Dropout(0.2, seed=5)

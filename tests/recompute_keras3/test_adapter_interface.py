@@ -1,8 +1,8 @@
-"""Both Keras families implement the whole adapter interface (`recompute._adapter.Adapter`)."""
+"""Both Keras families implement the whole adapter interface (`recompute.adapters._adapter.Adapter`)."""
 
 import pytest
 
-from recompute import _adapter, _backends
+from recompute.adapters import _adapter, _backends
 from tests.helpers import protocol_checks
 
 

@@ -1,4 +1,4 @@
-"""The blocked attention core (`recompute._flash`: FlashAttention-2) on both engines against
+"""The blocked attention core (`recompute.ops._flash`: FlashAttention-2) on both engines against
 autodiff of the unblocked core: outputs and the gradients of queries, keys and values, with
 padding and causal masks (fully masked rows included), dropout bits, row blocks that divide
 the queries and that do not, key blocks with a running maximum (padded keys), unrolled
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import recompute
-from recompute import _flash
+from recompute.ops import _flash
 from tests.helpers.numerics import assert_all_close
 
 B, T, S, N, H = 2, 10, 9, 3, 4  # causal: the first row is fully masked
@@ -34,7 +34,7 @@ class _TF:
     def __init__(self):
         import tensorflow as tf
 
-        from recompute import _flash_tf
+        from recompute.ops import _flash_tf
 
         self.tf, self.engine = tf, _flash_tf
 
@@ -77,7 +77,7 @@ class _JAX:
         import jax
         import jax.numpy as jnp
 
-        from recompute import _flash_jax
+        from recompute.ops import _flash_jax
 
         self.jax, self.jnp, self.engine = jax, jnp, _flash_jax
 
@@ -196,7 +196,7 @@ def test_keras3_tf_decision_is_the_dropout_layers_own(mode, keys, monkeypatch):
     import keras
     import tensorflow as tf
 
-    from recompute import _flash_tf
+    from recompute.ops import _flash_tf
 
     monkeypatch.setattr(_flash_tf, "DRAW_ELEMENTS", 96)  # several chunks here
     dropout = keras.layers.Dropout(0.3, seed=5)
@@ -231,11 +231,11 @@ def test_attention_core_setting_and_its_docstring_example():
     under `attention_core("keras")`), and the rule follows it on TensorFlow."""
     import keras
 
-    from recompute import _flash, _flash_tf
+    from recompute.ops import _flash, _flash_tf
 
-    assert _flash.runs_blocked(_flash_tf.ENGINE, "float32", 12, 12)  # "auto" on TensorFlow
+    assert _flash.runs_blocked(_flash_tf.ENGINE, "float32", 2048, 2048)  # "auto" on TensorFlow
     with recompute.attention_core("keras"):
-        assert not _flash.runs_blocked(_flash_tf.ENGINE, "float32", 12, 12)
+        assert not _flash.runs_blocked(_flash_tf.ENGINE, "float32", 2048, 2048)
         inputs = keras.Input((6, 8))
         block = keras.layers.MultiHeadAttention(2, 4, dropout=0.1)
         model = keras.Model(inputs, block(inputs, inputs))
@@ -244,11 +244,34 @@ def test_attention_core_setting_and_its_docstring_example():
         with recompute.recompute_scope(True):
             model.fit(np.ones((4, 6, 8), "float32"), np.zeros((4, 6, 8), "float32"), epochs=1,
                       verbose=0)
-    assert _flash.runs_blocked(_flash_tf.ENGINE, "float32", 12, 12)
-    assert not _flash.runs_blocked(_flash_tf.ENGINE, "bfloat16", 12, 12)  # half precision
+    assert _flash.runs_blocked(_flash_tf.ENGINE, "float32", 2048, 2048)
+    assert not _flash.runs_blocked(_flash_tf.ENGINE, "bfloat16", 2048, 2048)  # half precision
     with recompute.attention_core("blocked"):
+        assert _flash.runs_blocked(_flash_tf.ENGINE, "float32", 12, 12)
         assert not _flash.runs_blocked(_flash_tf.ENGINE, "float16", 12, 12)
     assert repr(recompute.attention_core("auto")) == "attention_core('auto')"
     with pytest.raises(ValueError, match=r'`core` must be one of "auto", "blocked", "keras"\. '
                                          r"Received: core='flash'"):
         recompute.attention_core("flash")
+
+
+def test_tensorflow_rule_by_key_length():
+    """Under "auto" on TensorFlow, float32 and float64: the layer's own core up to
+    `_flash.TF_KERAS_CORE_KEYS` (512) keys, the blocked core beyond; a key length known only
+    when the core runs (None): the layer's own core. The override and half precision win
+    over the shape."""
+    from recompute.ops import _flash, _flash_tf
+
+    tf_engine = _flash_tf.ENGINE
+    assert _flash.TF_KERAS_CORE_KEYS == 512
+    for queries, keys, blocked in [(6, 6, False), (512, 512, False), (513, 513, True),
+                                   (1024, 1024, True), (2048, 2048, True), (1, 4096, True),
+                                   (4096, 512, False), (None, None, False), (2048, None, False),
+                                   (None, 2048, True)]:
+        assert _flash.runs_blocked(tf_engine, "float32", queries, keys) is blocked, (queries, keys)
+        assert _flash.runs_blocked(tf_engine, "float64", queries, keys) is blocked, (queries, keys)
+        assert not _flash.runs_blocked(tf_engine, "float16", queries, keys)
+        with recompute.attention_core("blocked"):
+            assert _flash.runs_blocked(tf_engine, "float32", queries, keys)
+        with recompute.attention_core("keras"):
+            assert not _flash.runs_blocked(tf_engine, "float32", queries, keys)

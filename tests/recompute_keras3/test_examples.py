@@ -18,7 +18,7 @@ def test_recompute_fit_example_trains_identically():
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     line = [l for l in out.stdout.splitlines() if "max relative weight difference" in l][-1]
-    assert float(line.rsplit(":", 1)[1]) <= 1e-5, out.stdout  # float rounding (the blocked core)
+    assert float(line.rsplit(":", 1)[1]) <= 1e-5, out.stdout  # float rounding
 
 
 def test_recompute_fit_example_rejects_bad_arguments():

@@ -1,13 +1,13 @@
 """Keras 3 (TensorFlow backend): every private Keras or TensorFlow name that `recompute`
-relies on -- listed in the `PRIVATE_NAMES` of `recompute._keras_private`,
-`recompute._mha_private` (Keras 3's `MultiHeadAttention`) and `recompute._tf` -- exists
+relies on -- listed in the `PRIVATE_NAMES` of `recompute.adapters._keras_private`,
+`recompute.adapters._mha_private` (Keras 3's `MultiHeadAttention`) and `recompute.adapters._tf` -- exists
 on the installed versions (tests/helpers/private_names_checks.py)."""
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from recompute import _keras_private, _mha_private, _tf
+from recompute.adapters import _keras_private, _mha_private, _tf
 from tests.helpers.private_names_checks import assert_listed_names_exist
 
 

@@ -1,4 +1,4 @@
-"""recompute._core.kept: what a recomputed call's forward pass keeps for its recomputation
+"""recompute.engine._core.kept: what a recomputed call's forward pass keeps for its recomputation
 instead of computing it again (the attention dropout's bool mask)."""
 
 import keras
@@ -7,7 +7,8 @@ import pytest
 import tensorflow as tf
 
 import recompute
-from recompute import _core, recompute_grad
+from recompute.engine import _core
+from recompute import recompute_grad
 from tests.helpers.numerics import to_numpy
 
 COMPUTED = {"n": 0}
@@ -94,7 +95,7 @@ def test_mask_bits_round_trip(shape, mode):
     """`_flash_tf.pack` keeps a bool mask as 1 bit per entry along its last axis, and the
     engine's `unpack` gives it back exactly, for sizes that are and are not multiples
     of 8, with static and unknown shapes and under XLA."""
-    from recompute import _flash_tf
+    from recompute.ops import _flash_tf
 
     mask = tf.constant(np.random.RandomState(0).rand(*shape) < 0.7)
 

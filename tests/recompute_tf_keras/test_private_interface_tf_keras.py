@@ -1,5 +1,5 @@
 """tf_keras: every private tf_keras name that `recompute` relies on -- listed in the
-`PRIVATE_NAMES` of `recompute._tf_keras` and `recompute._mha_private` (tf_keras's
+`PRIVATE_NAMES` of `recompute.adapters._tf_keras` and `recompute.adapters._mha_private` (tf_keras's
 `MultiHeadAttention`) -- exists on the installed tf_keras
 (tests/helpers/private_names_checks.py)."""
 
@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from recompute import _mha_private, _tf_keras
+from recompute.adapters import _mha_private, _tf_keras
 from tests.helpers.private_names_checks import assert_listed_names_exist
 
 

@@ -10,7 +10,8 @@ import tensorflow as tf
 import tf_keras as K
 
 import recompute
-from recompute import _core, recompute_grad
+from recompute.engine import _core
+from recompute import recompute_grad
 from tests.helpers.families import tf_keras  # noqa: F401 (the fixture K)
 from tests.helpers.recompute_distribute_checks import *  # noqa: F403 (the tests, collected here)
 from tests.helpers.recompute_distribute_checks import check_aggregated_state_variable, distributed_batches

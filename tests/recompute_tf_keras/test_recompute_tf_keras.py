@@ -12,7 +12,8 @@ import tensorflow as tf
 import tf_keras as K
 
 import recompute
-from recompute import _core, recompute_grad
+from recompute.engine import _core
+from recompute import recompute_grad
 from tests.helpers.attention_blocks import ancestors
 from tests.helpers.numerics import assert_all_close, assert_state_equal, to_numpy
 from tests.helpers.recompute_runs import (

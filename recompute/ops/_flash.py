@@ -49,7 +49,7 @@ dtype, rows)` (the decision of Keras 3's `Dropout` drawn without the whole
 uniform tensor, or None where the engine cannot).
 """
 
-from ._setting import Setting
+from .._setting import Setting
 
 DEFAULT_BLOCK_ELEMENTS = 64 * 1024  # rows x keys of one block: 128 rows at seq 512
 
@@ -116,10 +116,11 @@ class attention_core(Setting):
     """Chooses the attention core of recomputed calls: the rule, or one core forced.
 
     `"auto"` (the default) follows the rule of `runs_blocked`: the blocked core
-    on TensorFlow in float32, the layer's own core (Keras's `_compute_attention`,
-    bert4keras's `pay_attention_to`) on JAX, where XLA:GPU's plan of the
-    blocked core is above Keras's (docs/attention.md), and in half precision
-    everywhere. `"keras"` runs the layer's own core everywhere; `"blocked"`
+    on TensorFlow in float32 beyond 512 keys, the layer's own core (Keras's
+    `_compute_attention`, bert4keras's `pay_attention_to`) on TensorFlow up to
+    512 keys, where it is the faster at about the same memory, on JAX, where XLA:GPU's
+    plan of the blocked core is above Keras's (docs/attention.md), and in half
+    precision everywhere. `"keras"` runs the layer's own core everywhere; `"blocked"`
     runs the blocked core wherever it is exact (float32 and float64, the
     standard case). Each is exact: the choice moves memory and time, not
     numbers. As a statement it holds for the rest of the process; as a
@@ -167,8 +168,14 @@ def runs_blocked(engine, dtype, queries, keys):
       (docs/limitations.md). In float32 (and float64) both agree to float
       rounding (<= 1e-5 relative).
     - `attention_core("keras")` / `("blocked")`: that core.
-    - `"auto"`: the blocked core on TensorFlow; the layer's own core on JAX,
-      where XLA:GPU's plan for an H100 of keras-hub BERT-base (12 blocks,
+    - `"auto"` on TensorFlow: by the keys' length (`tensorflow_pays`): the layer's
+      own core up to 512 keys (`TF_KERAS_CORE_KEYS`), where on TensorFlow's CPU
+      kernels it is faster at about the same memory (BERT-base, seq 512), and where the
+      length is known only when the core runs; the blocked core beyond, where the
+      [seq, seq] scores dominate (seq 1024: far less memory; docs/attention.md,
+      "Which core runs").
+    - `"auto"` on JAX: the layer's own core, where XLA:GPU's plan for an H100
+      of keras-hub BERT-base (12 blocks,
       seq 512, float32) held 145.5 MiB per sample under `"full"` with the
       FlashAttention-2 core against 78.0 with Keras's; since 2026-11-28 17.7
       (`"attention"`: 265.9 against 295.6; `python -m benchmarks.gpu_plan
@@ -187,13 +194,32 @@ def runs_blocked(engine, dtype, queries, keys):
         queries, keys: the lengths of the query and key axes (None where known
             only when the core runs).
     """
-    del queries, keys  # the rule does not depend on the shape yet
     name = getattr(dtype, "name", None) or str(dtype)
     if name in HALF_PRECISION:
         return False
+    if _core_choice[0] == "auto" and engine.name == "tensorflow":
+        return tensorflow_pays(queries, keys)
     if _core_choice[0] != "auto":
         return _core_choice[0] == "blocked"
     return engine.name != "jax"
+
+
+TF_KERAS_CORE_KEYS = 512  # under "auto", TensorFlow runs the layer's own core up to this many keys
+
+
+def tensorflow_pays(queries, keys):
+    """Whether the blocked core pays on TensorFlow (`runs_blocked` under `"auto"`, float32
+    and float64): beyond `TF_KERAS_CORE_KEYS` (512) keys. Measured on TensorFlow's CPU kernels
+    (docs/attention.md, "Which core runs"): at 512 keys (BERT-base, 12 blocks) the layer's
+    own core is the faster under both policies at about the same memory; at 1024 keys its
+    backward pass holds a block's whole [heads, seq, seq] tensors, and the blocked core
+    holds far less. The keys decide (in self-attention the [queries, keys] working set
+    grows with them; a few queries over many keys run blocked too: not measured).
+    A length known only when the core runs (None): the layer's own core -- the blocked
+    core could not size its blocks and would run as one block of every row and key, the
+    layer's own working set, only slower."""
+    del queries
+    return keys is not None and keys > TF_KERAS_CORE_KEYS
 
 
 class Engine:

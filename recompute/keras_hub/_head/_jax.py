@@ -1,11 +1,11 @@
-"""The chunked head (`_head`) on Keras 3's JAX backend: one `jax.custom_vjp` over a
+"""The chunked head (`recompute.keras_hub._head`) on Keras 3's JAX backend: one `jax.custom_vjp` over a
 `jax.lax.scan` of chunks. Its primal (evaluation, or a forward pass nobody
 differentiates) computes the loss and the hits only; its forward pass under
 differentiation also forms the head's gradients, chunk by chunk, and keeps them as
 the residuals (dL/dh, the size of h, and dL/dK where the kernel trains), which the
 backward pass scales by the incoming gradient."""
 
-from . import _head
+from . import _step
 
 
 class _Engine:
@@ -73,7 +73,7 @@ def chunked(h, kernel, targets, weights, *, chunk, cap, vocab_major, grads, kern
 
         def body(carry, x):
             loss, dk = carry
-            loss_c, hits_c, dh_c, dk_c = _head.chunk_step(
+            loss_c, hits_c, dh_c, dk_c = _step.chunk_step(
                 ENGINE, x[0], kernel, x[1], x[2], grads=with_grads, **options)
             if dk_c is not None:
                 dk = dk + dk_c

@@ -39,7 +39,10 @@ bert4keras's `pay_attention_to`.
 import contextlib
 from typing import Callable, NamedTuple
 
-from . import _attention, _core, _flash_tf, _gelu, _jax, _tf
+from ..ops import _attention, _flash_tf, _gelu
+from ..engine import TensorFlowEngine, _core
+from . import _jax
+from .._scoped import shadowed
 
 
 def full(adapter, fn, layer, args, kwargs):
@@ -85,7 +88,7 @@ def recompute_core(adapter, core, layer, args, kwargs, keep_scores):
     the recomputation too). Runs `core` plainly when no tape records or inside
     a recomputed call (which recomputes the core with everything else).
     """
-    if not _tf.tape_is_active() or _core.inside_recomputed_call():
+    if not TensorFlowEngine.recomputes():
         return core(layer, *args, **kwargs)
 
     def output_and_asked_scores(lyr, *a, **k):
@@ -105,7 +108,7 @@ def _class_core(adapter, core):
 
     def recomputed(layer, *args, **kwargs):
         keep_scores = adapter.scores_asked(args, kwargs)
-        if _tf.tape_is_active() and not _core.inside_recomputed_call():
+        if TensorFlowEngine.recomputes():
             _core.check_recomputable(adapter, layer, _core.float_tensors((args, kwargs)))
         blocked = _attention.keras_blocked(_flash_tf, core, layer, args, kwargs, keep_scores)
         if blocked is not None:
@@ -137,25 +140,18 @@ def _cores_recomputed(adapter, layers):
     -- is left as it is.
     """
     name = adapter.attention_core
-    installed = []
-    try:
-        for layer in layers:
-            own = vars(layer).get(name)
-            if getattr(own, _MARK, False):
-                continue
-            recomputed = _class_core(adapter, getattr(type(layer), name)) if own is None \
-                else _own_core(adapter, own)
 
-            def core(*args, _layer=layer, _recomputed=recomputed, **kwargs):
-                return _recomputed(_layer, *args, **kwargs)
+    def core_of(layer, own):
+        recomputed = _class_core(adapter, getattr(type(layer), name)) if own is None \
+            else _own_core(adapter, own)
 
-            setattr(core, _MARK, True)
-            object.__setattr__(layer, name, core)  # not tracked by Keras: a plain attribute
-            installed.append((layer, own))
+        def core(*args, **kwargs):
+            return recomputed(layer, *args, **kwargs)
+
+        setattr(core, _MARK, True)
+        return core
+
+    owns = ((layer, vars(layer).get(name)) for layer in layers)
+    with shadowed((layer, name, core_of(layer, own)) for layer, own in owns
+                  if not getattr(own, _MARK, False)):
         yield
-    finally:
-        for layer, own in installed:
-            if own is None:
-                object.__delattr__(layer, name)
-            else:
-                object.__setattr__(layer, name, own)

@@ -57,6 +57,7 @@ PRIVATE_NAMES = (
     ("__internal__.autograph.tf_convert", ("tensorflow",)),
     ("__internal__.autograph.control_status_ctx", ("tensorflow",)),
     ("GraphOrParentsInXlaContext", ("tensorflow.python.ops.control_flow_util",)),
+    ("list_local_devices", ("tensorflow.python.client.device_lib",)),
 )
 
 stop_recording = record.stop_recording
@@ -171,6 +172,12 @@ def in_replica_thread():
     return isinstance(threading.current_thread(), mirrored_run._MirroredReplicaThread)
 
 
+def _in_replica_of(variable):
+    """Whether `variable` is distributed and this thread runs one of its strategy's replicas."""
+    return (isinstance(variable, tf.distribute.DistributedValues) and tf.distribute.has_strategy()
+            and not tf.distribute.in_cross_replica_context())
+
+
 def replica_local(variable):
     """In replica context, the component of a distributed `variable` that this replica owns.
 
@@ -181,9 +188,7 @@ def replica_local(variable):
     with aggregation `NONE` or a `SyncOnReadVariable` does. Anything else
     (a plain variable, cross-replica context) is returned unchanged.
     """
-    if not isinstance(variable, tf.distribute.DistributedValues):
-        return variable
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+    if not _in_replica_of(variable):
         return variable
     return variable._get_on_device_or_primary()
 
@@ -198,9 +203,7 @@ def replica_assigned_value(variable, value):
     plain variable, cross-replica context -- keeps `value`. Used where an
     assignment is recorded instead of executed (a Keras 3 `StatelessScope`).
     """
-    if not isinstance(variable, tf.distribute.DistributedValues):
-        return value
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+    if not _in_replica_of(variable):
         return value
     aggregation = variable.aggregation
     if (
@@ -217,3 +220,14 @@ def replica_assigned_value(variable, value):
     if aggregation == tf.VariableAggregation.SUM:
         return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
     return context.all_reduce(tf.distribute.ReduceOp.MEAN, value)
+
+
+def gpu_memory_limit():
+    """The memory TensorFlow's allocator may use on its first GPU, in bytes, or None without
+    a GPU (`recompute.planner`'s budget by default): TensorFlow has no public API for it."""
+    from tensorflow.python.client import device_lib
+
+    for device in device_lib.list_local_devices():
+        if device.device_type == "GPU":
+            return int(device.memory_limit)
+    return None

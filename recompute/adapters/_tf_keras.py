@@ -3,8 +3,8 @@
 Uses private tf_keras names -- the call context, the autocast dtype of mixed
 precision, the layers' `RandomGenerator`s and loss lists -- because tf_keras
 has no public API for them; they are all read here and nowhere else (but
-`MultiHeadAttention`'s, in `recompute._mha_private`, and the Keras mask, which
-Keras 3 names alike: `recompute._keras_private`). `PRIVATE_NAMES` lists them as
+`MultiHeadAttention`'s, in `recompute.adapters._mha_private`, and the Keras mask, which
+Keras 3 names alike: `recompute.adapters._keras_private`). `PRIVATE_NAMES` lists them as
 `(attribute, owners)`, in the format of `accum._inner`'s: an attribute (a dotted
 path for an attribute of an attribute) that each owner -- a module, or a class by
 its import path (an instance of it where the interface test builds one), or a
@@ -36,13 +36,14 @@ import threading
 import tensorflow as tf
 
 from . import _mha_private, _tf
-from ._keras3 import copy_output_mask  # noqa: F401  (tf_keras keeps masks in the same attribute)
+from .._scoped import ThreadStack
+from ._keras3 import copy_output_mask, unique  # noqa: F401  (tf_keras keeps masks in the same attribute)
 
 _LAYER = "tf_keras.layers.Layer"
 _RANDOM_GENERATOR = "tf_keras.src.backend.RandomGenerator"
 _CALL_CONTEXT = "tf_keras.src.engine.base_layer_utils.CallContext"
 _AUTOCAST = "tf_keras.src.mixed_precision.autocast_variable"
-GELU = ("tf_keras.src.activations", "gelu")  # (module, name) of the exact GELU (`recompute._gelu`)
+GELU = ("tf_keras.src.activations", "gelu")  # (module, name) of the exact GELU (`recompute.ops._gelu`)
 
 PRIVATE_NAMES = (
     ("_flatten_layers", (_LAYER,)),
@@ -107,13 +108,7 @@ def state_variables(layer):
         tf_gen = getattr(gen, "_generator", None)
         if tf_gen is not None:
             found.append(tf_gen.state)
-    out, seen = [], set()
-    for v in found:
-        v = tf_variable(v)
-        if id(v) not in seen:
-            seen.add(id(v))
-            out.append(v)
-    return out
+    return unique(tf_variable(v) for v in found)
 
 
 def capture_call_state(layer):
@@ -181,14 +176,20 @@ def replay_state(layer, state, start):
 _LOSS_LISTS = ("_losses", "_eager_losses")
 
 
-def _save_python_state(layers):
-    """Returns a function that undoes `add_loss`/`add_metric` bookkeeping made after this point."""
-    saved = []
+def _list_sizes(layers, attrs):
+    """`(list, its length now)` of each list attribute `attrs` of each of `layers`."""
+    sizes = []
     for lyr in layers:
-        for attr in _LOSS_LISTS + ("_callable_losses", "_metrics"):
+        for attr in attrs:
             lst = lyr.__dict__.get(attr) if attr != "_eager_losses" else lyr._eager_losses
             if isinstance(lst, list):
-                saved.append((lst, len(lst)))
+                sizes.append((lst, len(lst)))
+    return sizes
+
+
+def _save_python_state(layers):
+    """Returns a function that undoes `add_loss`/`add_metric` bookkeeping made after this point."""
+    saved = _list_sizes(layers, _LOSS_LISTS + ("_callable_losses", "_metrics"))
 
     def restore():
         for lst, n in saved:
@@ -199,12 +200,7 @@ def _save_python_state(layers):
 
 def track_losses(layers):
     """Returns a function listing `(list, index)` of the loss tensors added after this point."""
-    sizes = []
-    for lyr in layers:
-        for attr in _LOSS_LISTS:
-            lst = lyr.__dict__.get(attr) if attr != "_eager_losses" else lyr._eager_losses
-            if isinstance(lst, list):
-                sizes.append((lst, len(lst)))
+    sizes = _list_sizes(layers, _LOSS_LISTS)
 
     def added():
         return [
@@ -240,7 +236,7 @@ class _LegacyReplay:
         return tf.random.experimental.stateless_fold_in(self.seed, self.draws)
 
 
-_replays = threading.local()  # .stack: the active `_LegacyReplay`s of this thread
+_replays = ThreadStack()  # the active `_LegacyReplay`s of this thread
 _redirect_lock = threading.Lock()
 _redirect_users = 0
 _REDIRECTED = ("dropout", "random_uniform", "random_normal", "truncated_normal")
@@ -248,8 +244,7 @@ _saved_methods = {}
 
 
 def _active_replay():
-    stack = getattr(_replays, "stack", None)
-    return stack[-1] if stack else None
+    return _replays.top()
 
 
 def _draw_legacy_seed():
@@ -304,14 +299,10 @@ def _replay_legacy_rng(seed):
                 _saved_methods[name] = RandomGenerator.__dict__[name]
                 setattr(RandomGenerator, name, _redirecting(_saved_methods[name]))
         _redirect_users += 1
-    stack = getattr(_replays, "stack", None)
-    if stack is None:
-        stack = _replays.stack = []
-    stack.append(replay)
     try:
-        yield replay
+        with _replays.entered(replay):
+            yield replay
     finally:
-        stack.pop()
         with _redirect_lock:
             _redirect_users -= 1
             if _redirect_users == 0:

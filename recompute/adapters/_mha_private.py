@@ -2,7 +2,7 @@
 here and nowhere else (Keras 3 and tf_keras name them alike).
 
 Neither Keras has a public API for a `MultiHeadAttention` layer's attention core (the
-method `CORE`, which policy="attention" recomputes and `recompute._attention` runs
+method `CORE`, which policy="attention" recomputes and `recompute.ops._attention` runs
 blocked), nor for the parts of the layer that core uses: its dropout rate and dropout
 layer, its scale (`key_dim`), its masked softmax, its attention axes, whether it takes
 Keras 3's fused flash path, and Keras 3's causal mask. `PRIVATE_NAMES` lists them as

@@ -229,7 +229,7 @@ def dropout_bits(dropout, batch_like, shape, dtype, rows):
     if found is None:
         return None
     seed, draw = found
-    from ._jax import inside_recomputed_call
+    from ..engine._jax import inside_recomputed_call
 
     if inside_recomputed_call():
         return draw(seed, batch_like)
@@ -283,7 +283,7 @@ def _bit_draw(dropout, batch_like, shape, rows):
     if batch * heads * n * rows * keys >= 2**32:
         return None
     from jax.extend.random import threefry2x32_p
-    from ._keras_private import draw_seed
+    from ..adapters._keras_private import draw_seed
 
     seed = jnp.asarray(draw_seed(dropout.seed_generator))  # what Keras's dropout draws with
     if seed.dtype != jnp.uint32 or seed.shape != (2,):

@@ -1,6 +1,6 @@
 """Keras 3 (`keras`, TensorFlow backend): the `_adapter.Adapter` of Keras 3 layers.
 
-On the JAX backend a Keras 3 layer is recomputed by `recompute._jax` instead
+On the JAX backend a Keras 3 layer is recomputed by `recompute.engine._jax` instead
 (`_backends.on_jax`); other backends are refused here (`check_supported`).
 
 Uses a few private Keras names -- the call context that carries `training` to
@@ -13,7 +13,7 @@ import contextlib
 import sys
 
 from . import _keras_private as _private, _mha_private
-from ._errors import created_in_recomputation
+from .._errors import created_in_recomputation
 
 name = "Keras 3"
 attention_core = _mha_private.CORE
@@ -28,7 +28,11 @@ def _keras():
 SUPPORTED_BACKENDS = ("tensorflow", "jax")
 
 
-def _refuse_backend(backend, what):
+def _check_backend(backend, what):
+    """Refuses `what` (a layer running, a method decorated) on a backend other than
+    TensorFlow and JAX."""
+    if backend in SUPPORTED_BACKENDS:
+        return
     raise NotImplementedError(
         "`recompute_grad` supports Keras 3 with the TensorFlow or JAX backend. "
         f"Received: {what} on the {backend!r} backend. "
@@ -42,9 +46,7 @@ def backend():
 
 
 def check_supported(layer):
-    name = backend()
-    if name not in SUPPORTED_BACKENDS:
-        _refuse_backend(name, f"layer '{layer.name}' running")
+    _check_backend(backend(), f"layer '{layer.name}' running")
 
 
 def check_decoration(fn):
@@ -60,9 +62,7 @@ def check_decoration(fn):
     backend_fn = getattr(keras.backend, "backend", None)
     if backend_fn is None:  # bert4keras's `keras` (tf_keras under another name)
         return
-    name = backend_fn()
-    if name not in SUPPORTED_BACKENDS:
-        _refuse_backend(name, f"`{getattr(fn, '__qualname__', fn)}` decorated")
+    _check_backend(backend_fn(), f"`{getattr(fn, '__qualname__', fn)}` decorated")
 
 
 def sublayers(layer):
@@ -92,8 +92,13 @@ def state_variables(layer):
     global_gen = _private.global_seed_generator()
     if global_gen is not None:
         found.append(global_gen.state)
+    return unique(found)
+
+
+def unique(values):
+    """`values` (an iterable) without repeats, by identity, in their order."""
     out, seen = [], set()
-    for v in found:
+    for v in values:
         if id(v) not in seen:
             seen.add(id(v))
             out.append(v)
@@ -133,7 +138,7 @@ def creation_refused(layer):
     """Around a call run in a `StatelessScope` that does not initialize variables (a
     recomputation): a variable the call creates -- which Keras then refuses, or defers
     to the scope's exit -- raises `VariableCreatedInRecomputationError` naming `layer`.
-    Also used by `recompute._jax`."""
+    Also used by `recompute.engine._jax`."""
     pending = _private.global_attribute(
         _private.UNINITIALIZED_VARIABLES, [], set_to_default=True
     )

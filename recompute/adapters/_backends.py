@@ -27,7 +27,7 @@ ADAPTERS = (_keras3, _tf_keras)
 
 
 def on_jax(adapter):
-    """True if `adapter`'s layers run on Keras 3's JAX backend (recomputed by `recompute._jax`)."""
+    """True if `adapter`'s layers run on Keras 3's JAX backend (recomputed by `recompute.engine._jax`)."""
     return adapter is _keras3 and _keras3.backend() == "jax"
 
 

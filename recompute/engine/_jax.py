@@ -24,36 +24,25 @@ dropout masks, and a state update happens once, in the forward pass. The
 call's context (training flag, mixed-precision autocast) is the forward
 pass's: JAX traces the call once and replays its jaxpr.
 
-Uses private names of Keras's JAX backend -- the raw value of a variable, the
-symbolic (shape-inference) scope, the global seed generator and the check
-that keeps it out of traced code -- here and nowhere else. `recompute._keras3`
-is the TensorFlow backend's adapter; this module replaces `_core` and the
-policies' TensorFlow functions for JAX (`full`, `attention`; `_policies.POLICIES`
-names both engines').
+Reads Keras's JAX backend's private names -- the raw value of a variable, the
+symbolic (shape-inference) scope, the global seed generator and the check that keeps
+it out of traced code -- through `recompute.adapters._keras_private`. This module is
+the JAX engine (`_core` is TensorFlow's); the policies' JAX functions that run on it
+are `recompute.policies._jax`.
 """
 
 import contextlib
-import threading
-
 import numpy as np
 
-from . import _keras3, _keras_private
+from ..adapters import _keras3, _keras_private
+from .._scoped import ThreadStack
 
-_running = threading.local()  # .depth: recomputed calls running in this thread
+_running = ThreadStack()  # the layers whose recomputed call is being traced, this thread
 
 
 def inside_recomputed_call():
     """True while a recomputed call is being traced in this thread: the outermost one is the unit."""
-    return getattr(_running, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def _running_call():
-    _running.depth = getattr(_running, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _running.depth -= 1
+    return bool(_running)
 
 
 def in_shape_inference():
@@ -148,7 +137,7 @@ def recomputed_call(call, layer, args, kwargs, policy=None):
         call_args, call_kwargs = keras.tree.pack_sequence_as(structure, new_flat)
         scope = _scope_class()(mapping)
         with _keras3.creation_refused(layer):
-            with scope, _running_call(), _global_seed_allowed(not traced_outside):
+            with scope, _running.entered(layer), _global_seed_allowed(not traced_outside):
                 outputs = call(layer, *call_args, **call_kwargs)
         flat_outputs = keras.tree.flatten(outputs)
         arrays = [i for i, out in enumerate(flat_outputs) if _is_array(out)]
@@ -169,74 +158,3 @@ def recomputed_call(call, layer, args, kwargs, policy=None):
     for i, value in zip(traced["arrays"], results):
         flat_outputs[i] = value
     return keras.tree.pack_sequence_as(traced["outputs"], flat_outputs)
-
-
-# ------------------------------------------------------------------ policies
-
-
-def full(fn, layer, args, kwargs):
-    """The whole call is one `jax.checkpoint`: it keeps its inputs, runs again in the backward
-    pass; its attention cores run blocked (`_flash`), in both passes."""
-    from ._attention import with_blocked_cores
-
-    layers = _keras3.attention_layers(_keras3.sublayers(layer))
-    if layers:
-        fn = with_blocked_cores(fn, lambda: _cores_blocked(layers, _keras3.attention_core))
-    return recomputed_call(fn, layer, args, kwargs)
-
-
-def attention(fn, layer, args, kwargs):
-    """Only the attention core (`MultiHeadAttention._compute_attention`) of each multi-head
-    attention layer in the call keeps less: blocked (`_flash_jax`: it keeps its inputs and
-    the dropout's bits), or, where the core is not the standard case, a `jax.checkpoint`
-    (its dropout replayed from the seed state); and the exact GELUs of its `Dense`
-    sublayers keep only their input (`_gelu.checkpointed`); everything else is kept."""
-    from . import _gelu
-    from ._attention import attention_layers  # the check and its message, shared
-
-    layers = attention_layers(_keras3, layer)
-    with _cores_blocked(layers, _keras3.attention_core, checkpoint_others=True), \
-            _gelu.kept_input(_keras3.sublayers(layer), _gelu.checkpointed):
-        return fn(layer, *args, **kwargs)
-
-
-@contextlib.contextmanager
-def _cores_blocked(layers, name, checkpoint_others=False):
-    """While active, `name` (the attention core) of each layer runs as the blocked core
-    where it is the standard case (`_attention.keras_blocked`), else -- with
-    `checkpoint_others` -- under `recomputed_call`, else as written. An instance
-    attribute shadows the method, removed on exit."""
-    from . import _attention, _flash_jax
-
-    installed = []
-    try:
-        for lyr in layers:
-            if name in vars(lyr):  # shadowed already (an enclosing decorated call)
-                continue
-            method = getattr(type(lyr), name)
-
-            def core(*args, _layer=lyr, _method=method, **kwargs):
-                if in_shape_inference():
-                    return _method(_layer, *args, **kwargs)
-                blocked = _attention.keras_blocked(
-                    _flash_jax, _method, _layer, args, kwargs, _keras3.scores_asked(args, kwargs))
-                if blocked is not None:
-                    return blocked
-                if not checkpoint_others or inside_recomputed_call():
-                    return _method(_layer, *args, **kwargs)
-                return recomputed_call(_method, _layer, args, kwargs)
-
-            object.__setattr__(lyr, name, core)
-            installed.append(lyr)
-        yield
-    finally:
-        for lyr in installed:
-            object.__delattr__(lyr, name)
-
-
-def run(policy, fn, layer, args, kwargs):
-    """The decorated call on the JAX backend with recomputation on (`recompute_grad`):
-    `policy` is this engine's function of the chosen policy (`_policies.POLICIES`)."""
-    if inside_recomputed_call() or in_shape_inference():
-        return fn(layer, *args, **kwargs)
-    return policy(fn, layer, args, kwargs)

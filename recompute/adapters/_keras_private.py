@@ -1,5 +1,5 @@
 """The private Keras 3 names that `recompute` relies on (besides `MultiHeadAttention`'s,
-in `recompute._mha_private`), read here and nowhere else.
+in `recompute.adapters._mha_private`), read here and nowhere else.
 
 Keras 3 has no public API for: a layer's sublayers, flattened (`_flatten_layers`); the
 losses a layer's call added (`_losses`, `_loss_ids`); the backend value behind a

@@ -30,8 +30,9 @@ import contextlib
 import numpy as np
 import tensorflow as tf
 
-from . import _keras_private, _tf_keras
-from ._core import after
+from ..adapters import _keras_private, _tf_keras
+from ..engine._core import after
+from .._scoped import shadowed
 
 _GELUS = (_keras_private.GELU, _tf_keras.GELU)
 _MARK = "__recompute_gelu__"
@@ -98,15 +99,7 @@ def kept_input(layers, keep=None):
     `keep(activation)` (an instance attribute, restored on exit): by default
     `keeping_input` (TensorFlow), `checkpointed` on JAX."""
     keep = keep or keeping_input
-    installed = []
-    try:
-        for layer in layers:
-            own = getattr(layer, "activation", None)
-            if own is None or getattr(own, _MARK, False) or not is_exact_gelu(own):
-                continue
-            object.__setattr__(layer, "activation", keep(own))
-            installed.append((layer, own))
+    gelus = ((layer, getattr(layer, "activation", None)) for layer in layers)
+    with shadowed((layer, "activation", keep(own)) for layer, own in gelus
+                  if own is not None and not getattr(own, _MARK, False) and is_exact_gelu(own)):
         yield
-    finally:
-        for layer, own in installed:
-            object.__setattr__(layer, "activation", own)

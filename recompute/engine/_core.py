@@ -10,20 +10,19 @@ behind (moving statistics, seeds, metrics and `add_loss` are updated once, by
 the forward pass). Turning recomputation on changes only memory and time.
 """
 
-import contextlib
 import inspect
-import threading
 import types
 import warnings
 import weakref
 
 import tensorflow as tf
 
-from . import _tf
-from ._errors import created_in_recomputation
+from ..adapters import _tf
+from .._errors import created_in_recomputation
+from .._scoped import ThreadStack
 
 _legacy_rng_warned = False
-_running = threading.local()  # .calls: the `_RunningCall` of each recomputed call running, this thread
+_running = ThreadStack()  # the `_RunningCall` of each recomputed call running, this thread
 
 
 def inside_recomputed_call():
@@ -36,7 +35,7 @@ def inside_recomputed_call():
     anyway, and in the recomputation, which would otherwise recompute it a
     second time.
     """
-    return bool(getattr(_running, "calls", None))
+    return bool(_running)
 
 
 class _RunningCall:
@@ -65,18 +64,6 @@ class _RunningCall:
                 "when recomputed; `call` must run the same code each time.")
 
 
-@contextlib.contextmanager
-def _running_call(call):
-    calls = getattr(_running, "calls", None)
-    if calls is None:
-        calls = _running.calls = []
-    calls.append(call)
-    try:
-        yield
-    finally:
-        calls.pop()
-
-
 def kept(compute):
     """`compute()` (tensors, or None), computed once per training step.
 
@@ -87,10 +74,9 @@ def kept(compute):
     impossible to recompute: an attention dropout's decision, kept as bits
     (`_attention`), 1 bit per entry against a float random draw per entry.
     """
-    calls = getattr(_running, "calls", None)
-    if not calls:
+    call = _running.top()
+    if call is None:
         return compute()
-    call = calls[-1]
     if call.replaying:
         return call.take()
     call.values.append(compute())
@@ -413,7 +399,7 @@ class Recomputation:
     def _run_call(self, inputs, seed, replay=False):
         new_flat = [inputs[self.slot_of[id(v)]] if id(v) in self.slot_of else v for v in self.flat]
         call_args, call_kwargs = tf.nest.pack_sequence_as(self.structure, new_flat)
-        with _running_call(self.running.replay() if replay else self.running):
+        with _running.entered(self.running.replay() if replay else self.running):
             if self.legacy is None:
                 return self.call(self.layer, *call_args, **call_kwargs)
             with self.legacy.replay(seed) as replayed:

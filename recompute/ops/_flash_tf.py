@@ -10,7 +10,7 @@ gradient (`_core.after`), so that a graph executor does not run it early.
 import tensorflow as tf
 
 from . import _flash
-from ._core import after
+from ..engine._core import after
 
 # Eight 0/1 bytes read as one 64-bit word: a product with _GATHER moves byte i's
 # bit to bit i of the top byte (the partial products are distinct powers of 2,

@@ -7,7 +7,7 @@ without dropout; with dropout both materialize every [batch, heads, seq, seq]
 tensor and autodiff keeps several of them. `keras_blocked` runs the same core
 as `_flash`'s blocked core, on the layer's own ops (its scale, masked softmax
 and dropout layer), for TensorFlow (`_flash_tf`) or JAX (`_flash_jax`):
-`recompute._policies` and `recompute._jax` install it on the attention layers of
+`recompute.policies._registry` and `recompute.policies._jax` install it on the attention layers of
 every recomputed call, under every policy. bert4keras's core has its own
 glue (`recompute.bert4keras._attention`).
 """
@@ -15,7 +15,9 @@ glue (`recompute.bert4keras._attention`).
 import inspect
 import math
 
-from . import _core, _flash, _mha_private as _mha
+from ..engine import _core
+from . import _flash
+from ..adapters import _mha_private as _mha
 
 
 def attention_layers(adapter, layer):

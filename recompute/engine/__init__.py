@@ -1,0 +1,93 @@
+"""The recomputation engines, behind one interface: `of(adapter)` is the engine that runs a
+layer's recomputation, `inside_recomputed_call()` tells either engine's.
+
+An `Engine` (`TensorFlowEngine`, `JaxEngine`) answers these, and nothing else of the
+recomputation is asked by what uses it (`recompute._decorator`, the policies, the
+integrations):
+
+- `recomputes()`: whether a call made now is recomputed -- on TensorFlow where a tape
+  records and no recomputed call encloses it, on JAX where no recomputed call is being
+  traced and Keras is not inferring shapes (the outermost decorated call is the unit);
+- `recomputed_call(fn, layer, args, kwargs)`: `fn(layer, *args, **kwargs)` recomputed for
+  the gradient; `run(policy, fn, layer, args, kwargs)`: a policy's function for this
+  engine (`recompute.policies._registry.Policy`), handed what it needs.
+
+The engines: `_core` (TensorFlow: one `tf.custom_gradient` around the call, forward out of
+the tapes' reach, backward under a fresh tape in the same call context; `kept` and
+`after`) and `_jax` (Keras 3's JAX backend: the call as a `jax.checkpoint`, the layer's
+state threaded through). Each tracks its running calls in a `recompute._scoped.ThreadStack`.
+They ask the Keras family through `recompute.adapters`.
+
+What a TensorFlow recomputation offers the code it runs (the ops, the integrations):
+`kept(compute)` (computed once per step, kept through the recomputation: dropout
+decisions), `after(tensors, *gates)` (tensors gated on the incoming gradient, so that a
+recomputation does not run early), `check_recomputable` and `float_tensors` (the check a
+call makes before it is recomputed).
+"""
+
+from ..adapters import _backends, _tf
+from . import _core, _jax
+from ._core import after, check_recomputable, float_tensors, kept  # noqa: F401  (TensorFlow's)
+
+
+class Engine:
+    """What every engine answers (the module's docstring); built for one layer's family."""
+
+    name = None  # "tensorflow" or "jax"
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+
+    def recomputes(self):
+        """Whether a call made now is recomputed (else it runs as written)."""
+        raise NotImplementedError
+
+    def recomputed_call(self, fn, layer, args, kwargs):
+        """`fn(layer, *args, **kwargs)`, recomputed for the gradient."""
+        raise NotImplementedError
+
+    def run(self, policy, fn, layer, args, kwargs):
+        """`policy`'s function for this engine (a `recompute.policies._registry.Policy`)."""
+        raise NotImplementedError
+
+
+class TensorFlowEngine(Engine):
+    """Keras 3 on TensorFlow and tf_keras: `_core`, with the layer's family `adapter`."""
+
+    name = "tensorflow"
+
+    @staticmethod
+    def recomputes():
+        return _tf.tape_is_active() and not _core.inside_recomputed_call()
+
+    def recomputed_call(self, fn, layer, args, kwargs):
+        return _core.recomputed_call(self.adapter, fn, layer, args, kwargs)
+
+    def run(self, policy, fn, layer, args, kwargs):
+        return policy.tensorflow(self.adapter, fn, layer, args, kwargs)
+
+
+class JaxEngine(Engine):
+    """Keras 3 on JAX: `_jax` (its family is always Keras 3's)."""
+
+    name = "jax"
+
+    @staticmethod
+    def recomputes():
+        return not (_jax.inside_recomputed_call() or _jax.in_shape_inference())
+
+    def recomputed_call(self, fn, layer, args, kwargs):
+        return _jax.recomputed_call(fn, layer, args, kwargs)
+
+    def run(self, policy, fn, layer, args, kwargs):
+        return policy.jax(fn, layer, args, kwargs)
+
+
+def of(adapter):
+    """The engine of a layer of `adapter`'s family (`_backends.adapter_for(layer)`)."""
+    return JaxEngine(adapter) if _backends.on_jax(adapter) else TensorFlowEngine(adapter)
+
+
+def inside_recomputed_call():
+    """True if a recomputed call runs (TensorFlow) or is being traced (JAX) in this thread."""
+    return _core.inside_recomputed_call() or _jax.inside_recomputed_call()

@@ -1,0 +1,15 @@
+"""The operations a recomputed block runs differently from Keras: what the policies keep small.
+
+- `_flash`: FlashAttention-2 (Dao, 2023) written once in framework ops (`forward`,
+  `backward` over an `Engine`), the rule that picks it or the layer's own core
+  (`runs_blocked`) and its settings (`attention_core`, `attention_block_size`);
+  its engines `_flash_tf` (`tf.custom_gradient` over a `tf.while_loop`) and `_flash_jax`
+  (`jax.custom_vjp` over a `fori_loop`).
+- `_attention`: Keras's `MultiHeadAttention` core run as that core (both families), its
+  dropout decided once per step and kept as bits (`recompute.engine._core.kept`).
+- `_gelu`: the exact GELU with a gradient that keeps only its input (a custom gradient,
+  or `jax.checkpoint` on JAX).
+
+They use `recompute.engine` (TensorFlow's `kept`, `after`) and `recompute.adapters`;
+`recompute.policies` and the integrations use them.
+"""

@@ -1,0 +1,13 @@
+"""What a call decorated with `recompute_grad` recomputes: each policy one function per
+engine, which `recompute.engine`'s `run` calls, handed what it needs.
+
+- `_registry`: the registry `POLICIES` (its names: `NAMES`, `recompute.POLICIES`) of each
+  policy's `Policy(tensorflow, jax)`, the TensorFlow functions -- `"full"` (the call is
+  one `recompute.engine._core` recomputation), `"attention"` (only the attention cores
+  and GELUs are recomputed) -- and `check_policy`.
+- `_jax`: the policies' functions on Keras 3's JAX backend (`full`, `attention`), run
+  on the JAX engine (`recompute.engine._jax`).
+
+`recompute._decorator` and the integrations (`recompute.bert4keras`, `recompute.keras_hub`)
+call them.
+"""
