@@ -116,10 +116,10 @@ class attention_core(Setting):
     """Chooses the attention core of recomputed calls: the rule, or one core forced.
 
     `"auto"` (the default) follows the rule of `runs_blocked`: the blocked core
-    on TensorFlow in float32 beyond 512 keys, the layer's own core (Keras's
-    `_compute_attention`, bert4keras's `pay_attention_to`) on TensorFlow up to
-    512 keys, where it is the faster at about the same memory, on JAX, where XLA:GPU's
-    plan of the blocked core is above Keras's (docs/attention.md), and in half
+    on TensorFlow in float32 beyond 512 keys and on JAX in float32 (where XLA:GPU's
+    plan of it is below Keras's core's: docs/attention.md), the layer's own core
+    (Keras's `_compute_attention`, bert4keras's `pay_attention_to`) on TensorFlow up
+    to 512 keys, where it is the faster at about the same memory, and in half
     precision everywhere. `"keras"` runs the layer's own core everywhere; `"blocked"`
     runs the blocked core wherever it is exact (float32 and float64, the
     standard case). Each is exact: the choice moves memory and time, not
@@ -174,17 +174,14 @@ def runs_blocked(engine, dtype, queries, keys):
       length is known only when the core runs; the blocked core beyond, where the
       [seq, seq] scores dominate (seq 1024: far less memory; docs/attention.md,
       "Which core runs").
-    - `"auto"` on JAX: the layer's own core, where XLA:GPU's plan for an H100
-      of keras-hub BERT-base (12 blocks,
-      seq 512, float32) held 145.5 MiB per sample under `"full"` with the
-      FlashAttention-2 core against 78.0 with Keras's; since 2026-11-28 17.7
-      (`"attention"`: 265.9 against 295.6; `python -m benchmarks.gpu_plan
-      --policies attention,full --cores blocked`); at small widths, seq 256,
-      `"attention"`, it plans at or below Keras's at 2 and 8 blocks (no
-      log-sum-exp kept with one key block, the dropout's seed kept instead of
-      its bits), but grows 1,792 bytes more from 2 to 8 blocks
-      (`tests/recompute_jax/test_gpu_plan.py` refuses any; docs/attention.md,
-      "The last bytes at seq 256").
+    - `"auto"` on JAX: the blocked core (since 2026-11-28). XLA:GPU's plan for an
+      H100 of keras-hub BERT-base (12 blocks, seq 512, float32) holds 19.5 MiB per
+      sample under `"full"` with it against 78.0 with Keras's core, and 247.6 against
+      295.6 under `"attention"` (`python -m benchmarks.gpu_plan --policies
+      attention,full --cores blocked,keras`); at small widths, seq 256, it plans at
+      or below Keras's at 2 and 8 blocks, growing by XLA's tuple buffers only
+      (`tests/recompute_jax/test_gpu_plan.py`; docs/attention.md, "The last bytes
+      at seq 256").
 
     Args:
         engine: the `Engine` of the call (`_flash_tf.ENGINE`, `_flash_jax.ENGINE`;
@@ -201,7 +198,7 @@ def runs_blocked(engine, dtype, queries, keys):
         return tensorflow_pays(queries, keys)
     if _core_choice[0] != "auto":
         return _core_choice[0] == "blocked"
-    return engine.name != "jax"
+    return True  # JAX: XLA:GPU's plan of it is at or below Keras's core's (docstring)
 
 
 TF_KERAS_CORE_KEYS = 512  # under "auto", TensorFlow runs the layer's own core up to this many keys

@@ -1,6 +1,7 @@
 """XLA:GPU's plan of the JAX training step, compiled for an H100 on this machine (no GPU):
 the attention core the library chooses (`recompute.attention_core("auto")`) never plans more
-than Keras's own core under any policy, and grows no faster per added block.
+than Keras's own core under any policy, and grows no faster per added block (but for
+`BARRIER_SLACK`).
 
 `python -m benchmarks.gpu_plan` at small widths (hidden 128, seq 256) but two depths (2 and
 8 blocks): at BERT-base the blocked core planned 3x Keras's under "full" (231.0 against
@@ -16,6 +17,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# Per added block, the chosen core may grow by XLA's small tuple buffers more than Keras's
+# core: the blocked core's chained optimization barriers get 256 bytes each (seq 256,
+# "attention": 1,792 bytes more from 2 to 8 blocks, while 1,792 bytes below Keras's at 2
+# blocks and equal at 8; docs/attention.md, "The last bytes at seq 256"). Anything of a
+# tensor's size kept per block -- the smallest here, one layer's dropout bits, 64 KiB at
+# batch 4 -- is far above it and fails.
+BARRIER_SLACK = 1024
 
 
 def plan(tmp_path, *args):
@@ -42,7 +50,7 @@ def test_chosen_core_plans_no_more_than_keras_core(tmp_path):
             assert auto["per_sample_mib"] <= keras["per_sample_mib"] + 1e-6, (policy, layers, table)
         growth = {core: by[8, policy, core]["temp"] - by[2, policy, core]["temp"]
                   for core in ("auto", "keras")}
-        assert growth["auto"] <= growth["keras"], (policy, table)
+        assert growth["auto"] <= growth["keras"] + 6 * BARRIER_SLACK, (policy, growth, table)
     # the plan sees what recomputation saves: "full" below "attention" at 8 blocks
     assert by[8, "full", "auto"]["per_sample_mib"] < by[8, "attention", "auto"]["per_sample_mib"]
 
