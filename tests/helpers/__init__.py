@@ -17,6 +17,8 @@
 - `protocol_checks`: whether a module implements a `Protocol` interface (recompute's
   adapters, accum's inner-optimizer APIs).
 - `commands`: `run_module`, a module of this repository run as a command (`python -m`).
+- `layout`: a library package's import graph from its source (the layout tests of accum
+  and recompute).
 - `mwms`: runs 2 `MultiWorkerMirroredStrategy` worker processes on loopback;
   `mwms_worker` (AccumOptimizer) and `mwms_recompute_worker` (recompute_grad)
   are those workers (`python -m tests.helpers.<worker>`).

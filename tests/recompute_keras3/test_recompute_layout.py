@@ -4,55 +4,16 @@ its packages stand on floors -- `adapters` at the bottom, then `engine`, `ops`,
 `policies` -- each importing only from the floors below it (and the top folder's leaf
 modules `_errors`, `_scoped` and `_setting`)."""
 
-import ast
 import os
 
 import pytest
 
 import accum
 import recompute
+from tests.helpers import layout
 
 LEAVES = {"_errors", "_scoped", "_setting"}  # top-folder modules that import nothing of recompute
 FLOORS = ["adapters", "engine", "ops", "policies"]  # bottom first
-
-
-def _modules(package):
-    """dotted module name below `package` (its `__init__` as the package's own name) ->
-    (the package it sits in, its path)."""
-    folder = os.path.dirname(package.__file__)
-    modules = {}
-    for root, _, files in os.walk(folder):
-        inner = os.path.relpath(root, folder).replace(os.sep, ".")
-        inner = "" if inner == "." else inner
-        for file in files:
-            if not file.endswith(".py"):
-                continue
-            stem = file[:-3]
-            name = inner if stem == "__init__" else (f"{inner}.{stem}" if inner else stem)
-            modules[name] = (inner, os.path.join(root, file))
-    return modules
-
-
-def _imports(package):
-    """module -> the modules of `package` it imports (at any level, lazily too)."""
-    modules = _modules(package)
-
-    def resolve(inner, level, module):
-        parts = inner.split(".") if inner else []
-        parts = parts[: len(parts) - (level - 1)]
-        return ".".join(parts + ([module] if module else []))
-
-    graph = {}
-    for name, (inner, path) in modules.items():
-        names = set()
-        for node in ast.walk(ast.parse(open(path).read())):
-            if isinstance(node, ast.ImportFrom) and node.level >= 1:
-                base = resolve(inner, node.level, node.module)
-                for alias in node.names:
-                    target = f"{base}.{alias.name}" if base else alias.name
-                    names.add(target if target in modules else base)
-        graph[name] = names - {name}
-    return graph
 
 
 @pytest.mark.parametrize("package", [recompute, accum], ids=["recompute", "accum"])
@@ -66,23 +27,13 @@ def test_no_folder_over_ten_files(package):
 
 
 def test_no_import_cycle():
-    graph = _imports(recompute)
+    graph = layout.imports(recompute)
     graph = {m: {t for t in targets if t} for m, targets in graph.items() if m}
-
-    def reachable(start):
-        seen, todo = set(), [start]
-        while todo:
-            for name in graph.get(todo.pop(), ()):
-                if name not in seen:
-                    seen.add(name)
-                    todo.append(name)
-        return seen
-
-    assert sorted(m for m in graph if m in reachable(m)) == []
+    assert layout.cyclic(graph) == []
 
 
 def test_packages_stand_on_floors():
-    graph = _imports(recompute)
+    graph = layout.imports(recompute)
     wrong = []
     for module, targets in graph.items():
         floor = module.split(".")[0]
@@ -99,7 +50,7 @@ def test_packages_stand_on_floors():
 def test_integrations_use_the_engine_interface():
     """bert4keras's and keras-hub's integrations reach the engines through `recompute.engine`
     (its `of`, `kept`, `after`, ...), never through an engine's own module."""
-    graph = _imports(recompute)
+    graph = layout.imports(recompute)
     inside = sorted(f"{module} -> {target}" for module, targets in graph.items()
                     if module.split(".")[0] in ("bert4keras", "keras_hub")
                     for target in targets if target in ("engine._core", "engine._jax"))
