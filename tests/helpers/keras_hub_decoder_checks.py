@@ -252,10 +252,11 @@ def _jax_step(backbone, x, on):
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     with recompute_scope(on):
-        jaxpr = jax.make_jaxpr(grad_fn)(trainable)
+        with _recomputed_calls() as traced:  # the blocked cores' custom_vjp are differentiated
+            jaxpr = jax.make_jaxpr(grad_fn)(trainable)  # away in the jaxpr: counted as traced
         # Eager, not jitted: the tiny ops' compiled kernels are shared by every test.
         (loss, state), grads = grad_fn(trainable)
-    recomputed = _jax_primitives(jaxpr.jaxpr, ("remat", "checkpoint", "custom_vjp"))
+    recomputed = max(traced[0], _jax_primitives(jaxpr.jaxpr, ("remat", "checkpoint", "custom_vjp")))
     return (float(loss), [np.asarray(g) for g in grads], [np.asarray(s) for s in state],
             recomputed)
 
