@@ -194,10 +194,10 @@ def runs_blocked(engine, dtype, queries, keys):
     name = getattr(dtype, "name", None) or str(dtype)
     if name in HALF_PRECISION:
         return False
-    if _core_choice[0] == "auto" and engine.name == "tensorflow":
-        return tensorflow_pays(queries, keys)
     if _core_choice[0] != "auto":
         return _core_choice[0] == "blocked"
+    if engine.name == "tensorflow":
+        return tensorflow_pays(queries, keys)
     return True  # JAX: XLA:GPU's plan of it is at or below Keras's core's (docstring)
 
 
