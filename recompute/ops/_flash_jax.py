@@ -291,7 +291,6 @@ def _bit_draw(dropout, batch_like, shape, rows):
     keep_prob = 1.0 - dropout.rate  # as Keras's dropout computes it
     p = jnp.asarray(keep_prob)  # (jax.random.bernoulli's dtype for it: float32)
     one = np.array(1.0, np.float32).view(np.uint32)
-    block = (batch, heads, rows, keys)
 
     def body(carry, i):
         seed, start = carry
