@@ -9,6 +9,7 @@ import contextlib
 
 from ..adapters import _keras3
 from ..engine import _jax as _engine
+from .._scoped import shadowed
 
 
 def full(fn, layer, args, kwargs):
@@ -42,30 +43,24 @@ def _cores_blocked(layers, name, checkpoint_others=False):
     """While active, `name` (the attention core) of each layer runs as the blocked core
     where it is the standard case (`_attention.keras_blocked`), else -- with
     `checkpoint_others` -- under `recomputed_call`, else as written. An instance
-    attribute shadows the method, removed on exit."""
+    attribute shadows the method (`recompute._scoped.shadowed`), removed on exit."""
     from ..ops import _attention, _flash_jax
 
-    installed = []
-    try:
-        for lyr in layers:
-            if name in vars(lyr):  # shadowed already (an enclosing decorated call)
-                continue
-            method = getattr(type(lyr), name)
+    def core_of(lyr, method):
+        def core(*args, **kwargs):
+            if _engine.in_shape_inference():
+                return method(lyr, *args, **kwargs)
+            blocked = _attention.keras_blocked(
+                _flash_jax, method, lyr, args, kwargs, _keras3.scores_asked(args, kwargs))
+            if blocked is not None:
+                return blocked
+            if not checkpoint_others or _engine.inside_recomputed_call():
+                return method(lyr, *args, **kwargs)
+            return _engine.recomputed_call(method, lyr, args, kwargs)
 
-            def core(*args, _layer=lyr, _method=method, **kwargs):
-                if _engine.in_shape_inference():
-                    return _method(_layer, *args, **kwargs)
-                blocked = _attention.keras_blocked(
-                    _flash_jax, _method, _layer, args, kwargs, _keras3.scores_asked(args, kwargs))
-                if blocked is not None:
-                    return blocked
-                if not checkpoint_others or _engine.inside_recomputed_call():
-                    return _method(_layer, *args, **kwargs)
-                return _engine.recomputed_call(_method, _layer, args, kwargs)
+        return core
 
-            object.__setattr__(lyr, name, core)
-            installed.append(lyr)
+    # a core shadowed already (an enclosing decorated call's) is left as it is
+    with shadowed((lyr, name, core_of(lyr, getattr(type(lyr), name)))
+                  for lyr in layers if name not in vars(lyr)):
         yield
-    finally:
-        for lyr in installed:
-            object.__delattr__(lyr, name)
