@@ -20,7 +20,7 @@ model is found and nothing is installed.
 import warnings
 
 from . import _callers, _shadow
-from ._callers import chain  # noqa: F401 (`accum.batchnorm._layer` asks here)
+from ._callers import chain
 
 
 def is_accum_optimizer(optimizer):

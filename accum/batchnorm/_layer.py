@@ -251,7 +251,8 @@ class BatchNormalization:
 
 def _accum_optimizer_in(optimizer):
     """The `AccumOptimizer` that `optimizer` is or wraps (a `LossScaleOptimizer` around it), or None."""
-    from .._recompile import chain, is_accum_optimizer
+    from .._callers import chain
+    from .._recompile import is_accum_optimizer
 
     return next((o for o in chain(optimizer) if is_accum_optimizer(o)), None)
 

@@ -62,7 +62,7 @@ def warn_for_training_model(optimizer):
 
     `model.fit`, `train_on_batch` and `compile` build the optimizer from a
     method of the model, so the model is `self` in a calling frame whose
-    `optimizer` is (or wraps) this optimizer (`_recompile.training_model`). In
+    `optimizer` is (or wraps) this optimizer (`accum._callers.model_calling`). In
     a custom loop no model is found: call `warn_if_batch_normalization(model)` there.
     """
     model = model_calling(optimizer)

@@ -165,7 +165,7 @@ def _buffered_accum(optimizer):
     """The `AccumOptimizer` in `mode="buffer"` that `optimizer` is, or wraps (Keras's
     `LossScaleOptimizer` around it), or None."""
     from .._base import AccumOptimizer
-    from .._recompile import chain
+    from .._callers import chain
 
     return next((o for o in chain(optimizer)
                  if isinstance(o, AccumOptimizer) and o.mode == "buffer"), None)
@@ -173,7 +173,7 @@ def _buffered_accum(optimizer):
 
 def _describe(optimizer):
     """`optimizer`'s repr, with the optimizers it wraps and an `AccumOptimizer`'s mode."""
-    from .._recompile import chain
+    from .._callers import chain
 
     described = []
     for o in chain(optimizer) or [None]:

@@ -37,7 +37,8 @@ import tensorflow as tf
 
 from . import _mha_private, _tf
 from .._scoped import ThreadStack
-from ._keras3 import copy_output_mask, unique  # noqa: F401  (tf_keras keeps masks in the same attribute)
+from ._keras3 import copy_output_mask  # noqa: F401  (tf_keras keeps masks in the same attribute)
+from ._keras3 import unique
 
 _LAYER = "tf_keras.layers.Layer"
 _RANDOM_GENERATOR = "tf_keras.src.backend.RandomGenerator"
