@@ -9,7 +9,7 @@ deferred, the global seed generator); the autocast, symbolic and stateless scope
 whether JAX traces the call; the seed a `SeedGenerator` draws; and where Keras 3's
 layers and its exact GELU are defined (the modules under `keras.src`).
 
-`PRIVATE_NAMES` lists them as `(attribute, owners)`, in the format of `accum._inner`'s:
+`PRIVATE_NAMES` lists them as `(attribute, owners)`, in the format of `recompute.adapters._names` (`accum._inner`'s):
 an attribute (a dotted path for an attribute of an attribute) that each owner must
 have -- a module or a class by its import path (an instance of the class where the
 interface test builds one), or a description of an object the test makes (`MASKED`).
@@ -24,6 +24,8 @@ a layer's call sets the first.
 import contextlib
 import types
 
+from ._names import owned_by
+
 LAYER = "keras.layers.Layer"
 VARIABLE = "keras.Variable"
 MASKED = "a tensor a keras.layers.Masking call returns"
@@ -36,23 +38,18 @@ CURRENT_CALL_CONTEXT = "current_call_ctx"
 UNINITIALIZED_VARIABLES = "uninitialized_variables"
 
 PRIVATE_NAMES = (
-    ("_flatten_layers", (LAYER,)),
-    ("_losses", (LAYER,)),
-    ("_loss_ids", (LAYER,)),
-    ("_value", (VARIABLE,)),
-    ("_keras_mask", (MASKED,)),
-    ("get_global_attribute", (_GLOBAL_STATE,)),
-    ("set_global_attribute", (_GLOBAL_STATE,)),
-    ("GLOBAL_SEED_GENERATOR", (_SEED_GENERATOR,)),
-    ("global_seed_generator", (_SEED_GENERATOR,)),
-    ("draw_seed", (_SEED_GENERATOR,)),
-    ("jax_utils.is_in_jax_tracing_scope", (_SEED_GENERATOR,)),  # replaced for a while
-    ("get_autocast_scope", ("keras.src.backend",)),
-    ("AutocastScope", ("keras.src.backend",)),
-    ("in_symbolic_scope", ("keras.src.backend.common.symbolic_scope",)),
-    ("get_stateless_scope", ("keras.src.backend.common.stateless_scope",)),
-    ("is_in_jax_tracing_scope", ("keras.src.utils.jax_utils",)),
-    (GELU[1], (GELU[0],)),
+    owned_by((LAYER,), "_flatten_layers", "_losses", "_loss_ids")
+    + owned_by((VARIABLE,), "_value")
+    + owned_by((MASKED,), "_keras_mask")
+    + owned_by((_GLOBAL_STATE,), "get_global_attribute", "set_global_attribute")
+    # `jax_utils.is_in_jax_tracing_scope` is replaced for a while
+    + owned_by((_SEED_GENERATOR,), "GLOBAL_SEED_GENERATOR", "global_seed_generator", "draw_seed",
+               "jax_utils.is_in_jax_tracing_scope")
+    + owned_by(("keras.src.backend",), "get_autocast_scope", "AutocastScope")
+    + owned_by(("keras.src.backend.common.symbolic_scope",), "in_symbolic_scope")
+    + owned_by(("keras.src.backend.common.stateless_scope",), "get_stateless_scope")
+    + owned_by(("keras.src.utils.jax_utils",), "is_in_jax_tracing_scope")
+    + owned_by((GELU[0],), GELU[1])
 )
 
 

@@ -6,12 +6,14 @@ method `CORE`, which policy="attention" recomputes and `recompute.ops._attention
 blocked), nor for the parts of the layer that core uses: its dropout rate and dropout
 layer, its scale (`key_dim`), its masked softmax, its attention axes, whether it takes
 Keras 3's fused flash path, and Keras 3's causal mask. `PRIVATE_NAMES` lists them as
-`(attribute, owners)`, in the format of `accum._inner`'s: an attribute that each owner
+`(attribute, owners)`, in the format of `recompute.adapters._names`: an attribute that each owner
 -- a `MultiHeadAttention` class by its import path; the interface tests build the layer
 -- must have. tests/recompute_keras3/test_private_interface.py checks Keras 3's,
 tests/recompute_tf_keras/test_private_interface_tf_keras.py tf_keras's, against the
 installed versions, so that a Keras release that renames one fails there, naming it.
 """
+
+from ._names import owned_by
 
 CORE = "_compute_attention"  # the attention core: scaled scores, masked softmax, dropout, x values
 
@@ -20,15 +22,11 @@ TF_KERAS = "tf_keras.layers.MultiHeadAttention"
 _BOTH = (KERAS3, TF_KERAS)
 
 PRIVATE_NAMES = (
-    (CORE, _BOTH),
-    ("_dropout", _BOTH),
-    ("_dropout_layer", _BOTH),
-    ("_key_dim", _BOTH),
-    ("_softmax", _BOTH),
-    ("_masked_softmax", _BOTH),
-    ("_attention_axes", _BOTH),
-    ("_flash_attention", (KERAS3,)),  # tf_keras has none: read with a default (False)
-    ("_compute_causal_mask", (KERAS3,)),  # Keras 3's `use_causal_mask`
+    owned_by(_BOTH, CORE, "_dropout", "_dropout_layer", "_key_dim", "_softmax", "_masked_softmax",
+             "_attention_axes")
+    # `_flash_attention`: tf_keras has none, read with a default (False);
+    # `_compute_causal_mask`: Keras 3's `use_causal_mask`
+    + owned_by((KERAS3,), "_flash_attention", "_compute_causal_mask")
 )
 
 

@@ -39,25 +39,25 @@ import threading
 
 import tensorflow as tf
 
+from ._names import owned_by
+
 _DISTRIBUTED_VARIABLE = "tensorflow.python.distribute.values.DistributedVariable"
 PRIVATE_NAMES = (
-    ("TFE_Py_PackJVPs", ("tensorflow.python.pywrap_tfe",)),
-    ("stop_recording", ("tensorflow.python.eager.record",)),
-    ("could_possibly_record", ("tensorflow.python.eager.record",)),
-    ("executing_eagerly", ("tensorflow.python.eager.context",)),
-    ("get_default_graph", ("tensorflow.python.framework.ops",)),
-    ("WhileBodyFuncGraph", ("tensorflow.python.ops.control_flow_util_v2",)),
-    ("AutomaticControlDependencies", ("tensorflow.python.framework.auto_control_deps",)),
-    ("AutomaticControlDependencies.mark_as_return",
-     ("tensorflow.python.framework.auto_control_deps",)),
+    owned_by(("tensorflow.python.pywrap_tfe",), "TFE_Py_PackJVPs")
+    + owned_by(("tensorflow.python.eager.record",), "stop_recording", "could_possibly_record")
+    + owned_by(("tensorflow.python.eager.context",), "executing_eagerly")
+    + owned_by(("tensorflow.python.framework.ops",), "get_default_graph")
+    + owned_by(("tensorflow.python.ops.control_flow_util_v2",), "WhileBodyFuncGraph")
+    + owned_by(("tensorflow.python.framework.auto_control_deps",),
+               "AutomaticControlDependencies", "AutomaticControlDependencies.mark_as_return")
     # set by `tf.function` on the graphs it builds (read with a default: False)
-    ("_add_control_dependencies", ("tensorflow.python.framework.func_graph.FuncGraph",)),
-    ("_MirroredReplicaThread", ("tensorflow.python.distribute.mirrored_run",)),
-    ("_get_on_device_or_primary", (_DISTRIBUTED_VARIABLE,)),
-    ("__internal__.autograph.tf_convert", ("tensorflow",)),
-    ("__internal__.autograph.control_status_ctx", ("tensorflow",)),
-    ("GraphOrParentsInXlaContext", ("tensorflow.python.ops.control_flow_util",)),
-    ("list_local_devices", ("tensorflow.python.client.device_lib",)),
+    + owned_by(("tensorflow.python.framework.func_graph.FuncGraph",), "_add_control_dependencies")
+    + owned_by(("tensorflow.python.distribute.mirrored_run",), "_MirroredReplicaThread")
+    + owned_by((_DISTRIBUTED_VARIABLE,), "_get_on_device_or_primary")
+    + owned_by(("tensorflow",), "__internal__.autograph.tf_convert",
+               "__internal__.autograph.control_status_ctx")
+    + owned_by(("tensorflow.python.ops.control_flow_util",), "GraphOrParentsInXlaContext")
+    + owned_by(("tensorflow.python.client.device_lib",), "list_local_devices")
 )
 
 stop_recording = record.stop_recording

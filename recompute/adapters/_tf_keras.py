@@ -5,7 +5,7 @@ precision, the layers' `RandomGenerator`s and loss lists -- because tf_keras
 has no public API for them; they are all read here and nowhere else (but
 `MultiHeadAttention`'s, in `recompute.adapters._mha_private`, and the Keras mask, which
 Keras 3 names alike: `recompute.adapters._keras_private`). `PRIVATE_NAMES` lists them as
-`(attribute, owners)`, in the format of `accum._inner`'s: an attribute (a dotted
+`(attribute, owners)`, in the format of `recompute.adapters._names` (`accum._inner`'s): an attribute (a dotted
 path for an attribute of an attribute) that each owner -- a module, or a class by
 its import path (an instance of it where the interface test builds one), or a
 description of an object the test makes -- must have;
@@ -39,6 +39,7 @@ from . import _mha_private, _tf
 from .._scoped import ThreadStack
 from ._keras3 import copy_output_mask  # noqa: F401  (tf_keras keeps masks in the same attribute)
 from ._keras3 import unique
+from ._names import owned_by
 
 _LAYER = "tf_keras.layers.Layer"
 _RANDOM_GENERATOR = "tf_keras.src.backend.RandomGenerator"
@@ -47,28 +48,19 @@ _AUTOCAST = "tf_keras.src.mixed_precision.autocast_variable"
 GELU = ("tf_keras.src.activations", "gelu")  # (module, name) of the exact GELU (`recompute.ops._gelu`)
 
 PRIVATE_NAMES = (
-    ("_flatten_layers", (_LAYER,)),
-    ("_losses", (_LAYER,)),
-    ("_eager_losses", (_LAYER,)),
-    ("_callable_losses", (_LAYER,)),
-    ("_metrics", (_LAYER,)),
-    ("_non_trainable_weights", (_LAYER,)),
-    ("_random_generator", ("tf_keras.layers.Dropout",)),
-    ("_keras_mask", ("a tensor a tf_keras.layers.Masking call returns",)),
-    ("call_context", ("tf_keras.src.engine.base_layer_utils",)),
-    ("_state", (_CALL_CONTEXT,)),
-    ("_in_keras_graph", (_CALL_CONTEXT,)),
-    ("_autocast_dtype", (_AUTOCAST,)),
-    ("enable_auto_cast_variables", (_AUTOCAST,)),
-    ("_variable", (_AUTOCAST + ".AutoCastVariable",)),
-    ("is_tf_random_generator_enabled", ("tf_keras.src.backend",)),
-    ("_rng_type", (_RANDOM_GENERATOR,)),
-    ("_maybe_init", (_RANDOM_GENERATOR,)),
-    ("_generator", (_RANDOM_GENERATOR,)),  # made by `_maybe_init` (stateful); read with a default
-    ("RNG_LEGACY_STATEFUL", (_RANDOM_GENERATOR,)),
-    ("RNG_STATELESS", (_RANDOM_GENERATOR,)),
-    ("make_seed_for_stateless_op", (_RANDOM_GENERATOR,)),
-    (GELU[1], (GELU[0],)),
+    owned_by((_LAYER,), "_flatten_layers", "_losses", "_eager_losses", "_callable_losses",
+             "_metrics", "_non_trainable_weights")
+    + owned_by(("tf_keras.layers.Dropout",), "_random_generator")
+    + owned_by(("a tensor a tf_keras.layers.Masking call returns",), "_keras_mask")
+    + owned_by(("tf_keras.src.engine.base_layer_utils",), "call_context")
+    + owned_by((_CALL_CONTEXT,), "_state", "_in_keras_graph")
+    + owned_by((_AUTOCAST,), "_autocast_dtype", "enable_auto_cast_variables")
+    + owned_by((_AUTOCAST + ".AutoCastVariable",), "_variable")
+    + owned_by(("tf_keras.src.backend",), "is_tf_random_generator_enabled")
+    # `_generator` is made by `_maybe_init` (stateful); read with a default
+    + owned_by((_RANDOM_GENERATOR,), "_rng_type", "_maybe_init", "_generator",
+               "RNG_LEGACY_STATEFUL", "RNG_STATELESS", "make_seed_for_stateless_op")
+    + owned_by((GELU[0],), GELU[1])
 )
 
 name = "tf_keras"

@@ -229,16 +229,14 @@ def _attending_to(pay_attention_to):
 
 
 def _patch_module(module):
-    for cls in marked_classes(module):
-        if (cls, "call") not in _replaced:
-            current = cls.__dict__["call"]
-            _replaced[cls, "call"] = current
-            cls.call = _marked_call(_undecorated(current), cls)
-    for cls in _attention_classes(module):
-        if (cls, "pay_attention_to") not in _replaced:
-            current = cls.__dict__["pay_attention_to"]
-            _replaced[cls, "pay_attention_to"] = current
-            cls.pay_attention_to = _attending_to(current)
+    for classes, method, replacement in (
+            (marked_classes(module), "call", lambda current, cls: _marked_call(_undecorated(current), cls)),
+            (_attention_classes(module), "pay_attention_to", lambda current, cls: _attending_to(current))):
+        for cls in classes:
+            if (cls, method) not in _replaced:
+                current = cls.__dict__[method]
+                _replaced[cls, method] = current
+                setattr(cls, method, replacement(current, cls))
     objects = _custom_objects(module)
     if module not in _module_gelu and objects is not None and "gelu" in objects:
         _module_gelu[module] = objects["gelu"]
@@ -281,6 +279,7 @@ def _recomputed_blocks(apply_main_layers, keras):
     block's recomputation (the outermost decorated call is the unit).
     """
 
+    @functools.wraps(apply_main_layers)
     def wrapper(self, inputs, index):
         if _policy not in BLOCK_POLICIES:
             return apply_main_layers(self, inputs, index)
@@ -304,9 +303,6 @@ def _recomputed_blocks(apply_main_layers, keras):
         block.call = recompute_grad(block.call)
         return block(inputs)
 
-    wrapper.__name__ = apply_main_layers.__name__
-    wrapper.__doc__ = apply_main_layers.__doc__
-    wrapper.__wrapped__ = apply_main_layers
     return wrapper
 
 

@@ -187,6 +187,12 @@ def _check_is_bert(hf_config):
         )
 
 
+def _expect(ok, key, expected, received):
+    """Raises the `ValueError` for config.json's `key` unless `ok`."""
+    if not ok:
+        raise ValueError(f"Expected config.json's {key} to be {expected}, but received {received}.")
+
+
 def google_config(hf_config):
     """Google's ``bert_config.json`` dict for a HF BERT ``config.json`` dict.
 
@@ -198,23 +204,14 @@ def google_config(hf_config):
     cfg = dict(HF_DEFAULTS)
     cfg.update({k: v for k, v in hf_config.items() if v is not None})
     act = cfg["hidden_act"]
-    if not isinstance(act, str) or act not in ACTIVATIONS:
-        raise ValueError(
-            f"Expected config.json's hidden_act to be one bert4keras supports "
-            f"({', '.join(sorted(ACTIVATIONS))}), but received {act!r}."
-        )
+    _expect(isinstance(act, str) and act in ACTIVATIONS, "hidden_act",
+            f"one bert4keras supports ({', '.join(sorted(ACTIVATIONS))})", repr(act))
     eps = float(cfg["layer_norm_eps"])
-    if not math.isclose(eps, BERT4KERAS_LAYER_NORM_EPS, rel_tol=1e-6):
-        raise ValueError(
-            f"Expected config.json's layer_norm_eps to be {BERT4KERAS_LAYER_NORM_EPS:g} "
-            f"(bert4keras hard-codes it), but received {eps:g}."
-        )
+    _expect(math.isclose(eps, BERT4KERAS_LAYER_NORM_EPS, rel_tol=1e-6), "layer_norm_eps",
+            f"{BERT4KERAS_LAYER_NORM_EPS:g} (bert4keras hard-codes it)", f"{eps:g}")
     position = cfg.get("position_embedding_type", "absolute")
-    if position != "absolute":
-        raise ValueError(
-            f"Expected config.json's position_embedding_type to be 'absolute' "
-            f"(bert4keras's BERT), but received {position!r}."
-        )
+    _expect(position == "absolute", "position_embedding_type", "'absolute' (bert4keras's BERT)",
+            repr(position))
     for key in ("is_decoder", "add_cross_attention"):
         if cfg.get(key):
             raise ValueError(
@@ -223,10 +220,8 @@ def google_config(hf_config):
     ints = {}
     for key in REQUIRED_CONFIG_KEYS + ("max_position_embeddings", "type_vocab_size"):
         value = cfg[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(
-                f"Expected config.json's {key} to be a positive integer, but received {value!r}."
-            )
+        _expect(not isinstance(value, bool) and isinstance(value, int) and value > 0, key,
+                "a positive integer", repr(value))
         ints[key] = value
     if ints["hidden_size"] % ints["num_attention_heads"]:
         raise ValueError(

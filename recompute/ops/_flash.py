@@ -440,6 +440,12 @@ def _query_rows(E, i, block, known, tensors):
     return [None if t is None else E.rows(t, i * block, block, axis) for t, axis in tensors]
 
 
+def _row_masks(E, mask, bits, i, block, known):
+    """Row block `i`'s mask and dropout bits (each None where there is none)."""
+    mask_i = _cut(E, mask, 2, i * block, block) if block is not None and known else mask
+    return mask_i, _bits_rows(E, bits, i, block, known)
+
+
 def _bits_rows(E, bits, i, block, known):
     if bits is None or block is None or not known:
         return bits
@@ -463,11 +469,17 @@ def _softmax_block(E, logits, q_j, k, mask_j, keep, v, rate):
     p = E.softmax(s)
     # log(sum): the softmax's largest entry is exp(0) / sum
     lse = E.stack([E.row_max(s)[..., 0], -E.log(E.row_max(p))[..., 0]])
+    return E.einsum(COMBINE, _selected(E, p, valid, keep, rate), v), lse
+
+
+def _selected(E, p, valid, keep, rate):
+    """`p` with the masked-out entries zeroed (`valid`) and the dropout's selection and scaling
+    applied (`keep`, the unpacked bits; None: no dropout)."""
     if valid is not None:
         p = E.where(valid, p, 0.0)
     if keep is not None:
         p = E.drop(p, keep, rate)
-    return E.einsum(COMBINE, p, v), lse
+    return p
 
 
 def _online_block(E, logits, q_j, mask_j, bits_j, parts, anchor, rate):
@@ -487,11 +499,7 @@ def _online_block(E, logits, q_j, mask_j, bits_j, parts, anchor, rate):
         alpha = E.exp(m - m_use)
         e = E.exp(s - m_use)
         total = alpha * total + E.row_sum(e)
-        if valid is not None:
-            e = E.where(valid, e, 0.0)
-        if keep is not None:
-            e = E.drop(e, keep, rate)
-        acc = acc * alpha + E.einsum(COMBINE_HEADS, e, v_c)
+        acc = acc * alpha + E.einsum(COMBINE_HEADS, _selected(E, e, valid, keep, rate), v_c)
         return (m_new, total, acc), ()
 
     heads, rows = q_j.shape[2], q_j.shape[1]  # (static: `Engine.rows` keeps the size)
@@ -539,8 +547,7 @@ def forward(E, logits, q, k, v, mask, bits, rate, block, key_block=None):
     def body(carry, i, sources):
         q_s, bits_s = sources
         (q_j,) = _query_rows(E, i, block, known, [(q_s, 1)])
-        mask_j = _cut(E, maskp, 2, i * block, block) if block is not None and known else maskp
-        bits_j = _bits_rows(E, bits_s, i, block, known)
+        mask_j, bits_j = _row_masks(E, maskp, bits_s, i, block, known)
         if key_block is None:
             keep = None if bits_j is None else E.unpack(bits_j, keys)
             return carry, _softmax_block(E, logits, q_j, k, mask_j, keep, v, rate)
@@ -613,8 +620,7 @@ def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_b
         q_s, d_out_s, bits_s = sources
         q_j, d_out_j = _query_rows(E, i, block, known, [(q_s, 1), (d_out_s, 1)])
         dot_j, lse_j = _query_rows(E, i, block, known, [(row_dotp, 2), (lsep, 3)])
-        mask_j = _cut(E, maskp, 2, i * block, block) if block is not None and known else maskp
-        bits_j = _bits_rows(E, bits_s, i, block, known)
+        mask_j, bits_j = _row_masks(E, maskp, bits_s, i, block, known)
         if key_block is None:
             keep = None if bits_j is None else E.unpack(bits_j, keys)
             d_q_j, d_k_j, d_v_j = part(q_j, k, v, mask_j, keep, None, d_out_j, dot_j, lse_j)
