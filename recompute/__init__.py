@@ -35,7 +35,7 @@ recomputed block runs differently: the FlashAttention-2 core, once, with its Ten
 and JAX engines and the rule that picks it; Keras's attention core as that core; a GELU
 that keeps only its input); `recompute.engine` (the recomputation, behind one interface: on TensorFlow one
 `tf.custom_gradient`, forward, backward, unpack; on JAX a `jax.checkpoint` with the
-layer's state threaded through); `recompute.adapters` (the interface to
+layer's state threaded through; one tracker of the running calls for both); `recompute.adapters` (the interface to
 a Keras family with its Keras 3 and tf_keras implementations, and the interface modules
 that read every private Keras or TensorFlow name, each listing them in its
 `PRIVATE_NAMES`, checked against the installed versions by the

@@ -15,7 +15,8 @@ integrations):
 The engines: `_core` (TensorFlow: one `tf.custom_gradient` around the call, forward out of
 the tapes' reach, backward under a fresh tape in the same call context; `kept` and
 `after`) and `_jax` (Keras 3's JAX backend: the call as a `jax.checkpoint`, the layer's
-state threaded through). Each tracks its running calls in a `recompute._scoped.ThreadStack`.
+state threaded through). Both track their running calls in one `_running.calls` (the
+one tracker: `inside_recomputed_call()`).
 They ask the Keras family through `recompute.adapters`.
 
 What a TensorFlow recomputation offers the code it runs (the ops, the integrations):
@@ -26,7 +27,7 @@ call makes before it is recomputed).
 """
 
 from ..adapters import _backends, _tf
-from . import _core, _jax
+from . import _core, _jax, _running
 from ._core import after, check_recomputable, float_tensors, kept  # noqa: F401  (TensorFlow's)
 
 
@@ -58,7 +59,7 @@ class TensorFlowEngine(Engine):
 
     @staticmethod
     def recomputes():
-        return _tf.tape_is_active() and not _core.inside_recomputed_call()
+        return _tf.tape_is_active() and not _running.inside_recomputed_call()
 
     def recomputed_call(self, fn, layer, args, kwargs):
         return _core.recomputed_call(self.adapter, fn, layer, args, kwargs)
@@ -74,7 +75,7 @@ class JaxEngine(Engine):
 
     @staticmethod
     def recomputes():
-        return not (_jax.inside_recomputed_call() or _jax.in_shape_inference())
+        return not (_running.inside_recomputed_call() or _jax.in_shape_inference())
 
     def recomputed_call(self, fn, layer, args, kwargs):
         return _jax.recomputed_call(fn, layer, args, kwargs)
@@ -88,6 +89,4 @@ def of(adapter):
     return JaxEngine(adapter) if _backends.on_jax(adapter) else TensorFlowEngine(adapter)
 
 
-def inside_recomputed_call():
-    """True if a recomputed call runs (TensorFlow) or is being traced (JAX) in this thread."""
-    return _core.inside_recomputed_call() or _jax.inside_recomputed_call()
+inside_recomputed_call = _running.inside_recomputed_call  # the one tracker, both engines'

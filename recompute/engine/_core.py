@@ -19,31 +19,18 @@ import tensorflow as tf
 
 from ..adapters import _tf
 from .._errors import created_in_recomputation
-from .._scoped import ThreadStack
+from . import _running
 
 _legacy_rng_warned = False
-_running = ThreadStack()  # the `_RunningCall` of each recomputed call running, this thread
 
 
-def inside_recomputed_call():
-    """True if a decorated call is running under `recomputed_call` in this thread.
-
-    The outermost decorated call is the unit of recomputation: a decorated
-    call inside it (a decorated sublayer, or `super().call(...)` when the
-    parent's `call` is decorated too, as bert4keras's LayerNormalization over
-    ScaleOffset) runs plainly -- in the forward pass, where no tape records
-    anyway, and in the recomputation, which would otherwise recompute it a
-    second time.
-    """
-    return bool(_running)
-
-
-class _RunningCall:
+class _RunningCall(_running.RunningCall):
     """A recomputed call of `layer` while it runs (`recomputed_call`), and what its
     forward pass keeps for its recomputation (`kept`)."""
 
     def __init__(self, layer):
-        self.layer, self.values, self.replaying, self.next = layer, [], False, 0
+        super().__init__(layer)
+        self.values, self.replaying, self.next = [], False, 0
 
     def replay(self):
         self.replaying, self.next = True, 0
@@ -74,7 +61,7 @@ def kept(compute):
     impossible to recompute: an attention dropout's decision, kept as bits
     (`_attention`), 1 bit per entry against a float random draw per entry.
     """
-    call = _running.top()
+    call = _running.innermost(_RunningCall)
     if call is None:
         return compute()
     if call.replaying:
@@ -399,7 +386,7 @@ class Recomputation:
     def _run_call(self, inputs, seed, replay=False):
         new_flat = [inputs[self.slot_of[id(v)]] if id(v) in self.slot_of else v for v in self.flat]
         call_args, call_kwargs = tf.nest.pack_sequence_as(self.structure, new_flat)
-        with _running.entered(self.running.replay() if replay else self.running):
+        with _running.calls.entered(self.running.replay() if replay else self.running):
             if self.legacy is None:
                 return self.call(self.layer, *call_args, **call_kwargs)
             with self.legacy.replay(seed) as replayed:

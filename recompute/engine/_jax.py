@@ -35,14 +35,7 @@ import contextlib
 import numpy as np
 
 from ..adapters import _keras3, _keras_private
-from .._scoped import ThreadStack
-
-_running = ThreadStack()  # the layers whose recomputed call is being traced, this thread
-
-
-def inside_recomputed_call():
-    """True while a recomputed call is being traced in this thread: the outermost one is the unit."""
-    return bool(_running)
+from . import _running
 
 
 def in_shape_inference():
@@ -137,7 +130,8 @@ def recomputed_call(call, layer, args, kwargs, policy=None):
         call_args, call_kwargs = keras.tree.pack_sequence_as(structure, new_flat)
         scope = _scope_class()(mapping)
         with _keras3.creation_refused(layer):
-            with scope, _running.entered(layer), _global_seed_allowed(not traced_outside):
+            with scope, _running.calls.entered(_running.RunningCall(layer)), \
+                    _global_seed_allowed(not traced_outside):
                 outputs = call(layer, *call_args, **call_kwargs)
         flat_outputs = keras.tree.flatten(outputs)
         arrays = [i for i, out in enumerate(flat_outputs) if _is_array(out)]

@@ -229,7 +229,7 @@ def dropout_bits(dropout, batch_like, shape, dtype, rows):
     if found is None:
         return None
     seed, draw = found
-    from ..engine._jax import inside_recomputed_call
+    from ..engine._running import inside_recomputed_call
 
     if inside_recomputed_call():
         return draw(seed, batch_like)

@@ -8,7 +8,7 @@ names both engines' functions.
 import contextlib
 
 from ..adapters import _keras3
-from ..engine import _jax as _engine
+from ..engine import _jax as _engine, _running
 from .._scoped import shadowed
 
 
@@ -54,7 +54,7 @@ def _cores_blocked(layers, name, checkpoint_others=False):
                 _flash_jax, method, lyr, args, kwargs, _keras3.scores_asked(args, kwargs))
             if blocked is not None:
                 return blocked
-            if not checkpoint_others or _engine.inside_recomputed_call():
+            if not checkpoint_others or _running.inside_recomputed_call():
                 return method(lyr, *args, **kwargs)
             return _engine.recomputed_call(method, lyr, args, kwargs)
 

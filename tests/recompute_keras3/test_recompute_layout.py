@@ -53,7 +53,7 @@ def test_integrations_use_the_engine_interface():
     graph = layout.imports(recompute)
     inside = sorted(f"{module} -> {target}" for module, targets in graph.items()
                     if module.split(".")[0] in ("bert4keras", "keras_hub")
-                    for target in targets if target in ("engine._core", "engine._jax"))
+                    for target in targets if target in ("engine._core", "engine._jax", "engine._running"))
     assert inside == []
 
 
@@ -69,3 +69,25 @@ def test_engine_interface():
     assert isinstance(chosen, engine.Engine)
     assert chosen.recomputes() is False  # no tape records here
     assert engine.inside_recomputed_call() is False
+
+
+def test_one_tracker_for_both_engines():
+    """Either engine's running call is seen by `inside_recomputed_call()` and by the unit check
+    (`recomputes()`); TensorFlow's `kept` computes plainly under a call that keeps nothing."""
+    import keras
+
+    from recompute import engine
+    from recompute.engine import _running
+
+    layer = keras.layers.Dense(2)
+    with _running.calls.entered(_running.RunningCall(layer)):
+        assert engine.inside_recomputed_call() is True
+        assert engine.of(_backends_adapter(layer)).recomputes() is False
+        assert engine.kept(lambda: 3) == 3
+    assert engine.inside_recomputed_call() is False
+
+
+def _backends_adapter(layer):
+    from recompute.adapters import _backends
+
+    return _backends.adapter_for(layer)

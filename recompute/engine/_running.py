@@ -1,0 +1,32 @@
+"""The one tracker of recomputed calls, both engines': the calls running (TensorFlow) or
+being traced (JAX) in this thread, innermost last.
+
+The outermost recomputed call is the unit of recomputation: a decorated call inside it (a
+decorated sublayer, or `super().call(...)` when the parent's `call` is decorated too, as
+bert4keras's LayerNormalization over ScaleOffset) runs plainly -- in the forward pass,
+where no tape records anyway, and in the recomputation, which would otherwise recompute
+it a second time. Each engine enters a `RunningCall` (TensorFlow's carries what its
+forward pass keeps: `recompute.engine._core`).
+"""
+
+from .._scoped import ThreadStack
+
+calls = ThreadStack()  # the `RunningCall` of each recomputed call running, this thread
+
+
+class RunningCall:
+    """A recomputed call of `layer` while it runs (or, on JAX, is traced)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+
+def inside_recomputed_call():
+    """True if a recomputed call runs (TensorFlow) or is being traced (JAX) in this thread."""
+    return bool(calls)
+
+
+def innermost(kind):
+    """The innermost running call if it is a `kind` (a `RunningCall` class), else None."""
+    call = calls.top()
+    return call if isinstance(call, kind) else None
