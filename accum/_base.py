@@ -1,4 +1,6 @@
-"""`AccumOptimizer`: the public class, which picks the implementation for the wrapped optimizer."""
+"""`AccumOptimizer`: the public class, which picks the implementation for the wrapped optimizer;
+`WrapperOps`: the part of a family's `accum.modes._family.Family` that every family
+reads off its wrapper alike."""
 
 import contextlib
 import copy
@@ -17,45 +19,21 @@ class WrapperOps(_family.Family):
     """The `accum.modes._family.Family` operations every family reads off its wrapper the
     same way; each family's subclass (its `AccumOptimizer._OPS`) adds the rest.
 
-    `RESCALE_STEPS`: the family's `mode="rescale"` module: `spec_for(optimizer, k)` (its
-    `accum.modes._rescale.Rescale`, or a Keras-style `ValueError`), `check_variables(spec,
-    variables)` and `micro_step(step, grads, indices)` (`accum.keras3._rescale_step`,
-    `accum.tf_keras._rescale_step`).
+    Built by the wrapper's `_init_window`, once its `k` and rule are set; `strategy` is
+    set by `_begin_build`.
     """
-
-    RESCALE_STEPS = None
 
     def __init__(self, wrapper):
         self.wrapper = wrapper
-
-    @property
-    def steps_per_update(self):
-        return self.wrapper.steps_per_update
-
-    @property
-    def rule(self):
-        return self.wrapper._rule
-
-    @property
-    def strategy(self):
-        return getattr(self.wrapper, "_accum_strategy", None)
+        self.steps_per_update, self.rule = wrapper.steps_per_update, wrapper._rule
 
     def finish_batch_norm(self, when=True, reduce=None):
         self.wrapper._finish_batch_norm(when, reduce)
 
-    def rescale_spec_for(self, optimizer, steps_per_update):
-        return self.RESCALE_STEPS.spec_for(optimizer, steps_per_update)
-
-    def rescale_check_variables(self, variables):
-        self.RESCALE_STEPS.check_variables(self.wrapper._rule, variables)
-
-    def rescale_micro_step(self, grads, indices):
-        """The whole micro-step (`accum.modes._rescale`), given the wrapper's state
-        (`accum.modes._rescale.Step`)."""
+    def rescale_state(self):
         wrapper = self.wrapper
-        step = _rescale.Step(wrapper._rule, wrapper.inner_optimizer, list(wrapper._model_variables_list()),
+        return _rescale.Step(self.rule, wrapper.inner_optimizer, list(wrapper._model_variables_list()),
                              wrapper._micro_steps_variable(), wrapper.window_steps, wrapper._finish_batch_norm)
-        return self.RESCALE_STEPS.micro_step(step, grads, indices)
 
 
 class AccumOptimizer:
@@ -111,8 +89,9 @@ class AccumOptimizer:
         name: optional name of the wrapper.
     """
 
-    # `accum._dispatch.implementation_for(family)`, set when `accum` is imported:
-    # the dispatch lives above the family implementations, which import this module.
+    # `accum._dispatch.implementation_for(family)`, linked by `accum/__init__`
+    # (`accum._dispatch.link`): the dispatch lives above the family implementations,
+    # which import this module.
     _implementation_for = None
     _implementation_class = None  # `accum._dispatch.implementation_class`
     _OPS = WrapperOps  # the family's `accum.modes._family.Family` (a `WrapperOps` subclass)
@@ -162,7 +141,7 @@ class AccumOptimizer:
         """What the mode needs of `optimizer`, refusing those it cannot handle: the
         family's `MomentumRule` (`mode="momentum"`), its `accum.modes._rescale.Rescale`
         (`mode="rescale"`), or None (`mode="buffer"`); see `accum.modes._modes`."""
-        return _modes.MODES[mode].rule(self._OPS(self), optimizer, steps_per_update)
+        return _modes.MODES[mode].rule(self._OPS, optimizer, steps_per_update)
 
     def _init_window(self, steps_per_update, mode, rule):
         """Sets the validated arguments (after the Keras optimizer's `__init__`)."""
@@ -235,7 +214,7 @@ class AccumOptimizer:
         """What every family's `build` starts with (once): the `tf.distribute` strategy, if
         any (the window is then replica-local, `accum.modes._distributed`), refusing a mode
         that cannot be distributed, and variables the mode cannot update."""
-        self._accum_strategy = _distributed.current_strategy()
+        self._accum_strategy = self._ops.strategy = _distributed.current_strategy()
         if self._accum_strategy is not None:
             self._mode.check_distributable()
         self._mode.check_variables(self._ops, var_list)

@@ -25,7 +25,7 @@ _BASE_DEFAULTS = {
 class Keras3Ops(WrapperOps):
     """What the modes ask of the Keras 3 family (`accum.modes._family.Family`), both backends."""
 
-    RESCALE_STEPS = _rescale_step
+    rescale_steps = _rescale_step
 
     @staticmethod
     def momentum_rule_for(optimizer):

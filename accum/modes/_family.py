@@ -12,8 +12,9 @@ in the spirit of optax's `MultiSteps` (one state, one `update`) around Keras's
 | operation | what | used by |
 |---|---|---|
 | `steps_per_update` | `k` | every step |
-| `rule` | the mode's rule for the inner optimizer (`MomentumRule`, `Rescale`, None) | `"momentum"` |
+| `rule` | the mode's rule for the inner optimizer (`MomentumRule`, `Rescale`, None) | `"momentum"`, `"rescale"` |
 | `strategy` | the `tf.distribute` strategy at `build`, or None | `_distributed` |
+| `rescale_steps` | the family's `"rescale"` module: `spec_for(optimizer, k)`, `check_variables(spec, variables)`, `micro_step(state, grads, indices)` (`accum.keras3._rescale_step`, `accum.tf_keras._rescale_step`) | `Rescale` |
 | `window_state()` | the window (`accum.modes._window.WindowState`) as `tf.Variable`s | `"momentum"`, `_window.Window`, `_distributed` |
 | `window_variables()` | the same, as the family's own variables | `"momentum"` |
 | `buffer_window()` | the family's `"buffer"` step | `Buffer.step` |
@@ -24,7 +25,10 @@ in the spirit of optax's `MultiSteps` (one state, one `update`) around Keras's
 | `inner_scope()` | a context around the replicas' `apply_inner` | `_distributed` |
 | `finish_batch_norm(when, reduce)` | the window's end of the linked `accum.BatchNormalization` layers | every window's end |
 | `momentum_rule_for(optimizer)` | `"momentum"`'s `MomentumRule` (or a `ValueError`) | `Momentum.rule` |
-| `rescale_spec_for(optimizer, k)`, `rescale_check_variables(variables)`, `rescale_micro_step(grads, indices)` | `"rescale"` in the family's ops | `Rescale` |
+| `rescale_state()` | the wrapper's state a `"rescale"` micro-step works on (`accum.modes._rescale.Step`) | `Rescale` |
+
+`momentum_rule_for` and `rescale_steps` are the class's: a mode's `rule` is asked of the
+family's class (the wrapper is not built yet); `strategy` is set at `build`.
 """
 
 import contextlib
@@ -37,6 +41,7 @@ class Family:
     steps_per_update = None
     rule = None
     strategy = None
+    rescale_steps = None
 
     def window_state(self):
         """The window's state (`accum.modes._window.WindowState`) as `tf.Variable`s."""
@@ -80,21 +85,16 @@ class Family:
         return contextlib.nullcontext()
 
     def finish_batch_norm(self, when=True, reduce=None):
-        """The window's end for the linked `accum.BatchNormalization` layers."""
+        """The window's end for the linked `accum.BatchNormalization` layers, where the
+        scalar bool `when` holds (`reduce`: see `accum.batchnorm._layer.finish_windows`)."""
         raise NotImplementedError
 
-    def momentum_rule_for(self, optimizer):
+    @staticmethod
+    def momentum_rule_for(optimizer):
         """`mode="momentum"`: the family's `accum.modes._momentum.MomentumRule` for `optimizer`."""
         raise NotImplementedError
 
-    def rescale_spec_for(self, optimizer, steps_per_update):
-        """`mode="rescale"`: the family's `accum.modes._rescale.Rescale` for `optimizer`."""
-        raise NotImplementedError
-
-    def rescale_check_variables(self, variables):
-        """`mode="rescale"`: refuses variables whose dtype cannot hold the coefficients."""
-        raise NotImplementedError
-
-    def rescale_micro_step(self, grads, indices):
-        """`mode="rescale"`: the whole micro-step, in the family's ops."""
+    def rescale_state(self):
+        """`mode="rescale"`: the wrapper's state (`accum.modes._rescale.Step`) that
+        `rescale_steps.micro_step` works on."""
         raise NotImplementedError

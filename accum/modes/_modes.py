@@ -95,7 +95,8 @@ class Mode:
     distributable = False  # under `tf.distribute`: replica-local windows (`accum.modes._distributed`)
 
     def rule(self, ops, optimizer, k):
-        """What the mode needs of `optimizer`, refusing one it cannot handle (or None)."""
+        """What the mode needs of `optimizer`, refusing one it cannot handle (or None);
+        `ops` is the family's `Family` class (no wrapper is built yet)."""
         return None
 
     def check_variables(self, ops, variables):
@@ -195,15 +196,16 @@ class Rescale(Mode):
     flags_touched = False  # every variable gets a gradient at every micro-step
 
     def rule(self, ops, optimizer, k):
-        return ops.rescale_spec_for(optimizer, k)
+        return ops.rescale_steps.spec_for(optimizer, k)
 
     def check_variables(self, ops, variables):
-        ops.rescale_check_variables(variables)  # the coefficients in the variables' dtypes
+        # The coefficients in the variables' dtypes.
+        ops.rescale_steps.check_variables(ops.rule, variables)
 
     def micro_step(self, ops, grads, indices):
         """The family's rescaled inner update; it counts the micro-step and moves the
         weights at the window's last (the window ends there: nothing is left for `end_window`)."""
-        return ops.rescale_micro_step(grads, indices)
+        return ops.rescale_steps.micro_step(ops.rescale_state(), grads, indices)
 
     def check_flushable(self, k):
         raise ValueError(

@@ -24,7 +24,7 @@ from . import _inner, _inner_legacy, _rescale_step
 class TFKerasOps(WrapperOps):
     """What the modes ask of the tf_keras families, new-style and legacy (`accum.modes._family.Family`)."""
 
-    RESCALE_STEPS = _rescale_step  # refuses legacy optimizers
+    rescale_steps = _rescale_step  # refuses legacy optimizers
 
     @staticmethod
     def momentum_rule_for(optimizer):
