@@ -2,7 +2,6 @@
 `WrapperOps`: the part of a family's `accum.modes._family.Family` that every family
 reads off its wrapper alike."""
 
-import contextlib
 import copy
 import inspect
 import warnings
