@@ -1,6 +1,7 @@
-"""`AccumOptimizer`: the public class, which picks the implementation for the wrapped optimizer."""
+"""`AccumOptimizer`: the public class, which picks the implementation for the wrapped optimizer;
+`WrapperOps`: the part of a family's `accum.modes._family.Family` that every family
+reads off its wrapper alike."""
 
-import contextlib
 import copy
 import inspect
 import warnings
@@ -9,8 +10,29 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from .modes import _distributed, _modes, _rescale, _window
+from .modes import _distributed, _family, _modes, _rescale
 from . import _families, _validation
+
+
+class WrapperOps(_family.Family):
+    """The `accum.modes._family.Family` operations every family reads off its wrapper the
+    same way; each family's subclass (its `AccumOptimizer._OPS`) adds the rest.
+
+    Built by the wrapper's `_init_window`, once its `k` and rule are set; `strategy` is
+    set by `_begin_build`.
+    """
+
+    def __init__(self, wrapper):
+        self.wrapper = wrapper
+        self.steps_per_update, self.rule = wrapper.steps_per_update, wrapper._rule
+
+    def finish_batch_norm(self, when=True, reduce=None):
+        self.wrapper._finish_batch_norm(when, reduce)
+
+    def rescale_state(self):
+        wrapper = self.wrapper
+        return _rescale.Step(self.rule, wrapper.inner_optimizer, list(wrapper._model_variables_list()),
+                             wrapper._micro_steps_variable(), wrapper.window_steps, wrapper._finish_batch_norm)
 
 
 class AccumOptimizer:
@@ -66,10 +88,12 @@ class AccumOptimizer:
         name: optional name of the wrapper.
     """
 
-    # `accum._dispatch.implementation_for(family)`, set when `accum` is imported:
-    # the dispatch lives above the family implementations, which import this module.
+    # `accum._dispatch.implementation_for(family)`, linked by `accum/__init__`
+    # (`accum._dispatch.link`): the dispatch lives above the family implementations,
+    # which import this module.
     _implementation_for = None
     _implementation_class = None  # `accum._dispatch.implementation_class`
+    _OPS = WrapperOps  # the family's `accum.modes._family.Family` (a `WrapperOps` subclass)
 
     def __new__(cls, *args, **kwargs):
         # `AccumOptimizer(...)` builds the subclass for the optimizer's family.
@@ -116,7 +140,7 @@ class AccumOptimizer:
         """What the mode needs of `optimizer`, refusing those it cannot handle: the
         family's `MomentumRule` (`mode="momentum"`), its `accum.modes._rescale.Rescale`
         (`mode="rescale"`), or None (`mode="buffer"`); see `accum.modes._modes`."""
-        return _modes.MODES[mode].rule(self, optimizer, steps_per_update)
+        return _modes.MODES[mode].rule(self._OPS, optimizer, steps_per_update)
 
     def _init_window(self, steps_per_update, mode, rule):
         """Sets the validated arguments (after the Keras optimizer's `__init__`)."""
@@ -125,6 +149,15 @@ class AccumOptimizer:
         self._mode = _modes.MODES[mode]  # what the mode does (`accum.modes._modes`)
         self._rule = rule
         self._warned_pending = False
+        self._ops = self._OPS(self)  # what the modes ask of this family (`accum.modes._family`)
+
+    def _select_steps(self):
+        """The steps a micro-step runs (`accum.modes._modes.step_for`), selected at the end of
+        `build` (once the family's window is built): `_step` outside a replica context,
+        `_local_step` in one (under a strategy)."""
+        mode, k = self._mode, self._steps_per_update
+        self._step = _modes.step_for(mode, k, False, self._ops)
+        self._local_step = _modes.step_for(mode, k, True, self._ops)
 
     @property
     def iterations(self):
@@ -176,73 +209,14 @@ class AccumOptimizer:
         self._check_flushable()
         return make_flush_callback(self, at)
 
-    # ------------------------------------------------- the family's hooks
-    # What `accum.modes._modes` asks of the family's implementation (each family
-    # class defines those that raise here; the `_rescale_*` ones go to its
-    # `_RESCALE_STEPS` module).
-
-    @staticmethod
-    def _momentum_rule_for(optimizer):
-        """`mode="momentum"`: the family's `accum.modes._momentum.MomentumRule` for `optimizer`."""
-        raise NotImplementedError
-
-    # The family's `mode="rescale"` steps, a module: `spec_for(optimizer, k)` (its
-    # `accum.modes._rescale.Rescale`, or a Keras-style `ValueError`), `check_variables(spec,
-    # variables)` and `micro_step(step, grads, indices)` (`accum.keras3._rescale_step`,
-    # `accum.tf_keras._rescale_step`).
-    _RESCALE_STEPS = None
-
-    def _rescale_spec_for(self, optimizer, steps_per_update):
-        """`mode="rescale"`: the family's `accum.modes._rescale.Rescale` for `optimizer`."""
-        return self._RESCALE_STEPS.spec_for(optimizer, steps_per_update)
-
-    def _rescale_check_variables(self, variables):
-        """`mode="rescale"`: refuses variables whose dtype cannot hold the coefficients."""
-        self._RESCALE_STEPS.check_variables(self._rule, variables)
-
-    def _rescale_micro_step(self, grads, indices):
-        """`mode="rescale"`: the whole micro-step (`accum.modes._rescale`), given this
-        wrapper's state (`accum.modes._rescale.Step`)."""
-        step = _rescale.Step(self._rule, self.inner_optimizer, list(self._model_variables_list()),
-                             self._micro_steps_variable(), self.window_steps, self._finish_batch_norm)
-        return self._RESCALE_STEPS.micro_step(step, grads, indices)
-
-    def _window_state(self):
-        """The window's state (`accum.modes._window.WindowState`), once built."""
-        raise NotImplementedError
-
-    def _window_variables(self):
-        """The window's state as the family's own variables (`mode="momentum"` assigns
-        them; `_window_state` as `tf.Variable`s, where they differ)."""
-        return self._window_state()
-
-    def _apply_inner(self, grads, indices, touched):
-        """The inner optimizer's update of the variables `indices` with `grads`, where only
-        those whose `touched` (scalar bool tensors) is true change."""
-        raise NotImplementedError
-
-    def _loss_scale(self):
-        """The inner loss scale that micro-gradients are divided by before they are added
-        (a variable), or None: the family's inner optimizer unscales itself."""
-        return None
-
-    def _on_skip(self):
-        """What the inner loss-scale optimizer does with a non-finite micro-batch (nothing
-        without one)."""
-
-    def _inner_scope(self):
-        """A context entered (cross-replica context) around the replicas' `_apply_inner`
-        (`accum.modes._distributed`)."""
-        return contextlib.nullcontext()
-
     def _begin_build(self, var_list):
         """What every family's `build` starts with (once): the `tf.distribute` strategy, if
         any (the window is then replica-local, `accum.modes._distributed`), refusing a mode
         that cannot be distributed, and variables the mode cannot update."""
-        self._accum_strategy = _distributed.current_strategy()
+        self._accum_strategy = self._ops.strategy = _distributed.current_strategy()
         if self._accum_strategy is not None:
             self._mode.check_distributable()
-        self._mode.check_variables(self, var_list)
+        self._mode.check_variables(self._ops, var_list)
 
     # ------------------------------------------------- accum.BatchNormalization
 
@@ -300,19 +274,8 @@ class AccumOptimizer:
         self._check_flushable()
         if not self._has_window_state():
             return
-        if getattr(self, "_accum_strategy", None) is not None:
-            indices = tuple(range(len(self._model_variables_list())))
-            self._distributed_window().flush(self._accum_strategy, indices)
-            return
-        self._flush_window()
-
-    def _distributed_window(self):
-        """The `accum.modes._distributed.Window` of this optimizer (see there)."""
-        return _distributed.Window(self)
-
-    def _flush_window(self):
-        """Ends the window now if it holds a micro-step (no strategy; overridden per family)."""
-        _window.flush(self._window_state().window_steps, lambda: self._mode.end_window(self))
+        local = getattr(self, "_accum_strategy", None) is not None  # the window is replica-local
+        (self._local_step if local else self._step).flush(self._ops)
 
     def _check_flushable(self):
         self._mode.check_flushable(self.steps_per_update)

@@ -1,8 +1,9 @@
 """The dispatch, above the three family implementations: the class that wraps an optimizer.
 
 `accum._base` (the shared base, `AccumOptimizer`) imports no implementation;
-this module imports them (lazily: tf_keras is loaded only when needed) and
-gives `AccumOptimizer` its `implementation_for` when `accum` is imported.
+this module imports them (lazily: tf_keras is loaded only when needed). It changes
+nothing when imported: `accum/__init__` links it to the public classes (`link`) and
+registers the implementations for loading (`register_serializable_classes`).
 
 | family            | implementation                                    |
 | ----------------- | ------------------------------------------------- |
@@ -16,8 +17,6 @@ import importlib.util
 import os
 import sys
 
-from ._base import AccumOptimizer
-from .batchnorm._layer import BatchNormalization
 from ._families import KERAS3, TF_KERAS, TF_KERAS_LEGACY
 
 
@@ -99,6 +98,10 @@ def batch_normalization_class(family):
     return Keras3BatchNormalization
 
 
-AccumOptimizer._implementation_for = staticmethod(implementation_for)
-BatchNormalization._implementation_for = staticmethod(batch_normalization_class)
-AccumOptimizer._implementation_class = staticmethod(implementation_class)
+def link(accum_optimizer, batch_normalization):
+    """Gives the public classes (`accum.AccumOptimizer`, `accum.BatchNormalization`) their
+    dispatch (called by `import accum`): they live below the implementations, which import
+    them, so they cannot import this module."""
+    accum_optimizer._implementation_for = staticmethod(implementation_for)
+    accum_optimizer._implementation_class = staticmethod(implementation_class)
+    batch_normalization._implementation_for = staticmethod(batch_normalization_class)

@@ -93,8 +93,8 @@ class BatchNormalization:
     """
 
     _FAMILY = None
-    # `accum._dispatch.batch_normalization_class(family)`, set when `accum` is
-    # imported (the family implementations import this module).
+    # `accum._dispatch.batch_normalization_class(family)`, linked by `accum/__init__`
+    # (`accum._dispatch.link`; the family implementations import this module).
     _implementation_for = None
 
     def __new__(cls, *args, family=None, **kwargs):

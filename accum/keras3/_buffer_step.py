@@ -1,6 +1,7 @@
 """`mode="buffer"` for Keras 3, written once in `keras.ops` for the TensorFlow and JAX backends.
 
-`BufferWindow` is the mode's one entry point: `micro_step` and `end_window_when`,
+`BufferWindow` is the mode's step on Keras 3 (`accum.modes._modes.step_for`, through
+`Family.buffer_window()`): `micro_step`, `end_window`, `flush` (`end_window_when`),
 over the `accum.modes._window.WindowState` of the wrapper's `keras.Variable`s
 (with the semantics `accum.modes._window` describes) and what the family passes in
 when it builds the window (`Keras3AccumOptimizer._new_buffer_window`): the loss
@@ -39,9 +40,10 @@ from . import _inner
 
 
 class BufferWindow:
-    """`mode="buffer"` on Keras 3, both backends: its two events, `micro_step` and
-    `end_window_when`, over the window's state and what the family passes in when the
-    wrapper is built (nothing is asked of the wrapper afterwards).
+    """`mode="buffer"` on Keras 3, both backends: a step (`micro_step`, `end_window`,
+    `flush`, all by `end_window_when`) over the window's state and what the family
+    passes in when the wrapper is built (nothing is asked of the family afterwards: the
+    steps' `family` argument, its `Family`, is not read).
 
     `state`: the `accum.modes._window.WindowState` of the wrapper's `keras.Variable`s;
     `loss_scale`: the inner `LossScaleOptimizer`'s `(scale, counter)` variables, or None;
@@ -59,7 +61,7 @@ class BufferWindow:
         self.update_when = update_when
         self.batch_norm_layers = batch_norm_layers
 
-    def micro_step(self, grads, indices):
+    def micro_step(self, family, grads, indices):
         """Adds `grads` (of the variables `indices`) to their buffers and sets their touched
         flags unless one is non-finite (then the inner `LossScaleOptimizer`, if any, halves
         its scale), counts the micro-step, and ends the window when it is full."""
@@ -79,6 +81,13 @@ class BufferWindow:
             scale.assign(ops.where(finite, scale.value, scale.value * 0.5))
         state.micro_steps.assign(state.micro_steps.value + 1)
         self.end_window_when(state.window_steps.value >= self.steps_per_update)
+
+    def end_window(self, family):
+        self.end_window_when(True)
+
+    def flush(self, family):
+        """Ends the window now if it holds a micro-step."""
+        self.end_window_when(self.state.window_steps.value > 0)
 
     def end_window_when(self, full):
         """If `full` (a scalar bool): applies the window's mean to the variables it touched

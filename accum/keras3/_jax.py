@@ -76,6 +76,7 @@ class JaxAccumOptimizer(Keras3AccumOptimizer):
         object.__setattr__(self, "accumulators", new)
         self._device_rows = rows
         self._buffer_window = self._new_buffer_window()
+        self._select_steps()
         return True
 
     def _checkpoint_buffers(self):

@@ -3,7 +3,7 @@
 import keras
 import tensorflow as tf
 
-from .._base import AccumOptimizer, claim_inner
+from .._base import AccumOptimizer, WrapperOps, claim_inner
 from ..batchnorm import _warning
 from ..modes import _distributed, _momentum, _window
 from .. import _families
@@ -22,13 +22,79 @@ _BASE_DEFAULTS = {
 }
 
 
+class Keras3Ops(WrapperOps):
+    """What the modes ask of the Keras 3 family (`accum.modes._family.Family`), both backends."""
+
+    rescale_steps = _rescale_step
+
+    @staticmethod
+    def momentum_rule_for(optimizer):
+        opts = keras.optimizers
+        return _momentum.rule_for(optimizer, _inner, (opts.SGD,), (opts.Adam, opts.AdamW))
+
+    def window_variables(self):
+        """The window's state as the wrapper's `keras.Variable`s (`accum.keras3._buffer_step`)."""
+        wrapper = self.wrapper
+        return _window.WindowState(
+            micro_steps=_inner.own_iterations(wrapper),
+            window_steps=wrapper.window_steps,
+            window_count=wrapper.window_count,
+            buffers=list(wrapper.accumulators),
+            touched=list(wrapper.touched),
+            variables=list(_inner.own_trainable_variables(wrapper)),
+        )
+
+    def window_state(self):
+        """The window's state as `tf.Variable`s (`accum.modes._window`, `accum.modes._distributed`)."""
+        state = self.window_variables()
+        return _window.WindowState(*(
+            [v.value for v in field] if isinstance(field, list) else field.value for field in state
+        ))
+
+    def buffer_window(self):
+        return self.wrapper._buffer_window
+
+    def count_micro_step(self):
+        return _inner.own_iterations(self.wrapper).assign_add(1)
+
+    def loss_scale(self):
+        loss_scale = _inner.loss_scale(self.wrapper.inner_optimizer)
+        return None if loss_scale is None else loss_scale[0].value
+
+    def inner_scope(self):
+        """Keras 3 optimizers all-reduce their gradients inside `apply` (TensorFlow
+        backend) and have no argument to skip it: the innermost optimizer's all-reduce
+        is the identity while the update is traced (`accum.keras3._inner.skip_all_reduce`)."""
+        return _inner.skip_all_reduce(self.wrapper._innermost())
+
+    def on_skip(self):
+        """What the inner LossScaleOptimizer does with a non-finite step (None without one)."""
+        loss_scale = _inner.loss_scale(self.wrapper.inner_optimizer)
+        if loss_scale is None:
+            return None
+        scale, counter = loss_scale
+        counter.assign(0)
+        scale.assign(scale * 0.5)
+
+    def apply_inner(self, grads, indices, touched):
+        variables = [self.wrapper._buffer_window.state.variables[i] for i in indices]
+        self.wrapper._masked_apply(lambda: grads, variables, touched)
+
+    def apply_as_given(self, grads, indices):
+        """`k=1`: the inner optimizer's `apply`, the gradients as given (sparse ones stay
+        sparse; those stacked per shard summed)."""
+        variables = [_inner.own_trainable_variables(self.wrapper)[i] for i in indices]
+        grads = [_buffer_step.rows_total(g, len(v.shape)) for g, v in zip(grads, variables)]
+        self.wrapper.inner_optimizer.apply(grads, variables)
+
+
 @keras.saving.register_keras_serializable(package="accum", name="AccumOptimizer")
 class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
     """`AccumOptimizer` wrapping a Keras 3 optimizer; see `accum.AccumOptimizer`."""
 
     _FAMILY = _families.KERAS3
     _FAMILY_DESCRIPTION = "Keras 3"
-    _RESCALE_STEPS = _rescale_step
+    _OPS = Keras3Ops
 
     def __init__(self, optimizer, steps_per_update, mode="buffer", name=None, **kwargs):
         steps_per_update, mode, rule = self._checked(optimizer, steps_per_update, mode, kwargs)
@@ -36,11 +102,6 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         self.inner_optimizer = optimizer
         self._init_window(steps_per_update, mode, rule)
         claim_inner(self, optimizer)
-
-    @staticmethod
-    def _momentum_rule_for(optimizer):
-        opts = keras.optimizers
-        return _momentum.rule_for(optimizer, _inner, (opts.SGD,), (opts.Adam, opts.AdamW))
 
     def _check_kwargs(self, kwargs):
         """Refuses the base optimizer's arguments (set them on the inner optimizer), unless
@@ -82,10 +143,11 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
                 self.accumulators = [
                     self.add_variable_from_reference(v, name="accumulator") for v in var_list
                 ]
-        self._mode.check_built(self, self.inner_optimizer, var_list)
+        self._mode.check_built(self._ops, self.inner_optimizer, var_list)
         super().build(var_list)
         self._link_batch_norm(var_list)
         self._buffer_window = self._new_buffer_window()
+        self._select_steps()
         _warning.warn_for_training_model(self)
         self._guard_recompile()
 
@@ -94,7 +156,7 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         it needs of this family: the state, the loss scale, the backend's conditional
         inner update (`_update_when`) and the linked `accum.BatchNormalization` layers."""
         return _buffer_step.BufferWindow(
-            self._window_variables(), self._steps_per_update,
+            self._ops.window_variables(), self._steps_per_update,
             _inner.loss_scale(self.inner_optimizer), self._update_when, self._batch_norm_layers)
 
     @property
@@ -150,37 +212,15 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
             raise ValueError("No gradients provided for any variable.")
         grads = [g for g, _ in pairs]
         indices = _inner.variable_indices(self, [v for _, v in pairs], known)
-        if self._steps_per_update == 1 and self._mode.buffered:
-            # k=1: every micro-step is an update; the inner optimizer sees the
-            # gradients exactly as given (sparse ones stay sparse).
-            variables = [_inner.own_trainable_variables(self)[i] for i in indices]
-            grads = [_buffer_step.rows_total(g, len(v.shape)) for g, v in zip(grads, variables)]
-            self.inner_optimizer.apply(grads, variables)
-            _inner.own_iterations(self).assign_add(1)
-            self._finish_batch_norm()
-            return
         self._micro_step(grads, indices)
 
     def _micro_step(self, grads, indices):
-        """Accumulates `grads` (of the variables `indices`) and ends the window when full:
-        `mode="buffer"` in `accum.keras3._buffer_step` (or, in a replica context,
-        `accum.modes._distributed`); the other modes by their own micro-step (`accum.modes._modes`)."""
+        """The selected step's micro-step (`accum.modes._modes.step_for`): `mode="buffer"`
+        in `accum.keras3._buffer_step` (in a replica context, `accum.modes._distributed`;
+        `k=1`, the inner optimizer as given), the other modes their own."""
+        local = self._accum_strategy is not None and _distributed.in_replica_context()
         with keras.name_scope(self.name, caller=self):
-            if self._mode.own_micro_step:
-                self._mode.micro_step(self, grads, indices)
-                return
-            if self._accum_strategy is not None and _distributed.in_replica_context():
-                self._mode.check_distributable()
-                self._distributed_window().micro_step(grads, indices)
-                return
-            if self._mode.buffered:
-                self._buffer_window.micro_step(grads, indices)
-                return
-            self._mode.accumulate(self, grads, indices)  # "momentum" (TensorFlow)
-            _inner.own_iterations(self).assign_add(1)
-            _window.maybe_end_window(
-                self.steps_per_update, self.window_steps.value, lambda: self._mode.end_window(self)
-            )
+            (self._local_step if local else self._step).micro_step(self._ops, grads, indices)
 
     def _update_when(self, pred, grads_fn, touched):
         """The inner optimizer's update of every variable with `grads_fn()`, masked by
@@ -189,60 +229,12 @@ class Keras3AccumOptimizer(AccumOptimizer, keras.optimizers.Optimizer):
         tf.cond(pred, lambda: self._masked_apply(grads_fn, self._buffer_window.state.variables, touched),
                 lambda: None)
 
-    def _flush_window(self):
-        self._buffer_window.end_window_when(self.window_steps.value > 0)
-
-    # ---------------------------------------------------- tf.distribute path
-
-    def _window_variables(self):
-        """The window's state as the wrapper's `keras.Variable`s (`accum.keras3._buffer_step`)."""
-        return _window.WindowState(
-            micro_steps=_inner.own_iterations(self),
-            window_steps=self.window_steps,
-            window_count=self.window_count,
-            buffers=list(self.accumulators),
-            touched=list(self.touched),
-            variables=list(_inner.own_trainable_variables(self)),
-        )
-
-    def _window_state(self):
-        """The window's state as `tf.Variable`s (`accum.modes._window`, `accum.modes._distributed`)."""
-        state = self._window_variables()
-        return _window.WindowState(*(
-            [v.value for v in field] if isinstance(field, list) else field.value for field in state
-        ))
-
-    def _loss_scale(self):
-        loss_scale = _inner.loss_scale(self.inner_optimizer)
-        return None if loss_scale is None else loss_scale[0].value
-
-    def _inner_scope(self):
-        """Keras 3 optimizers all-reduce their gradients inside `apply` (TensorFlow
-        backend) and have no argument to skip it: the innermost optimizer's all-reduce
-        is the identity while the update is traced (`accum.keras3._inner.skip_all_reduce`)."""
-        return _inner.skip_all_reduce(self._innermost())
-
     def _innermost(self):
         """The optimizer that does the update: the inner one, unwrapped from `LossScaleOptimizer`s."""
         innermost = self.inner_optimizer
         while isinstance(innermost, keras.optimizers.LossScaleOptimizer):
             innermost = innermost.inner_optimizer
         return innermost
-
-    def _on_skip(self):
-        """What the inner LossScaleOptimizer does with a non-finite step (None without one)."""
-        loss_scale = _inner.loss_scale(self.inner_optimizer)
-        if loss_scale is None:
-            return None
-        scale, counter = loss_scale
-        counter.assign(0)
-        scale.assign(scale * 0.5)
-
-    def _apply_inner(self, grads, indices, touched):
-        """The inner optimizer's update of the variables `indices` with `grads`, where
-        only those whose `touched` (scalar bool tensors) is true change."""
-        variables = [self._buffer_window.state.variables[i] for i in indices]
-        self._masked_apply(lambda: grads, variables, touched)
 
     def _masked_apply(self, grads_fn, variables, touched):
         """The inner `apply` of `grads_fn()` to `variables`, masked by `touched` (its weight

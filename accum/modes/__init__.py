@@ -2,16 +2,21 @@
 
 | module | what |
 |---|---|
-| `_modes` | `Buffer`, `Momentum`, `Rescale`: what each mode needs of the optimizer, builds, does at a micro-step and at the window's end, whether it can be distributed or flushed (`MODES[name]`, the wrapper's `_mode`) |
-| `_window` | the window's state (`WindowState`) and its TensorFlow ops: add, count, mean, end, the masked (touched-only) update |
-| `_distributed` | `"buffer"` under `tf.distribute`, every family: replica-local buffers, the window's end in the cross-replica context (`Window`), one batched all-reduce per update |
+| `_family` | `Family`: every operation a mode, a step or `_distributed` asks of a family, declared once (each family implements it, `accum._base.WrapperOps` the shared part) |
+| `_modes` | `Buffer`, `Momentum`, `Rescale`: what each mode needs of the optimizer, builds, does at a micro-step and at the window's end, whether it can be distributed or flushed (`MODES[name]`, the wrapper's `_mode`); `step_for`, the one selection of the step a micro-step runs (`PassThrough` for `k=1`) |
+| `_window` | the window's state (`WindowState`) and its TensorFlow ops: add, count, mean, end, the masked (touched-only) update; `Window`, `"buffer"`'s step in those ops (tf_keras) |
+| `_distributed` | `"buffer"` under `tf.distribute`, every family: replica-local buffers, the window's end in the cross-replica context (`Window`), one batched all-reduce per update; `LOCAL_WINDOW`, its step |
 | `_momentum` | `mode="momentum"`: the derivation, `rule_for` and `MomentumRule`, folding micro-gradients into the inner optimizer's slots (read through the family's `accum._inner.InnerApi`, `SlotAdapter`) |
 | `_rescale` | `mode="rescale"`: the derivation and `Rescale`, the rewritten coefficients `β̃ = 1 − (1 − β)/k`; `Step`, the wrapper's state a family's micro-step works on |
 
-Imports: `_modes`, `_distributed` and `_momentum` -> `_window`; `_rescale` stands
-alone. Nothing here imports a family package: each family gives the modes what
-is its own -- `accum.keras3` (the Keras 3 window in `keras.ops`, its rescaled
-micro-step) and `accum.tf_keras` (the same for tf_keras) -- through the wrapper's
-hooks (declared in `accum._base.AccumOptimizer`), and its `accum._inner.InnerApi`
-module (the slots `"momentum"` folds into).
+A step is an object with `micro_step(ops, grads, indices)`, `end_window(ops)` and
+`flush(ops)`; `ops` is the family's `Family`, the only way anything here reaches a
+family (no mode calls into a wrapper).
+
+Imports: `_modes` -> `_distributed` -> `_window`; `_momentum` -> `_window`; `_family`
+and `_rescale` stand alone. Nothing here imports a family package: each family gives
+the modes what is its own -- `accum.keras3` (the Keras 3 window in `keras.ops`, its
+rescaled micro-step) and `accum.tf_keras` (the same for tf_keras) -- through its
+`Family` object, and its `accum._inner.InnerApi` module (the slots `"momentum"`
+folds into).
 """

@@ -157,17 +157,18 @@ def local_share(grads_and_vars, still_local=False):
 
 
 class Window:
-    """The distributed path of a family's wrapper: the window's state
-    (`wrapper._window_state()`, an `accum.modes._window.WindowState`) and the hooks
-    `AccumOptimizer` declares -- `_apply_inner` (called in each replica: the
+    """The distributed window over what the family gives (`ops`, an
+    `accum.modes._family.Family`): the window's state (`ops.window_state()`, an
+    `accum.modes._window.WindowState`), `apply_inner` (called in each replica: the
     inner optimizer on the reduced mean, without aggregating it again, only the
-    touched variables changing), `_inner_scope` (entered around it),
-    `_loss_scale` (micro-gradients are divided by it before they are added) and
-    `_on_skip` (at the end of a window that dropped a micro-batch on some replica).
+    touched variables changing), `inner_scope` (entered around it), `loss_scale`
+    (micro-gradients are divided by it before they are added), `on_skip` (at the end
+    of a window that dropped a micro-batch on some replica) and `finish_batch_norm`.
+    The step that uses it is `LOCAL_WINDOW`.
     """
 
-    def __init__(self, wrapper):
-        self.wrapper = wrapper
+    def __init__(self, ops):
+        self.ops = ops
 
     # -------------------------------------------------------- replica context
 
@@ -175,7 +176,7 @@ class Window:
         """One micro-step, called in replica context. Returns `micro_steps` after it."""
         grads = list(grads)
         finite = _window.all_finite(grads)
-        scale = self.wrapper._loss_scale()
+        scale = self.ops.loss_scale()
         if scale is not None:
             grads = [_window.scale_gradient(g, 1.0 / tf.cast(scale, tf.float64)) for g in grads]
         return tf.distribute.get_replica_context().merge_call(
@@ -193,7 +194,7 @@ class Window:
             flag.assign(tf.where(ok, tf.ones((), flag.dtype), flag.read_value()))
             return tf.constant(0)
 
-        state = self.wrapper._window_state()
+        state = self.ops.window_state()
         for i, g in zip(indices, grads):
             distribution.extended.update(state.buffers[i], add, args=(g, finite), group=False)
         for i in indices:
@@ -206,7 +207,7 @@ class Window:
         )
         state.window_steps.assign_add(1)
         _window.maybe_end_window(
-            self.wrapper.steps_per_update,
+            self.ops.steps_per_update,
             state.window_steps,
             lambda: self.end_window(distribution, tuple(range(len(state.buffers)))),
         )
@@ -217,7 +218,7 @@ class Window:
 
         `indices`: every variable the wrapper tracks; those no replica touched in
         the window are left alone (their flags are reduced with the buffers)."""
-        state = self.wrapper._window_state()
+        state = self.ops.window_state()
         buffers = [state.buffers[i] for i in indices]
         flags = [state.touched[i] for i in indices]
         count = state.window_count
@@ -239,18 +240,18 @@ class Window:
         mask = [touched_total[i] > 0 for i in range(len(flags))]
         replicas = float(distribution.num_replicas_in_sync)
         steps = tf.cast(state.window_steps, tf.float32)
-        tf.cond(kept_total < replicas * steps, lambda: self.wrapper._on_skip(), lambda: None)
+        tf.cond(kept_total < replicas * steps, lambda: self.ops.on_skip(), lambda: None)
 
         def apply():
             def replica_apply(sums, kept):
                 micro_batches = kept / replicas  # = window_count on one device
                 grads = [s / tf.cast(micro_batches, s.dtype) for s in sums]
-                scale = self.wrapper._loss_scale()
+                scale = self.ops.loss_scale()
                 if scale is not None:
                     grads = [g * tf.cast(scale, g.dtype) for g in grads]
-                self.wrapper._apply_inner(grads, indices, mask)
+                self.ops.apply_inner(grads, indices, mask)
 
-            with self.wrapper._inner_scope():
+            with self.ops.inner_scope():
                 distribution.extended.call_for_each_replica(replica_apply, args=(sums, kept))
 
         tf.cond(kept_total > 0, apply, lambda: None)
@@ -264,7 +265,7 @@ class Window:
         state.window_steps.assign(0)
         # `accum.BatchNormalization`: its replica-local window sums, summed over
         # the replicas (one batched reduction per window).
-        self.wrapper._finish_batch_norm(reduce=lambda variables: self._summed(distribution, variables))
+        self.ops.finish_batch_norm(reduce=lambda variables: self._summed(distribution, variables))
 
     @staticmethod
     def _summed(distribution, variables):
@@ -280,5 +281,27 @@ class Window:
     def flush(self, distribution, indices):
         """Applies a partial window (cross-replica context; a collective)."""
         with distribution.scope():
-            _window.flush(self.wrapper._window_state().window_steps,
+            _window.flush(self.ops.window_state().window_steps,
                           lambda: self.end_window(distribution, indices))
+
+
+class LocalWindow:
+    """The step (`accum.modes._modes.step_for`) of `mode="buffer"` in a replica context of a
+    strategy: the `Window` over the family's `ops`; `end_window` and `flush` in the
+    cross-replica context, `flush` a collective."""
+
+    def micro_step(self, ops, grads, indices):
+        return Window(ops).micro_step(grads, indices)
+
+    def end_window(self, ops):
+        Window(ops).end_window(ops.strategy, _every_variable(ops))
+
+    def flush(self, ops):
+        Window(ops).flush(ops.strategy, _every_variable(ops))
+
+
+def _every_variable(ops):
+    return tuple(range(len(ops.window_state().variables)))
+
+
+LOCAL_WINDOW = LocalWindow()

@@ -1,5 +1,4 @@
-"""The accumulation modes as objects: what each builds, does at a micro-step and at the
-window's end, and whether it can be distributed or flushed.
+"""The accumulation modes as objects, and `step_for`: which step a wrapper's micro-step runs.
 
 `AccumOptimizer(..., mode=name)` validates the name (`_validation.check_mode`) and
 keeps `MODES[name]` as `_mode`; the families ask it instead of comparing names:
@@ -8,18 +7,18 @@ keeps `MODES[name]` as `_mode`; the families ask it instead of comparing names:
 |---|---|---|---|
 | needs of the optimizer (`rule`) | nothing | a `MomentumRule` (SGD/Adam/AdamW) | a `_rescale.Rescale` spec |
 | builds | a buffer and a touched flag per variable | a touched flag per variable | nothing |
-| a micro-step | adds to the buffers (`accum.modes._window`; Keras 3: `accum.keras3._buffer_step`) | folds into the moments | rescaled inner update (`accum.modes._rescale`) |
+| its step (`step`) | the family's window (`ops.buffer_window()`: `accum.keras3._buffer_step.BufferWindow`; `accum.modes._window.Window`) | itself: folds into the moments | itself: the family's rescaled inner update (`accum.modes._rescale`) |
 | the window's end | the inner optimizer on the mean | the rule's `finish` | -- (each micro-step) |
-| `k=1` | the inner optimizer, gradients as given | as for any `k` | as for any `k` |
-| `tf.distribute`, `flush()` | yes | no | no |
+| `k=1` | `PassThrough`: the inner optimizer, gradients as given | as for any `k` | as for any `k` |
+| `tf.distribute`, `flush()` | yes (`accum.modes._distributed.LOCAL_WINDOW`) | no | no |
 
-A mode calls the family's implementation through the wrapper's hooks, declared
-in `AccumOptimizer` (`_window_state`, `_window_variables`, `_apply_inner`, `_loss_scale`, `_on_skip`,
-`_momentum_rule_for`, `_rescale_spec_for`, `_rescale_check_variables`,
-`_rescale_micro_step`).
+A step is an object with `micro_step(ops, grads, indices)` (returns the micro-step
+counter's update, or None), `end_window(ops)` and `flush(ops)`; `step_for` selects it,
+once per wrapper and context (at `build`), and a family's micro-step is one call of it.
+`ops` is the family's `accum.modes._family.Family`: the one way a mode reaches a family.
 """
 
-from . import _window
+from . import _distributed, _window
 
 
 def mode_not_supported(mode):
@@ -33,46 +32,96 @@ def mode_not_supported(mode):
     )
 
 
+def passes_through(mode, k):
+    """Whether a micro-step goes to the inner optimizer as given (`"buffer"`, `k=1`): then
+    it is no window's, and under a strategy its gradients are all-reduced as usual."""
+    return k == 1 and mode.buffered
+
+
+def step_for(mode, k, local, ops):
+    """The step a micro-step runs: `PassThrough` where `passes_through`; in a replica
+    context of a strategy (`local`), the replica-local window
+    (`accum.modes._distributed.LOCAL_WINDOW`, `"buffer"`) or `Refused`; otherwise the
+    mode's own (`mode.step(ops)`). Cheap: it builds nothing."""
+    if local:
+        step = _distributed.LOCAL_WINDOW if mode.distributable else Refused(mode)
+    else:
+        step = mode.step(ops)
+    return PassThrough(step) if passes_through(mode, k) else step
+
+
+class PassThrough:
+    """`"buffer"` with `k=1`: each micro-step is an update, the inner optimizer's on the
+    gradients as given (sparse ones stay sparse). A window restored with pending
+    micro-steps is still ended or flushed by `window`, the step it stands for."""
+
+    def __init__(self, window):
+        self.window = window
+
+    def micro_step(self, ops, grads, indices):
+        ops.apply_as_given(grads, indices)
+        ops.finish_batch_norm()
+        return ops.count_micro_step()
+
+    def end_window(self, ops):
+        self.window.end_window(ops)
+
+    def flush(self, ops):
+        self.window.flush(ops)
+
+
+class Refused:
+    """The step of a mode that cannot be distributed, in a replica context: raises."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def micro_step(self, ops, grads, indices):
+        self.mode.check_distributable()
+
+    def end_window(self, ops):
+        self.mode.check_distributable()
+
+    flush = end_window
+
+
 class Mode:
-    """One accumulation mode (see the module's table)."""
+    """One accumulation mode (see the module's table); `Momentum` and `Rescale` are their
+    own steps."""
 
     name = ""
     buffered = False  # a buffer per variable; k=1 hands each micro-step to the inner optimizer
     flags_touched = True  # a flag per variable: did the window give it a gradient
     distributable = False  # under `tf.distribute`: replica-local windows (`accum.modes._distributed`)
-    own_micro_step = False  # its micro-step replaces the window (accumulate, count, end)
 
-    def rule(self, wrapper, optimizer, k):
-        """What the mode needs of `optimizer`, refusing one it cannot handle (or None)."""
+    def rule(self, ops, optimizer, k):
+        """What the mode needs of `optimizer`, refusing one it cannot handle (or None);
+        `ops` is the family's `Family` class (no wrapper is built yet)."""
         return None
 
-    def check_variables(self, wrapper, variables):
+    def check_variables(self, ops, variables):
         """Refuses, before anything is built, variables the mode cannot update."""
 
-    def check_built(self, wrapper, optimizer, variables):
+    def check_built(self, ops, optimizer, variables):
         """Refuses, once the inner `optimizer` built its slots, what the mode cannot fold into."""
 
     def check_distributable(self):
         if not self.distributable:
             raise mode_not_supported(self.name)
 
-    def accumulate(self, wrapper, grads, indices):
-        """What one micro-step does to the window (`own_micro_step` modes: `micro_step`)."""
+    def step(self, ops):
+        """The mode's step outside a replica context (see `step_for`)."""
+        return self
+
+    def micro_step(self, ops, grads, indices):
+        """One micro-step (the mode as its own step)."""
         raise NotImplementedError(self.name)
 
-    def micro_step(self, wrapper, grads, indices):
-        """The whole micro-step of an `own_micro_step` mode."""
-        raise NotImplementedError(self.name)
+    def end_window(self, ops):
+        """Applies the window (if it kept any micro-batch) and starts a new one."""
 
-    def end_window(self, wrapper):
-        """Applies the window (if it kept any micro-batch) and starts a new one; the
-        linked `accum.BatchNormalization` layers end theirs."""
-        _window.end_window(wrapper._window_state(), self.window_end(wrapper))
-        wrapper._finish_batch_norm()
-
-    def window_end(self, wrapper):
-        """The update at the window's end."""
-        return lambda: wrapper._rule.finish(wrapper._window_variables())
+    def flush(self, ops):
+        self.check_flushable(ops.steps_per_update)
 
     def check_flushable(self, k):
         """Raises unless `flush()` can apply a partial window."""
@@ -88,18 +137,8 @@ class Buffer(Mode):
     buffered = True
     distributable = True
 
-    def accumulate(self, wrapper, grads, indices):
-        _window.accumulate(wrapper._window_state(), indices, grads, wrapper._loss_scale(),
-                           wrapper._on_skip)
-
-    def window_end(self, wrapper):
-        def apply_mean():
-            state = wrapper._window_state()
-            grads = _window.mean_gradients(state.buffers, state.window_count, wrapper._loss_scale())
-            indices = tuple(range(len(state.variables)))
-            wrapper._apply_inner(grads, indices, _window.touched_mask(state.touched))
-
-        return apply_mean
+    def step(self, ops):
+        return ops.buffer_window()
 
     def pending(self, k):
         return (f"steps_per_update={k}",
@@ -111,14 +150,24 @@ class Buffer(Mode):
 class Momentum(Mode):
     name = "momentum"
 
-    def rule(self, wrapper, optimizer, k):
-        return wrapper._momentum_rule_for(optimizer)
+    def rule(self, ops, optimizer, k):
+        return ops.momentum_rule_for(optimizer)
 
-    def check_built(self, wrapper, optimizer, variables):
-        wrapper._rule.check_built(optimizer, variables)
+    def check_built(self, ops, optimizer, variables):
+        ops.rule.check_built(optimizer, variables)
 
-    def accumulate(self, wrapper, grads, indices):
-        wrapper._rule.accumulate(wrapper._window_variables(), wrapper.steps_per_update, grads, indices)
+    def micro_step(self, ops, grads, indices):
+        """Folds `grads` into the moments, ends the window when full, counts the micro-step."""
+        ops.rule.accumulate(ops.window_variables(), ops.steps_per_update, grads, indices)
+        _window.maybe_end_window(
+            ops.steps_per_update, ops.window_state().window_steps, lambda: self.end_window(ops))
+        return ops.count_micro_step()
+
+    def end_window(self, ops):
+        """The rule's `finish` (if the window kept a micro-batch); the linked
+        `accum.BatchNormalization` layers end their windows."""
+        _window.end_window(ops.window_state(), lambda: ops.rule.finish(ops.window_variables()))
+        ops.finish_batch_norm()
 
     def check_flushable(self, k):
         # The slot holds `decay * m_old + scale * sum(g_i) / k` once a micro-step is
@@ -145,16 +194,18 @@ class Momentum(Mode):
 class Rescale(Mode):
     name = "rescale"
     flags_touched = False  # every variable gets a gradient at every micro-step
-    own_micro_step = True
 
-    def rule(self, wrapper, optimizer, k):
-        return wrapper._rescale_spec_for(optimizer, k)
+    def rule(self, ops, optimizer, k):
+        return ops.rescale_steps.spec_for(optimizer, k)
 
-    def check_variables(self, wrapper, variables):
-        wrapper._rescale_check_variables(variables)  # the coefficients in the variables' dtypes
+    def check_variables(self, ops, variables):
+        # The coefficients in the variables' dtypes.
+        ops.rescale_steps.check_variables(ops.rule, variables)
 
-    def micro_step(self, wrapper, grads, indices):
-        return wrapper._rescale_micro_step(grads, indices)
+    def micro_step(self, ops, grads, indices):
+        """The family's rescaled inner update; it counts the micro-step and moves the
+        weights at the window's last (the window ends there: nothing is left for `end_window`)."""
+        return ops.rescale_steps.micro_step(ops.rescale_state(), grads, indices)
 
     def check_flushable(self, k):
         raise ValueError(

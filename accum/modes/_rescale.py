@@ -277,7 +277,7 @@ def spec_for(optimizer, k, classes, family_description, dtype):
 class Step:
     """What a family's rescaled micro-step (`micro_step(step, grads, indices)` of
     `accum.keras3._rescale_step`, `accum.tf_keras._rescale_step`) works on, given by the
-    wrapper (`AccumOptimizer._rescale_micro_step`).
+    family (`accum._base.WrapperOps.rescale_state`, through `Rescale.micro_step`).
 
     Attributes:
         spec: the `Rescale` of the inner optimizer.

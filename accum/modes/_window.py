@@ -29,8 +29,9 @@ The ops here serve tf_keras, and Keras 3 under `tf.distribute`
 on TensorFlow and JAX (`accum.keras3._buffer_step`, selects instead of branches).
 All variables passed here are `tf.Variable`s (Keras 3 passes
 `keras.Variable.value`). The window's state is one record, `WindowState`, that
-each family builds from its variables (`AccumOptimizer._window_state`) and
-every mode and the distributed path (`accum.modes._distributed`) read.
+each family builds from its variables (`accum.modes._family.Family.window_state`) and
+every mode and the distributed path (`accum.modes._distributed`) read. `Window` is
+the mode's step in these ops (tf_keras's `Family.buffer_window()`).
 """
 
 from typing import NamedTuple, Sequence
@@ -227,3 +228,33 @@ def masked_weight_decay(optimizer, variables, touched_of, api):
         tf.distribute.get_replica_context().merge_call(cross_replica)
     else:
         cross_replica(tf.distribute.get_strategy())
+
+
+class Window:
+    """`mode="buffer"` in TensorFlow ops (tf_keras; Keras 3's is
+    `accum.keras3._buffer_step.BufferWindow`): a step (`accum.modes._modes.step_for`) over
+    what the family gives (`ops`, an `accum.modes._family.Family`)."""
+
+    def micro_step(self, ops, grads, indices):
+        """Adds `grads` (of the variables `indices`) unless one is non-finite, ends the
+        window when full, counts the micro-step (returns the counter's update)."""
+        state = ops.window_state()
+        accumulate(state, indices, grads, ops.loss_scale(), ops.on_skip)
+        maybe_end_window(ops.steps_per_update, state.window_steps, lambda: self.end_window(ops))
+        return ops.count_micro_step()
+
+    def end_window(self, ops):
+        """Applies the window's mean to the variables it touched (if it kept a micro-batch)
+        and starts a new one; the linked `accum.BatchNormalization` layers end theirs."""
+        end_window(ops.window_state(), lambda: self._apply_mean(ops))
+        ops.finish_batch_norm()
+
+    def flush(self, ops):
+        """Ends the window now if it holds a micro-step."""
+        flush(ops.window_state().window_steps, lambda: self.end_window(ops))
+
+    @staticmethod
+    def _apply_mean(ops):
+        state = ops.window_state()
+        grads = mean_gradients(state.buffers, state.window_count, ops.loss_scale())
+        ops.apply_inner(grads, tuple(range(len(state.variables))), touched_mask(state.touched))

@@ -3,7 +3,7 @@ every module of `accum` that imports tf_keras (loaded only where a program uses 
 
 | module | what |
 |---|---|
-| `_common` | `TFKerasWindow`, the mixin both wrappers share: the micro-step, delegation, the window's state, the masked inner update, serialization |
+| `_common` | `TFKerasWindow`, the mixin both wrappers share: the micro-step (one call of the selected step), delegation, serialization; `TFKerasOps`, their `accum.modes._family.Family`: the window's state, the masked inner update, the loss scale's skip |
 | `_optimizer` | `TFKerasAccumOptimizer` (new-style optimizers) |
 | `_legacy` | `LegacyAccumOptimizer` (legacy `OptimizerV2`: buffers are slots) |
 | `_rescale_step` | `mode="rescale"`: one micro-step in TensorFlow ops, on the wrapper's state given as an `accum.modes._rescale.Step` (new-style only; refuses legacy optimizers) |

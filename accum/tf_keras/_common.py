@@ -1,7 +1,8 @@
 """What the tf_keras implementations (new-style `accum.tf_keras._optimizer`, legacy `accum.tf_keras._legacy`) share.
 
 `TFKerasWindow` is a mixin placed before `AccumOptimizer` and the tf_keras
-optimizer class. A class using it provides: `_INNER_API` (its family's
+optimizer class; `TFKerasOps` is what the modes ask of both (their
+`accum.modes._family.Family`). A class using them provides: `_INNER_API` (its family's
 `accum._inner.InnerApi`), `build`, `_micro_steps_variable()`,
 `_config_name()`, `_variable_index(variable)`, `_aggregated(grads_and_vars)`
 (the tf_keras all-reduce), `_NO_AGGREGATION` (the keyword argument that keeps the
@@ -14,16 +15,73 @@ and `_masked_updates(variables, touched)`; and the attributes
 import tensorflow as tf
 import tf_keras
 
-from .._base import AccumOptimizer
-from ..modes import _distributed, _momentum, _window
+from .._base import AccumOptimizer, WrapperOps
+from ..modes import _distributed, _modes, _momentum, _window
 from .. import _families
 from . import _inner, _inner_legacy, _rescale_step
+
+
+class TFKerasOps(WrapperOps):
+    """What the modes ask of the tf_keras families, new-style and legacy (`accum.modes._family.Family`)."""
+
+    rescale_steps = _rescale_step  # refuses legacy optimizers
+
+    @staticmethod
+    def momentum_rule_for(optimizer):
+        new, legacy = tf_keras.optimizers, tf_keras.optimizers.legacy
+        api = _inner_legacy if isinstance(optimizer, legacy.Optimizer) else _inner
+        return _momentum.rule_for(
+            optimizer, api, (new.SGD, legacy.SGD), (new.Adam, new.AdamW, legacy.Adam))
+
+    def window_state(self):
+        wrapper = self.wrapper
+        return _window.WindowState(
+            micro_steps=wrapper._micro_steps_variable(),
+            window_steps=wrapper.window_steps,
+            window_count=wrapper.window_count,
+            buffers=wrapper.accumulators,
+            touched=wrapper.touched,
+            variables=wrapper._model_variables,
+        )
+
+    def buffer_window(self):
+        return _BUFFER_WINDOW
+
+    def count_micro_step(self):
+        return self.wrapper._count_micro_step()
+
+    def on_skip(self):
+        """What the inner dynamic `LossScaleOptimizer` does with a non-finite step: halves
+        its scale (not below 1) and restarts its count of finite steps (nothing without one)."""
+        scale = self.wrapper._INNER_API.loss_scale(self.wrapper.inner_optimizer)
+        if scale is not None:
+            scale, counter = scale
+            counter.assign(0)
+            scale.assign(tf.maximum(scale * 0.5, 1.0))
+
+    def apply_inner(self, grads, indices, touched):
+        """The inner optimizer's update of the variables `indices`, where only those
+        whose `touched` (scalar bool tensors) is true change."""
+        wrapper = self.wrapper
+        variables = [wrapper._model_variables[i] for i in indices]
+        restore = _window.protect_untouched(variables, touched)
+        with wrapper._masked_updates(variables, touched):
+            wrapper._inner_apply(list(zip(grads, variables)))
+        restore()
+
+    def apply_as_given(self, grads, indices):
+        """`k=1`: the inner optimizer's `apply_gradients`, not all-reducing the gradients."""
+        wrapper = self.wrapper
+        wrapper._inner_apply([(g, wrapper._model_variables[i]) for g, i in zip(grads, indices)])
+
+
+_BUFFER_WINDOW = _window.Window()  # `mode="buffer"` in TensorFlow ops
 
 
 class TFKerasWindow:
     """The window, delegation and serialization shared by both tf_keras implementations."""
 
-    _RESCALE_STEPS = _rescale_step  # refuses legacy optimizers
+    _OPS = TFKerasOps
 
     # ------------------------------------------------------------ delegation
     # Legacy `OptimizerV2` keeps hyperparameters in `_hyper`; the wrapper sets
@@ -36,13 +94,6 @@ class TFKerasWindow:
 
     def _model_variables_list(self):
         return self._model_variables
-
-    @staticmethod
-    def _momentum_rule_for(optimizer):
-        new, legacy = tf_keras.optimizers, tf_keras.optimizers.legacy
-        api = _inner_legacy if isinstance(optimizer, legacy.Optimizer) else _inner
-        return _momentum.rule_for(
-            optimizer, api, (new.SGD, legacy.SGD), (new.Adam, new.AdamW, legacy.Adam))
 
     @AccumOptimizer.iterations.setter
     def iterations(self, variable):
@@ -77,29 +128,17 @@ class TFKerasWindow:
         variables = [v for _, v in grads_and_vars]
         indices = tuple(self._variable_index(v) for v in variables)
         with tf.name_scope(name or self._config_name()):
-            if self._mode.own_micro_step and not accumulate_locally:
-                return self._mode.micro_step(self, grads, indices)  # counts the micro-step
-            if accumulate_locally:
-                # Each replica accumulates its own gradients; one all-reduce per
-                # update (`accum.modes._distributed`). Gradients already reduced by the
-                # caller (no aggregation asked) are not supported here.
-                self._mode.check_distributable()
-                return self._distributed_window().micro_step(grads, indices)
-            if self.steps_per_update == 1 and self._mode.buffered:
-                self._inner_apply(list(zip(grads, variables)))
-                self._finish_batch_norm()
-            else:
-                self._mode.accumulate(self, grads, indices)
-                _window.maybe_end_window(
-                    self.steps_per_update, self.window_steps, lambda: self._mode.end_window(self)
-                )
-            return self._count_micro_step()
+            # The selected step (`accum.modes._modes.step_for`): in a replica context each
+            # replica accumulates its own gradients, one all-reduce per update
+            # (`accum.modes._distributed`). Returns the micro-step counter's update.
+            step = self._local_step if accumulate_locally else self._step
+            return step.micro_step(self._ops, grads, indices)
 
     def _accumulates_locally(self):
-        """Under a strategy (replica context), gradients are accumulated unreduced."""
-        return _distributed.in_replica_context() and not (
-            self.steps_per_update == 1 and self._mode.buffered
-        )
+        """Under a strategy (replica context), gradients are accumulated unreduced (unless
+        each micro-step goes to the inner optimizer, `accum.modes._modes.passes_through`)."""
+        return _distributed.in_replica_context() and not _modes.passes_through(
+            self._mode, self.steps_per_update)
 
     def _aggregated_unless_local(self, grads_and_vars, aggregate):
         """`aggregate(grads_and_vars)` (the Keras all-reduce), except when the
@@ -113,34 +152,6 @@ class TFKerasWindow:
     def _inner_apply(self, grads_and_vars):
         """The inner optimizer's `apply_gradients`, without all-reducing the gradients."""
         self.inner_optimizer.apply_gradients(grads_and_vars, **self._NO_AGGREGATION)
-
-    def _window_state(self):
-        return _window.WindowState(
-            micro_steps=self._micro_steps_variable(),
-            window_steps=self.window_steps,
-            window_count=self.window_count,
-            buffers=self.accumulators,
-            touched=self.touched,
-            variables=self._model_variables,
-        )
-
-    def _on_skip(self):
-        """What the inner dynamic `LossScaleOptimizer` does with a non-finite step: halves
-        its scale (not below 1) and restarts its count of finite steps (nothing without one)."""
-        scale = self._INNER_API.loss_scale(self.inner_optimizer)
-        if scale is not None:
-            scale, counter = scale
-            counter.assign(0)
-            scale.assign(tf.maximum(scale * 0.5, 1.0))
-
-    def _apply_inner(self, grads, indices, touched):
-        """The inner optimizer's update of the variables `indices`, where only those
-        whose `touched` (scalar bool tensors) is true change."""
-        variables = [self._model_variables[i] for i in indices]
-        restore = _window.protect_untouched(variables, touched)
-        with self._masked_updates(variables, touched):
-            self._inner_apply(list(zip(grads, variables)))
-        restore()
 
     # --------------------------------------------------------- serialization
 

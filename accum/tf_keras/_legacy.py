@@ -93,8 +93,9 @@ class LegacyAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.le
                 if self._mode.buffered:
                     with _distributed.replica_local_variables():
                         self.accumulators.append(self.add_slot(v, "accumulator"))
-        self._mode.check_built(self, self._inner, new)
+        self._mode.check_built(self._ops, self._inner, new)
         self._built_accum = True
+        self._select_steps()
         if first:
             _warning.warn_for_training_model(self)
             self._guard_recompile()

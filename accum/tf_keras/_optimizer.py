@@ -88,9 +88,10 @@ class TFKerasAccumOptimizer(TFKerasWindow, AccumOptimizer, tf_keras.optimizers.O
                 self.accumulators.extend(
                     self.add_variable_from_reference(v, "accumulator") for v in var_list
                 )
-        self._mode.check_built(self, self.inner_optimizer, var_list)
+        self._mode.check_built(self._ops, self.inner_optimizer, var_list)
         _inner.mark_built(self)
         self._built_accum = True
+        self._select_steps()
         self._link_batch_norm(var_list)
         _warning.warn_for_training_model(self)
         self._guard_recompile()
