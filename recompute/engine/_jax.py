@@ -210,7 +210,10 @@ def _offloaded(pure):
     context. Three optimization barriers make XLA schedule the transfers where they save
     memory (benchmarks/offload_probe.py): the host copy completes with the call's outputs
     (else XLA starts it in the backward pass, the device copy kept through the forward);
-    the copy back waits for the call's incoming gradient; and the call's gradients, the
+    the copy back and the recomputation wait for the call's incoming gradient, every input
+    of the recomputation through the barrier (as `jax.checkpoint`'s `prevent_cse`: else XLA
+    shares with the forward pass what depends on the weights and seeds only -- dropout
+    masks -- and keeps it from the forward pass); and the call's gradients, the
     weights' with the input's, are complete before the next call's backward pass uses them
     (else XLA defers every weight gradient to the end, each keeping its operands).
     """
@@ -233,7 +236,7 @@ def _offloaded(pure):
 
         def backward(residuals, cotangents):
             values, kept, consts = residuals
-            kept, cotangents = _barrier((kept, cotangents))
+            values, kept, consts, cotangents = _barrier((values, kept, consts, cotangents))
             inputs = [jax.device_put(x, device) if _floating(x) else x for x in kept]
             _, vjp = jax.vjp(lambda v, i, c: converted(v, i, *c), values, inputs, consts)
             return _barrier(vjp(cotangents))
