@@ -83,3 +83,52 @@ def test_offload_options_refused():
         recompute_grad(policy="attention", offload=True)
     with pytest.raises(TypeError, match="True or False"):
         recompute_grad(offload="yes")
+
+
+def _docs_example():
+    from pathlib import Path
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "recompute.md").read_text(encoding="utf-8")
+    section = text[text.index("## Host offload"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+def test_docs_example_runs_and_matches_no_recompute(jit):
+    code = _docs_example()
+    assert "@recompute_grad(offload=True)" in code
+    namespace = {}
+    exec(code, namespace)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    h = inputs
+    for _ in range(3):
+        h = namespace["Block"](FEATURES)(h)
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    loss0, grads0, _ = stateless_step(model, False, jit)
+    loss1, grads1, _ = stateless_step(model, True, jit)
+    assert abs(loss0 - loss1) <= 1e-6 * abs(loss0)
+    assert_all_close(grads0, grads1, [v.path for v in model.trainable_variables])
+
+
+def test_bert4keras_patch_refuses_offload():
+    import recompute.bert4keras
+
+    with pytest.raises(ValueError, match="tf_keras"):
+        recompute.bert4keras.patch(offload=True)
+
+
+def test_keras_hub_patch_takes_offload():
+    import recompute.keras_hub as hub
+
+    with pytest.raises(ValueError, match='policy="full" only'):
+        hub.patch(policy="attention", offload=True)
+    try:
+        hub.patch(offload=True)
+        assert hub.is_patched() == "full"
+        hub.patch()  # a switch of offload alone re-patches
+        assert hub.is_patched() == "full"
+    finally:
+        hub.unpatch()
+    assert hub.is_patched() is None
