@@ -142,7 +142,9 @@ def patch(policy="full", offload=False):
 
     `offload=True` (JAX, `policy="full"`): each block keeps its inputs in pinned
     host memory, not the accelerator's, from the forward to the backward pass,
-    exactly (`recompute_grad(offload=True)`; docs/recompute.md, "Host offload").
+    exactly (`recompute_grad(offload=True)`; docs/recompute.md, "Host offload"). Check
+    the plan first (`python -m benchmarks.gpu_plan --offload`): at BERT-base XLA:GPU
+    plans more device memory with it than without.
 
     Args:
         policy: "full" (default) or "attention" (`recompute.POLICIES`).

@@ -81,7 +81,7 @@ def test_counts_loops_and_softmax_passes_of_a_compiled_module():
     assert count_module(hlo, 3072) == (2, 1)
 
 
-@pytest.mark.slow  # 4 compilations for a GPU: about 2 CPU minutes
+@pytest.mark.slow  # 4 compilations for a GPU: 2 to 4 CPU minutes
 def test_offload_plans_the_inputs_on_the_host(tmp_path):
     """`--offload` at small widths, 8 blocks: the offloaded row keeps every block's input in
     host memory (7 temporaries of [seq, hidden] float32 per sample; the first block's input is
