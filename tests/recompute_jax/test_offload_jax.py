@@ -120,13 +120,18 @@ def test_bert4keras_patch_refuses_offload():
 
 
 def test_keras_hub_patch_takes_offload():
+    pytest.importorskip("keras_hub")
     import recompute.keras_hub as hub
+    from tests.helpers.keras_hub_checks import batch, check_recompute_exact, classifier, tiny_backbone
 
     with pytest.raises(ValueError, match='policy="full" only'):
         hub.patch(policy="attention", offload=True)
+    x, y = batch()
     try:
         hub.patch(offload=True)
         assert hub.is_patched() == "full"
+        # a tiny BertBackbone (dropout 0.1, padding), `train_on_batch`: RECOMPUTE=0's gradients
+        check_recompute_exact(classifier(tiny_backbone(0)), x, y)
         hub.patch()  # a switch of offload alone re-patches
         assert hub.is_patched() == "full"
     finally:
