@@ -19,7 +19,8 @@
 #   plan_bert, plan_bert_full  benchmarks.device_plan_check: the h100 plan of BERT-base seq 512
 #               in 16 GiB (docs/plan.md) checked by real steps at its micro-batch and the next
 #   offload_probe  benchmarks.offload_probe on the device: does XLA:GPU keep offloaded inputs
-#               on the host (the CPU-side plan says it keeps them on the device too)?
+#               on the host (the CPU-side plan: the policy keeps them on the device too, the
+#               library's offload=True moves them all)?
 #   peer        benchmarks.peer, BERT-base seq 512: "full" (our side only; RECOMPUTE=0 and
 #               PyTorch's rows were measured on an H100 before, docs/attention.md)
 #

@@ -37,7 +37,7 @@ def build_model(cfg, block="lean", policy="full"):
 
     dropout_cls = _dropout_class()
     block_cls = _lean_block_class(cfg, dropout_cls) if block == "lean" else standard_block_class(cfg)
-    block_cls.call = recompute_grad(block_cls.call, policy=policy)
+    block_cls.call = recompute_grad(block_cls.call, policy=policy, offload=offload)
     drop_cls = keras.layers.Dropout if block == "standard" else dropout_cls  # embedding's, head's
 
     keras.utils.set_random_seed(0)
@@ -289,9 +289,9 @@ def standard_block_class(cfg):
     return StandardBlock
 
 
-def build_jax_model(cfg, policy="full"):
+def build_jax_model(cfg, policy="full", offload=False):
     """Returns (model, loss_fn) for Keras 3 on JAX: the standard blocks decorated with
-    `recompute_grad(policy=policy)` in the same encoder as `build_model`'s, and
+    `recompute_grad(policy=policy, offload=offload)` in the same encoder as `build_model`'s, and
     `loss_fn(trainable, non_trainable, ids, labels) -> (loss, new non-trainable)` for
     `jax.value_and_grad` (the model's `stateless_call`, training=True)."""
     import keras
@@ -300,7 +300,7 @@ def build_jax_model(cfg, policy="full"):
 
     hidden, seq, vocab, rate = cfg["hidden"], cfg["seq"], cfg["vocab"], cfg["dropout"]
     block_cls = standard_block_class(cfg)
-    block_cls.call = recompute_grad(block_cls.call, policy=policy)
+    block_cls.call = recompute_grad(block_cls.call, policy=policy, offload=offload)
     keras.utils.set_random_seed(0)
     ids = keras.Input((seq,), dtype="int32")
     positions = keras.layers.Embedding(seq, hidden, name="positions")(keras.ops.arange(seq)[None])

@@ -4,6 +4,7 @@
     python -m benchmarks.gpu_plan --model standard --layers 2,8 --hidden 128 --heads 2 \\
         --ffn 256 --seq 256                              # small widths, two depths
     python -m benchmarks.gpu_plan --docs docs/attention.md
+    python -m benchmarks.gpu_plan --policies full --cores auto --offload  # inputs on the host
 
 XLA compiles a jitted step for a GPU it is told about (`TARGETS`: a
 `GpuTargetConfigProto` of the card's facts, in text form) through the CUDA
@@ -27,6 +28,11 @@ dropout on, seed state an argument); float32 (`--precision bf16`: Keras's
 the attention core the library chooses (`recompute.attention_core`, "auto"),
 and, as a diagnostic, with each core forced (`blocked`, `keras`). The MiB per
 sample is the slope of the temp buffer over `--batches` (default 2 and 4).
+
+`--offload` adds a row "full" with `offload=True` (each block's inputs kept in pinned host
+memory: `recompute_grad(offload=True)`, `recompute.keras_hub.patch(offload=True)`) and
+two columns, the host temporaries per sample and at the largest batch (the device's
+columns count the device only).
 
 Columns: temp MiB per sample; temp, argument and output MiB at the largest
 batch; the compiled module's `while` loops and its exponentials over the key
@@ -95,10 +101,13 @@ def count_module(hlo, keys):
 # The step.
 
 
+OFFLOAD = "full+offload"  # the row of `--offload`: "full" with `offload=True`
+
+
 def build_model(cfg, policy, core):
     """The classifier for a row (`benchmarks.peer`'s): keras-hub's BertBackbone, patched for
-    `policy` (unpatched for "0"), or the standard Keras 3 blocks; `core` the attention core
-    the library uses (`recompute.attention_core`)."""
+    `policy` (unpatched for "0"; `OFFLOAD`: "full", inputs offloaded), or the standard Keras 3
+    blocks; `core` the attention core the library uses (`recompute.attention_core`)."""
     import recompute
 
     from .peer import keras_model
@@ -108,6 +117,8 @@ def build_model(cfg, policy, core):
         import recompute.keras_hub
 
         recompute.keras_hub.unpatch()  # one process builds every row
+    if policy == OFFLOAD:
+        return keras_model(cfg, cfg["model"], "full", offload=True)
     return keras_model(cfg, cfg["model"], policy)
 
 
@@ -170,19 +181,24 @@ def measure(cfg, policies, cores, target):
                           f"for {target}")
                 plans.append(step_plan(model, row_cfg, policy, batch, sharding))
             per_sample, _ = harness.slope([(b, p["temp"]) for b, p in zip(cfg["batches"], plans)])
+            host, _ = harness.slope([(b, p["host_temp"]) for b, p in zip(cfg["batches"], plans)])
             results.append(dict(layers=layers, policy=policy, core=core,
-                                per_sample_mib=per_sample / MiB, **plans[-1],
+                                per_sample_mib=per_sample / MiB, host_per_sample_mib=host / MiB,
+                                **plans[-1],
                                 loops_per_layer=plans[-1]["loops"] / layers,
                                 exps_per_layer=plans[-1]["exps"] / layers))
     return results
 
 
 def row_name(policy, core):
+    if policy == OFFLOAD:
+        return f'"full", offload, core {core}'
     return "RECOMPUTE=0" if policy == "0" else f'"{policy}", core {core}'
 
 
 def format_table(results, cfg, target):
     batch = cfg["batches"][-1]
+    offload = any(r["policy"] == OFFLOAD for r in results)
     lines = [f"XLA:GPU plan for {TARGETS[target]['name']} (compiled here, no GPU): "
              f"{'keras-hub BertBackbone' if cfg['model'] == 'hub' else 'standard Keras 3 blocks'}, "
              f"hidden {cfg['hidden']}, {cfg['heads']} heads, FFN {cfg['ffn']}, seq {cfg['seq']}, "
@@ -190,13 +206,16 @@ def format_table(results, cfg, target):
              f"buffer over batches {', '.join(map(str, cfg['batches']))}",
              "",
              f"| layers | row | temp MiB / sample | temp MiB @ {batch} | arguments MiB | "
-             "outputs MiB | loops / layer | softmax exps / layer |",
-             "|---|---|---|---|---|---|---|---|"]
+             "outputs MiB | loops / layer | softmax exps / layer |"
+             + (" host temp MiB / sample | host temp MiB @ %d |" % batch if offload else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if offload else "")]
     for r in results:
         lines.append(f"| {r['layers']} | {row_name(r['policy'], r['core'])} | "
                      f"{r['per_sample_mib']:.1f} | {r['temp'] / MiB:.1f} | "
                      f"{r['arguments'] / MiB:.1f} | {r['outputs'] / MiB:.1f} | "
-                     f"{r['loops_per_layer']:g} | {r['exps_per_layer']:g} |")
+                     f"{r['loops_per_layer']:g} | {r['exps_per_layer']:g} |"
+                     + (f" {r['host_per_sample_mib']:.1f} | {r['host_temp'] / MiB:.1f} |"
+                        if offload else ""))
     return "\n".join(lines)
 
 
@@ -219,6 +238,8 @@ def parse_args(argv=None):
     p.add_argument("--cores", type=harness.name_list(("auto", "blocked", "keras")),
                    default=DEFAULTS["cores"], help="attention cores per policy row "
                    "(default auto,blocked,keras; auto is the library's choice)")
+    p.add_argument("--offload", action="store_true", help='also a row "full" with '
+                   "offload=True (inputs in host memory), and host temporaries apart")
     p.add_argument("--target", choices=sorted(TARGETS), default=DEFAULTS["target"])
     p.add_argument("--precision", choices=("fp32", "bf16"), default=DEFAULTS["precision"])
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
@@ -237,7 +258,10 @@ def main(argv=None):
     sys.path.insert(0, harness.CHECKOUT)
     cfg = {k: getattr(args, k) for k in ("model", "layers", "hidden", "heads", "ffn", "seq",
                                           "vocab", "dropout", "batches", "precision")}
-    results = measure(cfg, args.policies, args.cores, args.target)
+    policies = list(args.policies)
+    if args.offload:
+        policies.insert(policies.index("full") + 1 if "full" in policies else len(policies), OFFLOAD)
+    results = measure(cfg, policies, args.cores, args.target)
     with harness.report_to_docs(args.docs, TOOL, argv):
         print(format_table(results, cfg, args.target))
     if args.json:

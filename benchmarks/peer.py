@@ -159,23 +159,25 @@ def _keras_precision(precision, backend):
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
 
 
-def keras_model(cfg, model_name, row):
+def keras_model(cfg, model_name, row, offload=False):
     """The classifier of `model_name` for the project row `row` (RECOMPUTE is set by the
     parent): keras-hub's BertBackbone, patched unless row 0 (a fresh process: row 0 does not
-    unpatch), or the standard blocks. `benchmarks.gpu_plan` builds its rows with it too."""
+    unpatch), or the standard blocks; `offload`: `recompute_grad`'s, for row "full".
+    `benchmarks.gpu_plan` builds its rows with it too."""
     import keras
 
     from . import encoder
 
     if model_name == "standard":
-        model, _ = encoder.build_jax_model(cfg, policy="full" if row == "0" else row)
+        model, _ = encoder.build_jax_model(cfg, policy="full" if row == "0" else row,
+                                           offload=offload)
         return model
     import keras_hub
 
     if row != "0":
         import recompute.keras_hub
 
-        recompute.keras_hub.patch(policy=row)
+        recompute.keras_hub.patch(policy=row, offload=offload)
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=cfg["vocab"], num_layers=cfg["layers"], num_heads=cfg["heads"],

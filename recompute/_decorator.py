@@ -10,6 +10,7 @@ from .ops import _attention
 from .adapters import _backends, _tf
 from . import _config
 from . import engine as engines
+from .engine import _jax as _jax_engine
 from .policies import _registry
 
 
@@ -89,7 +90,27 @@ def _checked_call(call):
     return bound_to, unbound
 
 
-def recompute_grad(call=None, *, policy="full"):
+_TF_OFFLOAD = (
+    "`offload=True` keeps a recomputed call's inputs in host memory on Keras 3's JAX backend "
+    "only; TensorFlow has no host offload (docs/recompute.md, \"Host offload\"). "
+    "Use offload=False on TensorFlow."
+)
+
+
+def _check_offload(offload, policy):
+    """`offload` as a bool; a ValueError if it is not one, or if it is True under a policy
+    other than "full" (only a whole call's inputs are offloaded)."""
+    if not isinstance(offload, bool):
+        raise TypeError(f"`offload` is True or False. Received: offload={offload!r}")
+    if offload and policy != "full":
+        raise ValueError(
+            "`offload=True` keeps a recomputed call's inputs in host memory: it applies to "
+            f'policy="full" only. Received: policy={policy!r}, offload=True'
+        )
+    return offload
+
+
+def recompute_grad(call=None, *, policy="full", offload=False):
     """Decorates a Keras layer's `call` so that its activations are recomputed in the backward pass.
 
     ```python
@@ -125,13 +146,22 @@ def recompute_grad(call=None, *, policy="full"):
         call: the `call` of a `keras.layers.Layer` or `tf_keras.layers.Layer`
             subclass (first parameter `self`), or a layer instance's bound `call`.
         policy: "full" (default) or "attention" (keyword only).
+        offload: on Keras 3's JAX backend, with `policy="full"`, keep the call's
+            inputs in pinned host memory from the forward to the backward pass
+            instead of the accelerator's (keyword only; default False). Exact like
+            every policy. It pays at depth, not everywhere: at keras-hub BERT-base
+            XLA:GPU plans more device memory with it (`benchmarks.gpu_plan
+            --offload` shows a model's plan). On a CPU, host memory is the
+            device's: nothing to offload to, the same gradients. TensorFlow has no host offload: True raises
+            there (docs/recompute.md, "Host offload").
 
     Returns:
         The decorated method (a decorator if `call` is omitted).
 
     Raises:
-        TypeError: `call` is not a layer's `call`.
-        ValueError: an unknown `policy`; at the layer's first call, RECOMPUTE
+        TypeError: `call` is not a layer's `call`; `offload` is not a bool.
+        ValueError: an unknown `policy`; `offload=True` with `policy="attention"`;
+            `offload=True` on TensorFlow, at a recomputed call; at the layer's first call, RECOMPUTE
             on or off, policy="attention" on a layer without
             `MultiHeadAttention` layers.
         NotImplementedError: a Keras 3 backend other than TensorFlow and JAX.
@@ -142,8 +172,9 @@ def recompute_grad(call=None, *, policy="full"):
             f"`@recompute_grad(policy={call!r})`. Received: recompute_grad({call!r})"
         )
     _registry.check_policy(policy)
+    offload = _check_offload(offload, policy)
     if call is None:
-        return functools.partial(recompute_grad, policy=policy)
+        return functools.partial(recompute_grad, policy=policy, offload=offload)
     run_policy = _registry.POLICIES[policy]
     bound_to, unbound = _checked_call(call)
 
@@ -171,6 +202,11 @@ def recompute_grad(call=None, *, policy="full"):
         fn = _autographed(unbound, autograph_status)  # as it is, on JAX (TensorFlow is eager)
         if not engine.recomputes():
             return fn(layer, *args, **kwargs)
+        if offload:
+            if engine.name != "jax":
+                raise ValueError(_TF_OFFLOAD)
+            with _jax_engine.offloading(True):
+                return engine.run(run_policy, fn, layer, args, kwargs)
         return engine.run(run_policy, fn, layer, args, kwargs)
 
     # The wrappers are two lines so that AutoGraph, which converts them when it

@@ -163,7 +163,8 @@ def compile_step(fn, args, sharding=None, donate_argnums=(), text=False):
 
     Returns (compiled, plan): the executable (runnable on the local device only) and a dict
     of its planned bytes -- temp, arguments, outputs, aliases (outputs in donated
-    arguments), peak (arguments + outputs - aliases + temp) -- plus the optimized module's
+    arguments), peak (arguments + outputs - aliases + temp), all the device's, and host_temp
+    (temporaries in host memory: what `recompute_grad(offload=True)` keeps there) -- plus the optimized module's
     text with `text=True`."""
     import jax
 
@@ -177,7 +178,8 @@ def compile_step(fn, args, sharding=None, donate_argnums=(), text=False):
     plan = {"temp": int(analysis.temp_size_in_bytes),
             "arguments": int(analysis.argument_size_in_bytes),
             "outputs": int(analysis.output_size_in_bytes),
-            "aliases": int(getattr(analysis, "alias_size_in_bytes", 0) or 0)}
+            "aliases": int(getattr(analysis, "alias_size_in_bytes", 0) or 0),
+            "host_temp": int(getattr(analysis, "host_temp_size_in_bytes", 0) or 0)}
     plan["peak"] = plan["arguments"] + plan["outputs"] - plan["aliases"] + plan["temp"]
     if text:
         plan["hlo"] = compiled.as_text()

@@ -369,7 +369,7 @@ def _check_environment():
     )
 
 
-def patch(policy=None, *, blocks=None):
+def patch(policy=None, *, blocks=None, offload=False):
     """Makes bert4keras recompute with `recompute_grad` (idempotent).
 
     Turn recomputation on with `RECOMPUTE=1` or `recompute.recompute_scope(True)`.
@@ -402,12 +402,22 @@ def patch(policy=None, *, blocks=None):
             under every policy.
         blocks: the older spelling: `blocks=True` is `policy="block"`,
             `blocks=False` is `policy="layer"`.
+        offload: False, the only value here: bert4keras runs on tf_keras
+            (TensorFlow), which has no host offload; `offload=True` keeps a
+            recomputed call's inputs in host memory on Keras 3's JAX backend only
+            (`recompute_grad(offload=True)`, `recompute.keras_hub.patch(offload=True)`).
 
     Raises:
-        ValueError: an unknown policy, or `blocks` contradicting `policy`.
+        ValueError: an unknown policy, `blocks` contradicting `policy`, or
+            `offload=True`.
         RuntimeError: the environment variables above are missing.
     """
     global _policy
+    if offload is not False:
+        raise ValueError(
+            "recompute.bert4keras.patch(offload=True): bert4keras runs on tf_keras (TensorFlow), "
+            "which has no host offload; offload=True is Keras 3's JAX backend's "
+            "(recompute_grad, recompute.keras_hub.patch). Received: offload=" + repr(offload))
     if blocks is not None and not isinstance(blocks, bool):
         raise TypeError(f"`blocks` must be True or False. Received: blocks={blocks!r}")
     if policy is not None:

@@ -103,9 +103,21 @@ def _is_array(value):
     return isinstance(value, (jax.Array, np.ndarray, np.generic))
 
 
-def recomputed_call(call, layer, args, kwargs, policy=None):
+_offloading = ThreadStack()  # `offload=True` of the decorated call being traced, this thread
+
+
+@contextlib.contextmanager
+def offloading(offload):
+    """While entered: a recomputed call made without `offload=` offloads its inputs if `offload`."""
+    with _offloading.entered(bool(offload)):
+        yield
+
+
+def recomputed_call(call, layer, args, kwargs, policy=None, offload=None):
     """Runs `call(layer, *args, **kwargs)` under `jax.checkpoint` (with `policy`: what it
-    may keep; None keeps nothing but the inputs), state threaded through it."""
+    may keep; None keeps nothing but the inputs), state threaded through it. With `offload`
+    (None: what `offloading` says, else False), the inputs are kept in pinned host memory
+    instead (`_offloaded`), for policy None only."""
     import jax
     import keras
     outer = _keras_private.stateless_scope()
@@ -143,7 +155,13 @@ def recomputed_call(call, layer, args, kwargs, policy=None):
             list(scope.losses),
         )
 
-    results, new_state, losses = jax.checkpoint(pure, policy=policy)(values, [flat[i] for i in dynamic])
+    if offload is None:
+        offload = bool(_offloading) and _offloading.top()
+    if offload and policy is None:
+        run = _offloaded(pure)
+    else:
+        run = jax.checkpoint(pure, policy=policy)
+    results, new_state, losses = run(values, [flat[i] for i in dynamic])
     for variable, value in zip(traced["assigned"], new_state):
         variable.assign(value)
     if losses:
@@ -152,3 +170,72 @@ def recomputed_call(call, layer, args, kwargs, policy=None):
     for i, value in zip(traced["arrays"], results):
         flat_outputs[i] = value
     return keras.tree.pack_sequence_as(traced["outputs"], flat_outputs)
+
+
+def _floating(value):
+    import jax.numpy as jnp
+
+    return jnp.issubdtype(value.dtype, jnp.inexact)
+
+
+def _barrier(tree):
+    """`lax.optimization_barrier` over the arrays of `tree` that have a dtype XLA knows (not
+    float0, the cotangent of an integer input): XLA schedules none of them before all exist."""
+    import jax
+    from jax import lax
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    real = [i for i, v in enumerate(leaves) if v.dtype != jax.dtypes.float0]
+    held = lax.optimization_barrier([leaves[i] for i in real])
+    for i, value in zip(real, held):
+        leaves[i] = value
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _offloaded(pure):
+    """`pure(values, inputs)` that keeps its floating-point `inputs` in pinned host memory for
+    the backward pass, instead of `jax.checkpoint`'s device copies, and recomputes from them.
+
+    A `jax.custom_vjp`: the forward pass runs the call and copies its inputs to the host
+    (`jax.device_put` to `jax.memory.Space.Host`); the backward pass copies them back and
+    differentiates the call (`jax.vjp`), exactly. The call is traced once, here, into a
+    jaxpr (`jax.closure_convert`, which makes the differentiated values it closes over
+    explicit inputs), so that the backward pass replays the forward pass's trace in its
+    context. Three optimization barriers make XLA schedule the transfers where they save
+    memory (benchmarks/offload_probe.py): the host copy completes with the call's outputs
+    (else XLA starts it in the backward pass, the device copy kept through the forward);
+    the copy back and the recomputation wait for the call's incoming gradient, every input
+    of the recomputation through the barrier (as `jax.checkpoint`'s `prevent_cse`: else XLA
+    shares with the forward pass what depends on the weights and seeds only -- dropout
+    masks -- and keeps it from the forward pass); and the call's gradients, the
+    weights' with the input's, are complete before the next call's backward pass uses them
+    (else XLA defers every weight gradient to the end, each keeping its operands).
+    """
+    import jax
+
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+
+    def run(values, inputs):
+        converted, consts = jax.closure_convert(pure, values, inputs)
+
+        @jax.custom_vjp
+        def offloaded(values, inputs, consts):
+            return converted(values, inputs, *consts)
+
+        def forward(values, inputs, consts):
+            outputs = converted(values, inputs, *consts)
+            kept = [jax.device_put(x, host) if _floating(x) else x for x in inputs]
+            outputs, kept = _barrier((outputs, kept))
+            return outputs, (values, kept, consts)
+
+        def backward(residuals, cotangents):
+            values, kept, consts = residuals
+            values, kept, consts, cotangents = _barrier((values, kept, consts, cotangents))
+            inputs = [jax.device_put(x, device) if _floating(x) else x for x in kept]
+            _, vjp = jax.vjp(lambda v, i, c: converted(v, i, *c), values, inputs, consts)
+            return _barrier(vjp(cotangents))
+
+        offloaded.defvjp(forward, backward)
+        return offloaded(values, inputs, consts)
+
+    return run

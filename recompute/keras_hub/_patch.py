@@ -20,11 +20,11 @@ import weakref
 from .. import _config
 from ..adapters import _keras3
 from ..policies import _registry
-from .._decorator import recompute_grad
+from .._decorator import _check_offload, recompute_grad
 from . import _blocks, _cores
 
 POLICIES = _registry.NAMES  # "full", "attention"
-_patched = {}  # class -> (its own `call` before `patch()`, the policy)
+_patched = {}  # class -> (its own `call` before `patch()`, the policy, offload)
 _MARK = "__recompute_keras_hub__"  # on a patched `call`: its policy
 _warned = set()  # the block classes policy="attention" recomputed in full, warned about once
 
@@ -65,11 +65,13 @@ def _warn_full(cls):
     )
 
 
-def _patched_call(cls, row, original, policy):
-    """`cls.call` when patched: decoding as keras-hub wrote it, training recomputed."""
+def _patched_call(cls, row, original, policy, offload=False):
+    """`cls.call` when patched: decoding as keras-hub wrote it, training recomputed (with
+    `offload`, policy "full": its inputs kept in host memory on JAX)."""
     signature = inspect.signature(original)
     keras_attention = policy == "attention" and row.core == _blocks.KERAS
-    recomputed = recompute_grad(original, policy="attention" if keras_attention else "full")
+    recomputed = recompute_grad(original, policy="attention" if keras_attention else "full",
+                                offload=offload)
     own_cores = _blocks.cores(row) if policy == "attention" and not keras_attention else ()
 
     def call(self, *args, **kwargs):
@@ -94,7 +96,7 @@ def _patched_call(cls, row, original, policy):
     return call
 
 
-def patch(policy="full"):
+def patch(policy="full", offload=False):
     """Makes every Transformer block of keras-hub recompute its training calls whenever `RECOMPUTE` is on.
 
     ```python
@@ -138,21 +140,31 @@ def patch(policy="full"):
     restores every class. A class missing from the installed keras-hub is
     skipped. Imports keras-hub (install the `[hub]` extra).
 
+    `offload=True` (JAX, `policy="full"`): each block keeps its inputs in pinned
+    host memory, not the accelerator's, from the forward to the backward pass,
+    exactly (`recompute_grad(offload=True)`; docs/recompute.md, "Host offload"). Check
+    the plan first (`python -m benchmarks.gpu_plan --offload`): at BERT-base XLA:GPU
+    plans more device memory with it than without.
+
     Args:
         policy: "full" (default) or "attention" (`recompute.POLICIES`).
+        offload: True keeps each block's inputs in host memory on JAX (policy
+            "full" only; a ValueError with "attention"; on TensorFlow, a
+            ValueError at a block's recomputed call).
     """
     _registry.check_policy(policy)
+    offload = _check_offload(offload, policy)
     _import_keras_hub()
     changed = []
     for cls, row in _blocks.installed():
         if cls in _patched:
-            if _patched[cls][1] == policy:
+            if _patched[cls][1:] == (policy, offload):
                 continue
             original = _patched[cls][0]
         else:
             original = cls.__dict__["call"]
-        cls.call = _patched_call(cls, row, original, policy)
-        _patched[cls] = (original, policy)
+        cls.call = _patched_call(cls, row, original, policy, offload)
+        _patched[cls] = (original, policy, offload)
         changed.append(cls)
     _retrace(changed)
 
@@ -164,7 +176,7 @@ def unpatch():
     next `fit`, `evaluate`, `predict` or `train_on_batch`.
     """
     changed = []
-    for cls, (original, _) in list(_patched.items()):
+    for cls, (original, *_) in list(_patched.items()):
         cls.call = original
         del _patched[cls]
         changed.append(cls)
@@ -229,7 +241,7 @@ def _retrace(classes):
 
 def is_patched():
     """The policy `patch()` installed ("full" or "attention"), or None."""
-    for _, policy in _patched.values():
+    for _, policy, _offload in _patched.values():
         return policy
     return None
 

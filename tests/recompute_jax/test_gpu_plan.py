@@ -79,3 +79,20 @@ def test_counts_loops_and_softmax_passes_of_a_compiled_module():
 """
     assert count_module(hlo, 512) == (2, 2)
     assert count_module(hlo, 3072) == (2, 1)
+
+
+@pytest.mark.slow  # 4 compilations for a GPU: 2 to 4 CPU minutes
+def test_offload_plans_the_inputs_on_the_host(tmp_path):
+    """`--offload` at small widths, 8 blocks: the offloaded row keeps every block's input in
+    host memory (7 temporaries of [seq, hidden] float32 per sample; the first block's input is
+    the embeddings' output, a temporary too) and plans no more device memory than "full"."""
+    rows, table = plan(tmp_path, "--model", "standard", "--layers", "8", "--hidden", "128",
+                       "--heads", "2", "--ffn", "256", "--seq", "256", "--vocab", "1000",
+                       "--policies", "full", "--cores", "auto", "--offload")
+    by = {r["policy"]: r for r in rows}
+    full, offload = by["full"], by["full+offload"]
+    assert "host temp MiB" in table and '"full", offload' in table
+    assert full["host_temp"] == 0
+    batch = 4
+    assert offload["host_temp"] >= 7 * 256 * 128 * 4 * batch, table
+    assert offload["temp"] <= full["temp"], table

@@ -97,3 +97,31 @@ def test_non_tensorflow_backend_raises(monkeypatch):
             layer(x)
     with recompute.recompute_scope(False):
         layer(x)  # off: the original call runs, whatever the backend
+
+
+class OffloadedBlock(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4)
+
+    @recompute_grad(offload=True)
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_offload_is_refused_on_tensorflow_at_a_recomputed_call():
+    layer = OffloadedBlock()
+    x = tf.ones((2, 4))
+    layer(x)  # no tape: runs as written
+    with recompute.recompute_scope(True), tf.GradientTape() as tape:
+        with pytest.raises(ValueError, match="TensorFlow has no host offload"):
+            layer(x)
+    with recompute.recompute_scope(False), tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x)  # RECOMPUTE off: nothing recomputed, nothing refused
+    assert tape.gradient(y, x) is not None
+
+
+def test_offload_with_attention_policy_is_refused_at_decoration():
+    with pytest.raises(ValueError, match='policy="full" only'):
+        recompute_grad(policy="attention", offload=True)
