@@ -71,17 +71,20 @@ def kept_arrays(structure):
 
 
 def _kept_block(layer, sublayers, attention):
-    """True where `layer`'s call runs as one checkpoint keeping only named values: it runs
-    differentiated (not in shape inference, not inside a recomputed call), and its
-    sublayers are its attention layers (theirs included), unquantized `Dense`,
-    `LayerNormalization` and `Dropout` layers -- whose every matrix product but the
-    attention's output projection has a named input or output, so that the
-    recomputation multiplies by no more than that projection's kernel."""
+    """True where `layer`'s call runs as one checkpoint keeping only named values
+    (`_block_checkpointed`): not in shape inference nor inside a recomputed call; no weights
+    but its sublayers'; its sublayers its attention layers (with theirs), `Dense` layers
+    (unquantized, no LoRA), `LayerNormalization` and `Dropout` layers. Then every matrix
+    product of the call but the attention's output projection has a named input or output:
+    the recomputation multiplies by no other kernel."""
     import keras
 
     if _engine.in_shape_inference() or _engine.inside_recomputed_call() or not attention:
         return False
     inside = {id(sub) for lyr in attention for sub in _keras3.sublayers(lyr)}
+    theirs = {id(v) for sub in sublayers if sub is not layer for v in sub.variables}
+    if any(id(v) not in theirs for v in layer.variables):
+        return False  # weights of its own: products of its own call, which nothing names
     plain = (keras.layers.LayerNormalization, keras.layers.Dropout)
     for sub in sublayers:
         if sub is layer or id(sub) in inside or type(sub) in plain:
