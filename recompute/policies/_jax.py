@@ -1,8 +1,9 @@
 """The policies' functions on Keras 3's JAX backend, run by the JAX engine
 (`recompute.engine._jax`: the call as a `jax.checkpoint`, the layer's state threaded
 through): `full` (the whole call one checkpoint) and `attention` (the attention cores
-and the GELUs checkpointed inside a call that keeps the rest); `_policies.POLICIES`
-names both engines' functions.
+and the GELUs checkpointed inside a call that keeps the rest; a block of Keras's
+attention, `Dense`, `LayerNormalization` and `Dropout` layers one checkpoint keeping the
+values named `KEPT`); `_policies.POLICIES` names both engines' functions.
 """
 
 import contextlib
