@@ -177,7 +177,8 @@ def runs_blocked(engine, dtype, queries, keys):
     - `"auto"` on JAX: the blocked core (since 2026-11-28). XLA:GPU's plan for an
       H100 of keras-hub BERT-base (12 blocks, seq 512, float32) holds 19.5 MiB per
       sample under `"full"` with it against 78.0 with Keras's core, and 247.6 against
-      295.6 under `"attention"` (`python -m benchmarks.gpu_plan --policies
+      295.6 under `"attention"` (175.5 since `"attention"` checkpoints the block:
+      docs/attention.md) (`python -m benchmarks.gpu_plan --policies
       attention,full --cores blocked,keras`); at small widths, seq 256, it plans at
       or below Keras's at 2 and 8 blocks, growing by XLA's tuple buffers only
       (`tests/recompute_jax/test_gpu_plan.py`; docs/attention.md, "The last bytes

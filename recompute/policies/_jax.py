@@ -1,8 +1,9 @@
 """The policies' functions on Keras 3's JAX backend, run by the JAX engine
 (`recompute.engine._jax`: the call as a `jax.checkpoint`, the layer's state threaded
 through): `full` (the whole call one checkpoint) and `attention` (the attention cores
-and the GELUs checkpointed inside a call that keeps the rest); `_policies.POLICIES`
-names both engines' functions.
+and the GELUs checkpointed inside a call that keeps the rest; a block of Keras's
+attention, `Dense`, `LayerNormalization` and `Dropout` layers one checkpoint keeping the
+values named `KEPT`); `_policies.POLICIES` names both engines' functions.
 """
 
 import contextlib
@@ -26,30 +27,124 @@ def full(fn, layer, args, kwargs):
 def attention(fn, layer, args, kwargs):
     """Only the attention core (`MultiHeadAttention._compute_attention`) of each multi-head
     attention layer in the call keeps less: blocked (`_flash_jax`: it keeps its inputs and
-    the dropout's bits), or, where the core is not the standard case, a `jax.checkpoint`
+    the dropout's seed), or, where the core is not the standard case, a `jax.checkpoint`
     (its dropout replayed from the seed state); and the exact GELUs of its `Dense`
-    sublayers keep only their input (`_gelu.checkpointed`); everything else is kept."""
+    sublayers keep only their input (`_gelu.checkpointed`). Where the call is a block of
+    Keras's attention, `Dense`, `LayerNormalization` and `Dropout` layers (`_kept_block`),
+    the rest keeps only what the backward pass multiplies by (`_block_checkpointed`);
+    elsewhere everything else is kept."""
     from ..ops import _gelu
     from ..ops._attention import attention_layers  # the check and its message, shared
 
     layers = attention_layers(_keras3, layer)
-    with _cores_blocked(layers, _keras3.attention_core, checkpoint_others=True), \
-            _gelu.kept_input(_keras3.sublayers(layer), _gelu.checkpointed):
-        return fn(layer, *args, **kwargs)
+    sublayers = _keras3.sublayers(layer)
+    block = _kept_block(layer, sublayers, layers)
+    with _cores_blocked(layers, _keras3.attention_core, checkpoint_others=True, named=block):
+        if block:  # its GELUs recomputed by the block's checkpoint, from their named inputs
+            return _block_checkpointed(fn, layer, args, kwargs, sublayers)
+        with _gelu.kept_input(sublayers, _gelu.checkpointed):
+            return fn(layer, *args, **kwargs)
+
+
+# What `"attention"`'s block checkpoint keeps (`jax.checkpoint_policies.save_only_these_names`)
+KEPT = "recompute.attention.kept"
+
+
+def kept(x):
+    """`x` named `KEPT` (`jax.ad_checkpoint.checkpoint_name`) where it is a JAX array."""
+    import jax
+
+    return jax.ad_checkpoint.checkpoint_name(x, KEPT) if isinstance(x, jax.Array) else x
+
+
+def kept_arrays(structure):
+    """`structure` with its floating-point JAX arrays `kept` (masks and integers unnamed:
+    recomputed where they are needed, as they are made cheaply)."""
+    import jax
+    import jax.numpy as jnp
+    import keras
+
+    def name(x):
+        floating = isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
+        return kept(x) if floating else x
+
+    return keras.tree.map_structure(name, structure)
+
+
+def _kept_block(layer, sublayers, attention):
+    """True where `layer`'s call runs as one checkpoint keeping only named values
+    (`_block_checkpointed`): not in shape inference nor inside a recomputed call; no weights
+    but its sublayers'; its sublayers its attention layers (with theirs), `Dense` layers
+    (unquantized, no LoRA), `LayerNormalization` and `Dropout` layers. Then every matrix
+    product of the call but the attention's output projection has a named input or output:
+    the recomputation multiplies by no other kernel."""
+    import keras
+
+    if _engine.in_shape_inference() or _engine.inside_recomputed_call() or not attention:
+        return False
+    inside = {id(sub) for lyr in attention for sub in _keras3.sublayers(lyr)}
+    theirs = {id(v) for sub in sublayers if sub is not layer for v in sub.variables}
+    if any(id(v) not in theirs for v in layer.variables):
+        return False  # weights of its own: products of its own call, which nothing names
+    plain = (keras.layers.LayerNormalization, keras.layers.Dropout)
+    for sub in sublayers:
+        if sub is layer or id(sub) in inside or type(sub) in plain:
+            continue
+        if type(sub) is not keras.layers.Dense or sub.quantization_mode is not None \
+                or getattr(sub, "lora_enabled", False):
+            return False
+    return True
+
+
+def _block_checkpointed(fn, layer, args, kwargs, sublayers):
+    """`fn(layer, *args, **kwargs)` as one `jax.checkpoint` keeping the values named `KEPT`:
+    the attention cores' queries, keys, values and outputs (`_cores_blocked`), each `Dense`
+    layer's activation's input (its product, before a GELU or none) and each
+    `LayerNormalization`'s output. The rest -- the attention's output projection, the
+    dropouts (replayed from their seed), the residual sums, the normalizations' statistics
+    -- runs again in the backward pass from those and the call's inputs."""
+    import jax
+    import keras
+
+    def named_activation(activation):
+        return lambda x: activation(kept(x))
+
+    def named_call(sub, call):
+        return lambda *a, **k: kept(call(sub, *a, **k))
+
+    replaced = []
+    for sub in sublayers:
+        if type(sub) is keras.layers.Dense and sub.activation is not None:
+            replaced.append((sub, "activation", named_activation(sub.activation)))
+        elif type(sub) is keras.layers.LayerNormalization:
+            replaced.append((sub, "call", named_call(sub, type(sub).call)))
+    policy = jax.checkpoint_policies.save_only_these_names(KEPT)
+    with shadowed(replaced):
+        return _engine.recomputed_call(fn, layer, args, kwargs, policy=policy)
 
 
 @contextlib.contextmanager
-def _cores_blocked(layers, name, checkpoint_others=False):
+def _cores_blocked(layers, name, checkpoint_others=False, named=False):
     """While active, `name` (the attention core) of each layer runs as the blocked core
     where it is the standard case (`_attention.keras_blocked`), else -- with
     `checkpoint_others` -- under `recomputed_call`, else as written. An instance
-    attribute shadows the method (`recompute._scoped.shadowed`), removed on exit."""
+    attribute shadows the method (`recompute._scoped.shadowed`), removed on exit. With
+    `named`, the core's array inputs and its output are named `KEPT`."""
     from ..ops import _attention, _flash_jax
 
     def core_of(lyr, method):
         def core(*args, **kwargs):
             if _engine.in_shape_inference():
                 return method(lyr, *args, **kwargs)
+            if named:
+                args, kwargs = kept_arrays((args, kwargs))
+                result = unnamed(*args, **kwargs)
+                if isinstance(result, tuple):
+                    return (kept(result[0]),) + result[1:]
+                return kept(result)
+            return unnamed(*args, **kwargs)
+
+        def unnamed(*args, **kwargs):
             blocked = _attention.keras_blocked(
                 _flash_jax, method, lyr, args, kwargs, _keras3.scores_asked(args, kwargs))
             if blocked is not None:

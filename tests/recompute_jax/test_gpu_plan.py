@@ -51,6 +51,15 @@ def test_chosen_core_plans_no_more_than_keras_core(tmp_path):
         growth = {core: by[8, policy, core]["temp"] - by[2, policy, core]["temp"]
                   for core in ("auto", "keras")}
         assert growth["auto"] <= growth["keras"] + 6 * BARRIER_SLACK, (policy, growth, table)
+    # "attention" keeps per block what its backward pass multiplies by and no more
+    # (policies/_jax._block_checkpointed): the block's input, q, k, v, the core's output,
+    # the first LayerNorm's output and the feed-forward's two products, 7 [seq, hidden]
+    # floats and one [seq, ffn] (4.5 MiB at batch 4; 6.0 before, when the residual sums,
+    # the LayerNorms' intermediates and the dropouts' masks were kept too). One [seq,
+    # hidden] more per block fails.
+    unit = 4 * 256 * 4  # bytes of one feature at batch 4, seq 256, float32
+    per_block = (by[8, "attention", "auto"]["temp"] - by[2, "attention", "auto"]["temp"]) / 6
+    assert per_block < (7 * 128 + 256 + 128) * unit, (per_block, table)
     # the plan sees what recomputation saves: "full" below "attention" at 8 blocks
     assert by[8, "full", "auto"]["per_sample_mib"] < by[8, "attention", "auto"]["per_sample_mib"]
 
