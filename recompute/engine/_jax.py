@@ -36,6 +36,7 @@ import numpy as np
 
 from ..adapters import _keras3, _keras_private
 from . import _running
+from .._scoped import ThreadStack
 
 
 def in_shape_inference():

@@ -80,7 +80,7 @@ def _kept_block(layer, sublayers, attention):
     the recomputation multiplies by no other kernel."""
     import keras
 
-    if _engine.in_shape_inference() or _engine.inside_recomputed_call() or not attention:
+    if _engine.in_shape_inference() or _running.inside_recomputed_call() or not attention:
         return False
     inside = {id(sub) for lyr in attention for sub in _keras3.sublayers(lyr)}
     theirs = {id(v) for sub in sublayers if sub is not layer for v in sub.variables}
