@@ -10,7 +10,6 @@ from .ops import _attention
 from .adapters import _backends, _tf
 from . import _config
 from . import engine as engines
-from .engine import _jax as _jax_engine
 from .policies import _registry
 
 
@@ -88,13 +87,6 @@ def _checked_call(call):
     else:
         _backends.adapter_for(bound_to).check_supported(bound_to)
     return bound_to, unbound
-
-
-_TF_OFFLOAD = (
-    "`offload=True` keeps a recomputed call's inputs in host memory on Keras 3's JAX backend "
-    "only; TensorFlow has no host offload (docs/recompute.md, \"Host offload\"). "
-    "Use offload=False on TensorFlow."
-)
 
 
 def _check_offload(offload, policy):
@@ -202,12 +194,7 @@ def recompute_grad(call=None, *, policy="full", offload=False):
         fn = _autographed(unbound, autograph_status)  # as it is, on JAX (TensorFlow is eager)
         if not engine.recomputes():
             return fn(layer, *args, **kwargs)
-        if offload:
-            if engine.name != "jax":
-                raise ValueError(_TF_OFFLOAD)
-            with _jax_engine.offloading(True):
-                return engine.run(run_policy, fn, layer, args, kwargs)
-        return engine.run(run_policy, fn, layer, args, kwargs)
+        return engine.run(run_policy, fn, layer, args, kwargs, offload=offload)
 
     # The wrappers are two lines so that AutoGraph, which converts them when it
     # converts the caller, passes its status on; `run` is never converted.

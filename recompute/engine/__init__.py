@@ -31,6 +31,13 @@ from . import _core, _jax, _running
 from ._core import after, check_recomputable, float_tensors, kept  # noqa: F401  (TensorFlow's)
 
 
+TENSORFLOW_OFFLOAD = (
+    "`offload=True` keeps a recomputed call's inputs in host memory on Keras 3's JAX backend "
+    "only; TensorFlow has no host offload (docs/recompute.md, \"Host offload\"). "
+    "Use offload=False on TensorFlow."
+)
+
+
 class Engine:
     """What every engine answers (the module's docstring); built for one layer's family."""
 
@@ -47,8 +54,9 @@ class Engine:
         """`fn(layer, *args, **kwargs)`, recomputed for the gradient."""
         raise NotImplementedError
 
-    def run(self, policy, fn, layer, args, kwargs):
-        """`policy`'s function for this engine (a `recompute.policies._registry.Policy`)."""
+    def run(self, policy, fn, layer, args, kwargs, offload=False):
+        """`policy`'s function for this engine (a `recompute.policies._registry.Policy`); with
+        `offload`, the recomputed calls it makes keep their inputs in host memory (JAX only)."""
         raise NotImplementedError
 
 
@@ -64,7 +72,9 @@ class TensorFlowEngine(Engine):
     def recomputed_call(self, fn, layer, args, kwargs):
         return _core.recomputed_call(self.adapter, fn, layer, args, kwargs)
 
-    def run(self, policy, fn, layer, args, kwargs):
+    def run(self, policy, fn, layer, args, kwargs, offload=False):
+        if offload:
+            raise ValueError(TENSORFLOW_OFFLOAD)
         return policy.tensorflow(self.adapter, fn, layer, args, kwargs)
 
 
@@ -80,8 +90,9 @@ class JaxEngine(Engine):
     def recomputed_call(self, fn, layer, args, kwargs):
         return _jax.recomputed_call(fn, layer, args, kwargs)
 
-    def run(self, policy, fn, layer, args, kwargs):
-        return policy.jax(fn, layer, args, kwargs)
+    def run(self, policy, fn, layer, args, kwargs, offload=False):
+        with _jax.offloading(offload):
+            return policy.jax(fn, layer, args, kwargs)
 
 
 def of(adapter):

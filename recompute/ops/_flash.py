@@ -572,6 +572,32 @@ def _added(d_k, d_k_j, d_v, d_v_j):
     return (d_k_j if d_k is None else d_k + d_k_j), (d_v_j if d_v is None else d_v + d_v_j)
 
 
+def _tile(E, logits, rate, q_j, k_c, v_c, mask_c, keep, cols, d_out_j, dot_j, lse_j):
+    """One tile's `(dq, dk, dv)` in `backward`."""
+    def scores(q_j, k_c):
+        s, valid = logits(q_j, k_c, mask_c)
+        if cols is not None:
+            s = E.where(cols, s, NEG_INF)
+        return s, valid
+
+    s, valid, pullback = E.vjp(scores, q_j, k_c)
+    if lse_j is None:  # one key block, no lse kept: the row's softmax, as the forward's
+        p = E.softmax(s)
+    else:
+        # (s - max) - log(sum), not s - lse: a row of logits near -1e9 (a fully masked
+        # row, additive masks) would lose log(sum) to rounding in lse
+        p = E.exp((s - lse_j[0][..., None]) - lse_j[1][..., None])
+    if valid is not None:
+        p = E.where(valid, p, 0.0)
+    dropped = p if keep is None else E.drop(p, keep, rate)
+    d_v = E.einsum(D_VALUE, dropped, d_out_j)
+    d_dropped = E.einsum(D_PROBS, d_out_j, v_c)
+    d_p = d_dropped if keep is None else E.drop(d_dropped, keep, rate)
+    dot = E.row_sum(d_p * p) if dot_j is None else dot_j[..., None]
+    d_q, d_k = pullback(p * (d_p - dot))
+    return d_q, d_k, d_v
+
+
 def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_block=None):
     """FlashAttention-2's backward pass: `(dq, dk, dv)` of `forward` for the gradient
     `d_out` of its output `out`, from `lse` (no softmax over whole rows): per block,
@@ -591,30 +617,8 @@ def backward(E, logits, q, k, v, mask, bits, rate, block, d_out, out, lse, key_b
         key_block = None
     kp, vp, maskp, bitsp, nk, columns = _keys_padded(E, k, v, maskp, bitsp, keys, key_block)
 
-    def part(q_j, k_c, v_c, mask_c, keep, cols, d_out_j, dot_j, lse_j):
-        """A tile's `(dq, dk, dv)`."""
-        def scores(q_j, k_c):
-            s, valid = logits(q_j, k_c, mask_c)
-            if cols is not None:
-                s = E.where(cols, s, NEG_INF)
-            return s, valid
-
-        s, valid, pullback = E.vjp(scores, q_j, k_c)
-        if lse_j is None:  # one key block, no lse kept: the row's softmax, as the forward's
-            p = E.softmax(s)
-        else:
-            # (s - max) - log(sum), not s - lse: a row of logits near -1e9 (a fully masked
-            # row, additive masks) would lose log(sum) to rounding in lse
-            p = E.exp((s - lse_j[0][..., None]) - lse_j[1][..., None])
-        if valid is not None:
-            p = E.where(valid, p, 0.0)
-        dropped = p if keep is None else E.drop(p, keep, rate)
-        d_v = E.einsum(D_VALUE, dropped, d_out_j)
-        d_dropped = E.einsum(D_PROBS, d_out_j, v_c)
-        d_p = d_dropped if keep is None else E.drop(d_dropped, keep, rate)
-        dot = E.row_sum(d_p * p) if dot_j is None else dot_j[..., None]
-        d_q, d_k = pullback(p * (d_p - dot))
-        return d_q, d_k, d_v
+    def part(*tile):
+        return _tile(E, logits, rate, *tile)
 
     def body(carry, i, sources):
         d_k, d_v = carry

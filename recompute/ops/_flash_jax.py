@@ -258,25 +258,35 @@ def keep_bits(dropout, batch_like, shape, rows):
     return None if found is None else found[1](found[0], batch_like)
 
 
+def _drawable(dropout):
+    """Whether `dropout` is a Keras 3 `Dropout` on JAX whose draw `_bit_draw` reproduces:
+    no noise shape, a rate strictly between 0 and 1, JAX's partitionable threefry2x32 in
+    32 bits."""
+    import sys
+
+    import jax
+
+    keras = sys.modules.get("keras")
+    return not (keras is None
+                or type(dropout) is not getattr(getattr(keras, "layers", None), "Dropout", None)
+                or dropout.noise_shape is not None or keras.backend.backend() != "jax"
+                or not 0.0 < dropout.rate < 1.0
+                or not jax.config.jax_threefry_partitionable
+                or jax.config.jax_enable_x64
+                or str(jax.config.jax_default_prng_impl) != "threefry2x32")
+
+
 def _bit_draw(dropout, batch_like, shape, rows):
     """`keep_bits` in two parts: `(seed, draw)` -- the seed drawn from the layer's seed
     generator now, and `draw(seed, after)`, the bits from that seed made after `after` --
     or None."""
-    import sys
-
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    keras = sys.modules.get("keras")
     batch = batch_like.shape[0]
     heads, queries, keys = (int(n) for n in shape)
-    if (keras is None or type(dropout) is not getattr(getattr(keras, "layers", None), "Dropout", None)
-            or dropout.noise_shape is not None or keras.backend.backend() != "jax"
-            or not 0.0 < dropout.rate < 1.0 or batch is None
-            or not jax.config.jax_threefry_partitionable
-            or jax.config.jax_enable_x64
-            or str(jax.config.jax_default_prng_impl) != "threefry2x32"):
+    if batch is None or not _drawable(dropout):
         return None
     rows = max(1, min(int(rows), queries))
     n = -(-queries // rows)
