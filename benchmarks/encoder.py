@@ -37,7 +37,7 @@ def build_model(cfg, block="lean", policy="full"):
 
     dropout_cls = _dropout_class()
     block_cls = _lean_block_class(cfg, dropout_cls) if block == "lean" else standard_block_class(cfg)
-    block_cls.call = recompute_grad(block_cls.call, policy=policy, offload=offload)
+    block_cls.call = recompute_grad(block_cls.call, policy=policy)
     drop_cls = keras.layers.Dropout if block == "standard" else dropout_cls  # embedding's, head's
 
     keras.utils.set_random_seed(0)
