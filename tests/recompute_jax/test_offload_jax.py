@@ -11,7 +11,8 @@ import pytest
 
 from recompute import recompute_grad, recompute_scope
 from tests.helpers.numerics import assert_all_close
-from tests.recompute_jax.test_recompute_jax import FEATURES, Block, build, stateless_step
+from tests.recompute_jax.test_recompute_jax import (FEATURES, Block, assert_recompute_matches, build,
+                                                     stateless_step)
 
 
 class OffloadedBlock(Block):
@@ -23,22 +24,13 @@ class OffloadedBlock(Block):
 
 
 def build_offloaded(seed=0, blocks=2):
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((FEATURES,))
-    h = inputs
-    for i in range(blocks):
-        h = OffloadedBlock(seed=10 + i)(h)
-    return keras.Model(inputs, keras.layers.Dense(1)(h))
+    return build(seed, blocks, block=OffloadedBlock)
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
 def test_offloaded_gradients_match_no_recompute(jit):
     model = build_offloaded()
-    loss0, grads0, state0 = stateless_step(model, False, jit)
-    loss1, grads1, state1 = stateless_step(model, True, jit)
-    assert abs(loss0 - loss1) <= 1e-6 * abs(loss0)
-    assert_all_close(grads0, grads1, [v.path for v in model.trainable_variables])
-    assert_all_close(state0, state1, [v.path for v in model.non_trainable_variables])
+    loss0, (loss1, grads1, _) = assert_recompute_matches(model, jit)
     # and the same as the plain checkpoint's
     plain = build()
     plain.set_weights(model.get_weights())
@@ -106,10 +98,7 @@ def test_docs_example_runs_and_matches_no_recompute(jit):
     for _ in range(3):
         h = namespace["Block"](FEATURES)(h)
     model = keras.Model(inputs, keras.layers.Dense(1)(h))
-    loss0, grads0, _ = stateless_step(model, False, jit)
-    loss1, grads1, _ = stateless_step(model, True, jit)
-    assert abs(loss0 - loss1) <= 1e-6 * abs(loss0)
-    assert_all_close(grads0, grads1, [v.path for v in model.trainable_variables])
+    assert_recompute_matches(model, jit, state=False)
 
 
 def test_bert4keras_patch_refuses_offload():
