@@ -9,6 +9,7 @@ import tensorflow as tf
 from .ops import _attention
 from .adapters import _backends, _tf
 from . import _config
+from ._errors import offload_refused
 from . import engine as engines
 from .policies import _registry
 
@@ -95,10 +96,7 @@ def _check_offload(offload, policy):
     if not isinstance(offload, bool):
         raise TypeError(f"`offload` is True or False. Received: offload={offload!r}")
     if offload and policy != "full":
-        raise ValueError(
-            "`offload=True` keeps a recomputed call's inputs in host memory: it applies to "
-            f'policy="full" only. Received: policy={policy!r}, offload=True'
-        )
+        raise ValueError(offload_refused(policy))
     return offload
 
 

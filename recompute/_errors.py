@@ -51,3 +51,9 @@ def created_in_recomputation(layer_name, what, tf_keras=False):
         "`layer.build(input_shape)`), and create sublayers in `__init__` or "
         "`build`, not inside `call`."
     )
+
+
+def offload_refused(policy):
+    """The message for `offload=True` under a policy other than "full"."""
+    return ("`offload=True` keeps a recomputed call's inputs in host memory: it applies to "
+            f'policy="full" only. Received: policy={policy!r}, offload=True')

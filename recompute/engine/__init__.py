@@ -91,8 +91,7 @@ class JaxEngine(Engine):
         return _jax.recomputed_call(fn, layer, args, kwargs)
 
     def run(self, policy, fn, layer, args, kwargs, offload=False):
-        with _jax.offloading(offload):
-            return policy.jax(fn, layer, args, kwargs)
+        return policy.jax(fn, layer, args, kwargs, offload=offload)
 
 
 def of(adapter):

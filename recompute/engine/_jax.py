@@ -36,7 +36,6 @@ import numpy as np
 
 from ..adapters import _keras3, _keras_private
 from . import _running
-from .._scoped import ThreadStack
 
 
 def in_shape_inference():
@@ -104,21 +103,10 @@ def _is_array(value):
     return isinstance(value, (jax.Array, np.ndarray, np.generic))
 
 
-_offloading = ThreadStack()  # `offload=True` of the decorated call being traced, this thread
-
-
-@contextlib.contextmanager
-def offloading(offload):
-    """While entered: a recomputed call made without `offload=` offloads its inputs if `offload`."""
-    with _offloading.entered(bool(offload)):
-        yield
-
-
-def recomputed_call(call, layer, args, kwargs, policy=None, offload=None):
+def recomputed_call(call, layer, args, kwargs, policy=None, offload=False):
     """Runs `call(layer, *args, **kwargs)` under `jax.checkpoint` (with `policy`: what it
     may keep; None keeps nothing but the inputs), state threaded through it. With `offload`
-    (None: what `offloading` says, else False), the inputs are kept in pinned host memory
-    instead (`_offloaded`), for policy None only."""
+    (policy None only), the inputs are kept in pinned host memory instead (`_offloaded`)."""
     import jax
     import keras
     outer = _keras_private.stateless_scope()
@@ -156,12 +144,10 @@ def recomputed_call(call, layer, args, kwargs, policy=None, offload=None):
             list(scope.losses),
         )
 
-    if offload is None:
-        offload = bool(_offloading) and _offloading.top()
-    if offload and policy is None:
-        run = _offloaded(pure)
-    else:
-        run = jax.checkpoint(pure, policy=policy)
+    if offload and policy is not None:
+        raise ValueError("`offload=True` keeps a call's inputs only: it takes policy=None. "
+                         f"Received: policy={policy!r}")
+    run = _offloaded(pure) if offload else jax.checkpoint(pure, policy=policy)
     results, new_state, losses = run(values, [flat[i] for i in dynamic])
     for variable, value in zip(traced["assigned"], new_state):
         variable.assign(value)

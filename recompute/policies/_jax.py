@@ -10,21 +10,23 @@ import contextlib
 
 from ..adapters import _keras3
 from ..engine import _jax as _engine, _running
+from .._errors import offload_refused
 from .._scoped import shadowed
 
 
-def full(fn, layer, args, kwargs):
-    """The whole call is one `jax.checkpoint`: it keeps its inputs, runs again in the backward
-    pass; its attention cores run blocked (`_flash`), in both passes."""
+def full(fn, layer, args, kwargs, offload=False):
+    """The whole call is one `jax.checkpoint`: it keeps its inputs (with `offload`, in pinned
+    host memory), runs again in the backward pass; its attention cores run blocked
+    (`_flash`), in both passes."""
     from ..ops._attention import with_blocked_cores
 
     layers = _keras3.attention_layers(_keras3.sublayers(layer))
     if layers:
         fn = with_blocked_cores(fn, lambda: _cores_blocked(layers, _keras3.attention_core))
-    return _engine.recomputed_call(fn, layer, args, kwargs)
+    return _engine.recomputed_call(fn, layer, args, kwargs, offload=offload)
 
 
-def attention(fn, layer, args, kwargs):
+def attention(fn, layer, args, kwargs, offload=False):
     """Only the attention core (`MultiHeadAttention._compute_attention`) of each multi-head
     attention layer in the call keeps less: blocked (`_flash_jax`: it keeps its inputs and
     the dropout's seed), or, where the core is not the standard case, a `jax.checkpoint`
@@ -36,6 +38,8 @@ def attention(fn, layer, args, kwargs):
     from ..ops import _gelu
     from ..ops._attention import attention_layers  # the check and its message, shared
 
+    if offload:
+        raise ValueError(offload_refused("attention"))
     layers = attention_layers(_keras3, layer)
     sublayers = _keras3.sublayers(layer)
     block = _kept_block(layer, sublayers, layers)

@@ -64,7 +64,7 @@ class Policy(NamedTuple):
     """How each engine runs a decorated call under one `policy=` name."""
 
     tensorflow: Callable  # (adapter, fn, layer, args, kwargs): this module's
-    jax: Callable  # (fn, layer, args, kwargs): `_jax`'s
+    jax: Callable  # (fn, layer, args, kwargs, offload=False): `_jax`'s
 
 
 POLICIES = {"full": Policy(full, _jax.full), "attention": Policy(attention, _jax.attention)}
