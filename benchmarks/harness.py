@@ -221,13 +221,12 @@ def is_oom(error):
 
 
 def slope(points):
-    """Least-squares slope and intercept of [(x, y)]."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    s = sum((x - mx) * (y - my) for x, y in points) / sxx
-    return s, my - s * mx
+    """Least-squares slope and intercept of [(x, y)]: `recompute.planner.fit_line`'s line
+    (imported when called: it imports the library, and with it TensorFlow)."""
+    from recompute.planner import fit_line
+
+    intercept, s = fit_line(points)
+    return s, intercept
 
 
 def lower_median(values):

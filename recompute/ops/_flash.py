@@ -49,6 +49,9 @@ dtype, rows)` (the decision of Keras 3's `Dropout` drawn without the whole
 uniform tensor, or None where the engine cannot).
 """
 
+import functools
+import importlib
+
 from .._setting import Setting
 
 DEFAULT_BLOCK_ELEMENTS = 64 * 1024  # rows x keys of one block: 128 rows at seq 512
@@ -220,10 +223,50 @@ def tensorflow_pays(queries, keys):
     return keys is not None and keys > TF_KERAS_CORE_KEYS
 
 
+# The operations that are one framework function each, in one table: name -> (TensorFlow's,
+# JAX's, the keyword arguments both are called with). An `Engine` has each as an attribute
+# of that name, its framework's function (`Engine.__getattr__`).
+FUNCTIONS = {
+    "einsum": ("tensorflow:einsum", "jax.numpy:einsum", {}),
+    "stack": ("tensorflow:stack", "jax.numpy:stack", {}),  # on a new axis 0
+    "transpose": ("tensorflow:transpose", "jax.numpy:transpose", {}),
+    "exp": ("tensorflow:exp", "jax.numpy:exp", {}),
+    "log": ("tensorflow:math.log", "jax.numpy:log", {}),
+    "maximum": ("tensorflow:maximum", "jax.numpy:maximum", {}),  # elementwise
+    "constant": ("tensorflow:constant", "jax.numpy:asarray", {}),  # of a NumPy array
+    # over the last axis, kept as an axis of 1
+    "row_max": ("tensorflow:reduce_max", "jax.numpy:max", {"axis": -1, "keepdims": True}),
+    "row_sum": ("tensorflow:reduce_sum", "jax.numpy:sum", {"axis": -1, "keepdims": True}),
+    # the softmax Keras's and bert4keras's layers call
+    "softmax": ("tensorflow:nn.softmax", "jax.nn:softmax", {"axis": -1}),
+}
+_COLUMN = {"tensorflow": 0, "jax": 1}
+
+
+def framework_function(path, fixed):
+    """The function at `path` ("module:attribute.attribute"), with the keyword arguments
+    `fixed` bound."""
+    module, _, attributes = path.partition(":")
+    function = importlib.import_module(module)
+    for attribute in attributes.split("."):
+        function = getattr(function, attribute)
+    return functools.partial(function, **fixed) if fixed else function
+
+
 class Engine:
-    """What the algorithm asks of a framework (`_flash_tf.ENGINE`, `_flash_jax.ENGINE`)."""
+    """What the algorithm asks of a framework (`_flash_tf.ENGINE`, `_flash_jax.ENGINE`):
+    the methods below, and the functions of `FUNCTIONS` by name (`engine.exp(x)`)."""
 
     name = None  # "tensorflow" or "jax"
+
+    def __getattr__(self, name):
+        """One of `FUNCTIONS`, found on first use (JAX is imported only where it runs)."""
+        if name not in FUNCTIONS or self.name not in _COLUMN:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        *paths, fixed = FUNCTIONS[name]
+        function = framework_function(paths[_COLUMN[self.name]], fixed)
+        setattr(self, name, function)
+        return function
 
     def rows(self, x, start, size, axis):
         """`x[..., start:start + size, ...]` along `axis` (`start` may be traced)."""
@@ -248,9 +291,6 @@ class Engine:
         """`(out, aux, pullback)` of `fn(*primals) -> (out, aux)`: `pullback(cotangent)`
         is the tuple of the primals' gradients (`aux` is not differentiated)."""
 
-    def einsum(self, equation, a, b):
-        """The framework's einsum."""
-
     def cast_scalar(self, value, like):
         """The Python number `value` as a scalar of `like`'s dtype."""
 
@@ -264,45 +304,17 @@ class Engine:
         """[blocks, ..., block (at `axis` + 1), ...] stacked by `scan` -> the blocks
         joined along `axis` (the first `rows`)."""
 
-    def stack(self, ys):
-        """The tensors `ys` stacked on a new axis 0."""
-
     def zeros_like(self, x, after):
         """Zeros of `x`'s shape and dtype, which need not exist before `after` (`_flash_jax`)."""
 
     def zeros(self, batch_like, shape, dtype, after):
         """Zeros of `[batch of batch_like] + shape`, which need not exist before `after`."""
 
-    def transpose(self, x, perm):
-        """`x` with its axes permuted."""
-
     def length(self, x, axis):
         """The size of `x` along `axis` when it is known only when run (a tensor)."""
 
-    def row_max(self, x):
-        """The maximum over the last axis, kept as an axis of 1."""
-
-    def row_sum(self, x):
-        """The sum over the last axis, kept as an axis of 1."""
-
-    def softmax(self, x):
-        """The framework's softmax over the last axis (the one Keras's and bert4keras's
-        layers call: `tf.nn.softmax`, `jax.nn.softmax`)."""
-
-    def exp(self, x):
-        """`exp(x)`."""
-
-    def log(self, x):
-        """`log(x)`."""
-
     def where(self, condition, x, y):
         """`x` where `condition`, else `y` (a Python number or a tensor)."""
-
-    def maximum(self, x, y):
-        """The elementwise maximum."""
-
-    def constant(self, array):
-        """A NumPy array as a tensor."""
 
 
 UNROLL = 8  # up to this many blocks run unrolled (straight-line, chained); beyond, a loop

@@ -60,11 +60,6 @@ class _Engine(_flash.Engine):
         out, pullback, aux = jax.vjp(fn, *primals, has_aux=True)
         return out, aux, pullback
 
-    def einsum(self, equation, a, b):
-        import jax.numpy as jnp
-
-        return jnp.einsum(equation, a, b)
-
     def cast_scalar(self, value, like):
         import jax.numpy as jnp
 
@@ -93,11 +88,6 @@ class _Engine(_flash.Engine):
             return joined
         return jax_rows(joined, 0, rows, axis)
 
-    def stack(self, ys):
-        import jax.numpy as jnp
-
-        return jnp.stack(ys)
-
     def zeros_like(self, x, after):
         import jax.numpy as jnp
 
@@ -109,54 +99,14 @@ class _Engine(_flash.Engine):
 
         return jnp.broadcast_to(zero_after(after, dtype), (batch_like.shape[0],) + tuple(shape))
 
-    def transpose(self, x, perm):
-        import jax.numpy as jnp
-
-        return jnp.transpose(x, perm)
-
     def length(self, x, axis):
         return x.shape[axis]  # (static under JAX)
-
-    def row_max(self, x):
-        import jax.numpy as jnp
-
-        return jnp.max(x, axis=-1, keepdims=True)
-
-    def row_sum(self, x):
-        import jax.numpy as jnp
-
-        return jnp.sum(x, axis=-1, keepdims=True)
-
-    def softmax(self, x):
-        import jax
-
-        return jax.nn.softmax(x, axis=-1)
-
-    def exp(self, x):
-        import jax.numpy as jnp
-
-        return jnp.exp(x)
-
-    def log(self, x):
-        import jax.numpy as jnp
-
-        return jnp.log(x)
 
     def where(self, condition, x, y):
         import jax.numpy as jnp
 
         dtype = x.dtype if hasattr(x, "dtype") else y.dtype
         return jnp.where(condition, jnp.asarray(x, dtype), jnp.asarray(y, dtype))
-
-    def maximum(self, x, y):
-        import jax.numpy as jnp
-
-        return jnp.maximum(x, y)
-
-    def constant(self, array):
-        import jax.numpy as jnp
-
-        return jnp.asarray(array)
 
 
 def jax_rows(x, start, size, axis):

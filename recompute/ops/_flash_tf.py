@@ -84,9 +84,6 @@ class _Engine(_flash.Engine):
 
         return out, aux, pullback
 
-    def einsum(self, equation, a, b):
-        return tf.einsum(equation, a, b)
-
     def cast_scalar(self, value, like):
         return tf.cast(value, like.dtype)
 
@@ -119,45 +116,18 @@ class _Engine(_flash.Engine):
         index[axis] = slice(0, rows)
         return joined[tuple(index)]
 
-    def stack(self, ys):
-        return tf.stack(ys)
-
     def zeros_like(self, x, after):
         return tf.zeros_like(x)
 
     def zeros(self, batch_like, shape, dtype, after):
         return tf.zeros(tf.concat([tf.shape(batch_like)[:1], shape], 0), dtype)
 
-    def transpose(self, x, perm):
-        return tf.transpose(x, perm)
-
     def length(self, x, axis):
         return tf.shape(x)[axis]
-
-    def row_max(self, x):
-        return tf.reduce_max(x, axis=-1, keepdims=True)
-
-    def row_sum(self, x):
-        return tf.reduce_sum(x, axis=-1, keepdims=True)
-
-    def softmax(self, x):
-        return tf.nn.softmax(x, axis=-1)
-
-    def exp(self, x):
-        return tf.exp(x)
-
-    def log(self, x):
-        return tf.math.log(x)
 
     def where(self, condition, x, y):
         dtype = x.dtype if tf.is_tensor(x) else y.dtype
         return tf.where(condition, tf.cast(x, dtype), tf.cast(y, dtype))
-
-    def maximum(self, x, y):
-        return tf.maximum(x, y)
-
-    def constant(self, array):
-        return tf.constant(array)
 
 
 ENGINE = _Engine()
