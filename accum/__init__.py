@@ -19,7 +19,7 @@ Where things are (each package's `__init__` maps its own modules):
 | | |
 |---|---|
 | the public class; `WrapperOps`, the operations of `modes._family.Family` every family reads off its wrapper alike; argument checks | `_base` (`AccumOptimizer`, `WrapperOps`); `_validation` |
-| which family an optimizer is; which class serves it (linked to the public classes, and registered for loading, by this module) | `_families`; `_dispatch` |
+| which family an optimizer is (by its class hierarchy; Keras 3's base class is its one private name, in its `PRIVATE_NAMES`); which class serves it (linked to the public classes, and registered for loading, by this module) | `_families`; `_dispatch` |
 | what accumulation asks of a wrapped optimizer, one interface per family | `_inner` (`InnerApi`, and the readers Keras 3 and tf_keras new-style share; the families' `_inner` modules implement it) |
 | `flush_callback`; the warning when `compile` drops pending micro-steps | `_flush`; `_recompile` |
 | what is read off the call stack (the model a Keras method runs for; the module constructing a `BatchNormalization`), its `PRIVATE_NAMES` | `_callers` |
@@ -31,8 +31,8 @@ Where things are (each package's `__init__` maps its own modules):
 
 The imports go down: this module -> `_dispatch` -> the family packages
 (`keras3/`, `tf_keras/`) -> `_base` -> `batchnorm/` -> `modes/` -> `_validation`,
-`_recompile` (-> `_callers`), `_families`, `_shadow` and the families' `_inner` (which import nothing of
-`accum` above them). `modes/` imports no family package and never sees a wrapper:
+`_recompile` (-> `_callers`), `_families`, `_shadow` and `_inner` (which import nothing of
+`accum` above them; no import runs back up). `modes/` imports no family package and never sees a wrapper:
 what a mode needs of a family is one object, the family's `modes._family.Family`
 (`ops`: `_base.WrapperOps`, with `keras3._optimizer.Keras3Ops` or
 `tf_keras._common.TFKerasOps`), passed to every step, and the family's `_inner`.

@@ -22,14 +22,24 @@ KERAS3 = "keras3"
 TF_KERAS = "tf_keras"
 TF_KERAS_LEGACY = "tf_keras.legacy"
 
+# The private name `family_of` reads, in `accum._inner`'s format (checked against the
+# installed Keras by tests/accum_keras3/test_private_interface_accum.py): Keras 3's
+# optimizer base class, every backend's, by the module that defines it (not exported as
+# such where `keras` is tf_keras under another name, as bert4keras makes it).
+PRIVATE_NAMES = (("Optimizer", ("keras.src.optimizers.optimizer",)),)
+
+
+def _keras3_optimizer_base():
+    from keras.src.optimizers.optimizer import Optimizer
+
+    return Optimizer
+
 
 def family_of(optimizer):
     """Returns `KERAS3`, `TF_KERAS`, `TF_KERAS_LEGACY`, or None if `optimizer` is no optimizer."""
     roots = {cls.__module__.split(".")[0] for cls in type(optimizer).__mro__}
     if "keras" in roots:
-        from .keras3._inner import optimizer_base_class
-
-        if isinstance(optimizer, optimizer_base_class()):
+        if isinstance(optimizer, _keras3_optimizer_base()):
             return KERAS3
     if "tf_keras" in roots:
         import tf_keras

@@ -9,13 +9,12 @@ checks them against the installed Keras).
 
 import keras
 
-from .. import _shadow
+from .. import _families, _shadow
 from .._inner import owned_by, reader, shared_private_names
 from .._inner import (  # noqa: F401 (members of this family's interface)
     build, has_momentum, moment_slots, own_iterations, own_variables, uses_weight_decay, var_key)
 
-# `accum._families.KERAS3`, not imported: `_families` reads `optimizer_base_class` here
-name = "keras3"
+name = _families.KERAS3
 UPDATE_STEPS = ("update_step",)  # public, but hooked by name
 WEIGHT_DECAY = "_apply_weight_decay"
 
@@ -38,9 +37,6 @@ PRIVATE_NAMES = (
     + owned_by(_MOMENTUM + _WRAPPER_BASE, "_get_variable_index")
     + owned_by(_WRAPPER_BASE, "_trainable_variables", "_check_variables_are_known")
     + (
-        # `accum._families` tells a Keras 3 optimizer by its base class (not exported as such
-        # where `keras` is tf_keras under another name)
-        ("Optimizer", ("keras.src.optimizers.optimizer",)),
         # `accum.local_gradients` (JAX): the mask Keras's losses read; the trainer's metrics update
         ("get_keras_mask", ("keras.src.backend",)),
         ("JAXTrainer._update_metrics_variables", ("keras.src.backend.jax.trainer",)),
@@ -127,13 +123,6 @@ def variable_indices(optimizer, variables, known=None):
     if known is not None:
         optimizer._check_variables_are_known(known)
     return tuple(optimizer._get_variable_index(v) for v in variables)
-
-
-def optimizer_base_class():
-    """Keras 3's `Optimizer` base class, every backend's optimizers' (`accum._families`)."""
-    from keras.src.optimizers.optimizer import Optimizer
-
-    return Optimizer
 
 
 def keras_mask(tensor):

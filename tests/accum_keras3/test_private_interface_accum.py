@@ -1,15 +1,20 @@
-"""Every private name `accum._callers` (the call-stack lookups of `accum`) relies on -- listed
-in its `PRIVATE_NAMES` -- exists on the running Python (tests/helpers/private_names_checks.py),
+"""Every private name `accum._callers` (the call-stack lookups of `accum`) and
+`accum._families` (Keras 3's optimizer base class) rely on -- listed in their
+`PRIVATE_NAMES` -- exists on the running Python (tests/helpers/private_names_checks.py),
 and the lookups find what they are for."""
 
 import sys
 
-from accum import _callers
+from accum import _callers, _families
 from tests.helpers.private_names_checks import assert_listed_names_exist
 
 
 def test_callers_private_names_exist():
     assert_listed_names_exist(_callers, {"a frame": lambda: sys._getframe(0)})
+
+
+def test_families_private_names_exist():
+    assert_listed_names_exist(_families)
 
 
 class _Model:
