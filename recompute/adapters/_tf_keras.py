@@ -46,6 +46,7 @@ _RANDOM_GENERATOR = "tf_keras.src.backend.RandomGenerator"
 _CALL_CONTEXT = "tf_keras.src.engine.base_layer_utils.CallContext"
 _AUTOCAST = "tf_keras.src.mixed_precision.autocast_variable"
 GELU = ("tf_keras.src.activations", "gelu")  # (module, name) of the exact GELU (`recompute.ops._gelu`)
+DENSE = ("tf_keras.src.layers.core.dense", "Dense")  # (module, name) of `tf_keras.layers.Dense`
 
 PRIVATE_NAMES = (
     owned_by((_LAYER,), "_flatten_layers", "_losses", "_eager_losses", "_callable_losses",
@@ -61,6 +62,7 @@ PRIVATE_NAMES = (
     + owned_by((_RANDOM_GENERATOR,), "_rng_type", "_maybe_init", "_generator",
                "RNG_LEGACY_STATEFUL", "RNG_STATELESS", "make_seed_for_stateless_op")
     + owned_by((GELU[0],), GELU[1])
+    + owned_by((DENSE[0],), DENSE[1])
 )
 
 name = "tf_keras"

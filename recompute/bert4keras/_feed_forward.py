@@ -11,7 +11,8 @@ recomputation on it keeps only the GELU's input:
   with the ops TensorFlow's autodiff runs, in its order;
 - `lean_call` (the standard layer: one GELU, float32, a rank-3 input) computes
   the two dense layers as tf_keras's `Dense` does, with `gelu(h) @ kernel`
-  under one gradient (`_gelu_matmul`) that recomputes `gelu(h)` for the
+  under one gradient (`_gelu_matmul`: `recompute.ops._gelu.gelu_matmul`, which
+  the Keras families' "attention" uses too) that recomputes `gelu(h)` for the
   kernel's gradient instead of keeping it;
 - every recomputation waits for the incoming gradient (`recompute.engine.after`): a
   graph executor runs an op as soon as its inputs exist, so ops that read
@@ -29,7 +30,7 @@ import math
 import tensorflow as tf
 
 from .. import engine
-from ..engine import after
+from ..ops import _gelu
 
 
 def gelu_grad(x, dy):
@@ -65,36 +66,20 @@ def lean_applies(layer, inputs):
     return float32 and isinstance(inputs, tf.Tensor) and inputs.dtype == tf.float32 and inputs.shape.rank == 3
 
 
-def _matmul_last(x, w, **kwargs):
-    """`x @ w` over the last axis of a rank-3 `x`, as `tf.tensordot` runs it."""
-    shape = tf.shape(x)
-    flat = tf.matmul(tf.reshape(x, [-1, x.shape[-1]]), w, **kwargs)
-    units = w.shape[0] if kwargs.get("transpose_b") else w.shape[-1]
-    return tf.reshape(flat, tf.concat([shape[:2], [units]], 0))
+_matmul_last = _gelu.matmul_last  # `x @ w` over the last axis, as `tf.tensordot` runs it
 
 
 def _gelu_matmul(h, kernel, gelu, product=None):
-    """`gelu(h) @ kernel` whose gradient keeps only `h` (and the kernel).
+    """`gelu(h) @ kernel` whose gradient keeps only `h` (and the kernel): `_gelu.gelu_matmul`
+    with bert4keras's GELU gradient.
 
     With `product` (that value, computed earlier) it is returned as the
     result instead of being computed again; the gradient is the same."""
-
-    @tf.custom_gradient
-    def gelu_matmul(h, kernel):
-        y = _matmul_last(gelu(h), kernel) if product is None else tf.identity(product)
-
-        def grad(dy):
-            h_ = after([h], dy)[0]  # recomputed when the gradient arrives, not in the forward pass
-            g = gelu(h_)  # recomputed for the kernel's gradient
-            units = kernel.shape[-1]
-            d_kernel = tf.matmul(tf.reshape(g, [-1, g.shape[-1]]), tf.reshape(dy, [-1, units]),
-                                 transpose_a=True)
-            d_g = _matmul_last(dy, kernel, transpose_b=True)
-            return gelu_grad(h_, d_g), d_kernel
-
-        return y, grad
-
-    return gelu_matmul(h, kernel)
+    if product is None:
+        forward = lambda k: _matmul_last(gelu(h), k)  # noqa: E731
+    else:
+        forward = lambda k: tf.identity(product)  # noqa: E731
+    return _gelu.gelu_matmul(h, kernel, gelu, gelu_grad, forward, matmul=_matmul_last)
 
 
 def lean_call(layer, inputs, keep_product=False):

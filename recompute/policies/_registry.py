@@ -22,7 +22,9 @@ picks one.
   selective recomputation of Megatron-LM (Korthikanti et al., 2022). Exact
   GELUs of `Dense` sublayers keep only their input (`_gelu`: a custom gradient
   on TensorFlow, `jax.checkpoint` on JAX): one [seq, ffn] tensor per GELU
-  instead of four.
+  instead of four; on TensorFlow the `Dense` a GELU feeds computes its product
+  under a gradient that runs the GELU again (`_gelu.lean_feed_forward`), so the
+  GELU's output is not kept either (on JAX the block's checkpoint, `_jax`).
 
 Under both, Keras's own cores run as the blocked attention core
 (`_attention.keras_blocked`, `_flash`): one block of query rows alive at a time,
@@ -56,7 +58,7 @@ def full(adapter, fn, layer, args, kwargs):
 def attention(adapter, fn, layer, args, kwargs):
     """Only the attention cores of the call's multi-head attention layers are recomputed."""
     layers = _attention.attention_layers(adapter, layer)
-    with _cores_recomputed(adapter, layers), _gelu.kept_input(adapter.sublayers(layer)):
+    with _cores_recomputed(adapter, layers), _gelu.lean_feed_forward(adapter.sublayers(layer)):
         return fn(layer, *args, **kwargs)
 
 

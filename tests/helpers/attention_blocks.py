@@ -300,6 +300,23 @@ def test_gelus_keep_their_input(K, policy, monkeypatch):
     assert calls == []
 
 
+def test_attention_policy_keeps_only_the_gelu_input(K):
+    """Under "attention" the backward pass reads one [.., ffn] tensor of each block's
+    forward pass: the GELU's input (`recompute.ops._gelu.lean_feed_forward`: the second
+    `Dense` does not keep the GELU's output, nor the GELU its intermediates); without
+    recomputation it reads four (three of the GELU's intermediates, and its output as
+    the second `Dense`'s product reads it)."""
+
+    def wide(graph):  # float tensors of the FFN's width, not the kernels
+        return {t.name for t in forward_tensors_read_by_backward(graph)
+                if t.dtype.is_floating and t.shape.rank and t.shape[-1] == 2 * WIDTH
+                and t.op.type != "ReadVariableOp"}
+
+    assert len(wide(run(K, None, False, "function")[3])) == 2 * 4  # 2 blocks
+    kept = wide(run(K, "attention", True, "function")[3])
+    assert len(kept) == 2, kept
+
+
 def test_attention_policy_recomputation_draws_no_random_numbers(K):
     """Under "attention" the backward pass draws no random numbers (the dropout's
     decision is kept as bits) and reads one uint8 tensor of bits per core; under
