@@ -35,6 +35,7 @@ _SEED_GENERATOR = "keras.src.random.seed_generator"
 MODULE_PREFIX = "keras.src."  # the modules Keras 3's classes are defined in
 GELU = ("keras.src.activations.activations", "gelu")  # (module, name) of the exact GELU
 DENSE = ("keras.src.layers.core.dense", "Dense")  # (module, name) of `keras.layers.Dense`
+LAYER_NORMALIZATION = ("keras.src.layers.normalization.layer_normalization", "LayerNormalization")  # `keras.layers.LayerNormalization`
 CURRENT_CALL_CONTEXT = "current_call_ctx"
 UNINITIALIZED_VARIABLES = "uninitialized_variables"
 
@@ -52,6 +53,7 @@ PRIVATE_NAMES = (
     + owned_by(("keras.src.utils.jax_utils",), "is_in_jax_tracing_scope")
     + owned_by((GELU[0],), GELU[1])
     + owned_by((DENSE[0],), DENSE[1])
+    + owned_by((LAYER_NORMALIZATION[0],), LAYER_NORMALIZATION[1])
 )
 
 

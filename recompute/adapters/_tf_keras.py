@@ -47,6 +47,7 @@ _CALL_CONTEXT = "tf_keras.src.engine.base_layer_utils.CallContext"
 _AUTOCAST = "tf_keras.src.mixed_precision.autocast_variable"
 GELU = ("tf_keras.src.activations", "gelu")  # (module, name) of the exact GELU (`recompute.ops._gelu`)
 DENSE = ("tf_keras.src.layers.core.dense", "Dense")  # (module, name) of `tf_keras.layers.Dense`
+LAYER_NORMALIZATION = ("tf_keras.src.layers.normalization.layer_normalization", "LayerNormalization")  # `tf_keras.layers.LayerNormalization`
 
 PRIVATE_NAMES = (
     owned_by((_LAYER,), "_flatten_layers", "_losses", "_eager_losses", "_callable_losses",
@@ -63,6 +64,7 @@ PRIVATE_NAMES = (
                "RNG_LEGACY_STATEFUL", "RNG_STATELESS", "make_seed_for_stateless_op")
     + owned_by((GELU[0],), GELU[1])
     + owned_by((DENSE[0],), DENSE[1])
+    + owned_by((LAYER_NORMALIZATION[0],), LAYER_NORMALIZATION[1])
 )
 
 name = "tf_keras"

@@ -211,7 +211,11 @@ def ones(batch_like, shape, dtype):
 def attention(logits, query, key, value, mask, bits, rate, block, key_block=None):
     """FlashAttention-2 (`_flash.forward`) as one `tf.custom_gradient` of `query`, `key`
     and `value`, whose gradient is `_flash.backward`: it keeps the inputs, `mask`, `bits`,
-    the output and the per-row log-sum-exp."""
+    and, where there are key blocks (`_flash.uses_output`), the output and the per-row
+    log-sum-exp (with one key block the backward pass takes each row's softmax again and
+    reads neither; kept, the output would be kept twice, here and as the output
+    projection's input)."""
+    keeps_output = _flash.uses_output(key.shape[1], key_block)
 
     @tf.custom_gradient
     def core(query, key, value):
@@ -220,7 +224,10 @@ def attention(logits, query, key, value, mask, bits, rate, block, key_block=None
 
         def grad(d_out):
             # The recomputation waits for the gradient (see `_core.after`).
-            q, k, v, o, s = after([query, key, value, output, lse], d_out)
+            if keeps_output:
+                q, k, v, o, s = after([query, key, value, output, lse], d_out)
+            else:
+                (q, k, v), o, s = after([query, key, value], d_out), None, None
             m = _flash._map_mask(mask, lambda x: after([x], d_out)[0])
             b = None if bits is None else after([bits], d_out)[0]
             return _flash.backward(ENGINE, logits, q, k, v, m, b, rate, block, d_out, o, s,

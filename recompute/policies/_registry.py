@@ -22,9 +22,10 @@ picks one.
   selective recomputation of Megatron-LM (Korthikanti et al., 2022). Exact
   GELUs of `Dense` sublayers keep only their input (`_gelu`: a custom gradient
   on TensorFlow, `jax.checkpoint` on JAX): one [seq, ffn] tensor per GELU
-  instead of four; on TensorFlow the `Dense` a GELU feeds computes its product
-  under a gradient that runs the GELU again (`_gelu.lean_feed_forward`), so the
-  GELU's output is not kept either (on JAX the block's checkpoint, `_jax`).
+  instead of four; on TensorFlow LayerNorms keep only their input too, and the
+  `Dense` a GELU or a LayerNorm feeds computes its product under a gradient that
+  makes that input again (`_lean.lean_layers`); on JAX the block is one checkpoint
+  that keeps named values (`_jax`).
 
 Under both, Keras's own cores run as the blocked attention core
 (`_attention.keras_blocked`, `_flash`): one block of query rows alive at a time,
@@ -41,7 +42,7 @@ bert4keras's `pay_attention_to`.
 import contextlib
 from typing import Callable, NamedTuple
 
-from ..ops import _attention, _flash_tf, _gelu
+from ..ops import _attention, _flash_tf, _lean
 from ..engine import TensorFlowEngine, _core
 from . import _jax
 from .._scoped import shadowed
@@ -58,7 +59,8 @@ def full(adapter, fn, layer, args, kwargs):
 def attention(adapter, fn, layer, args, kwargs):
     """Only the attention cores of the call's multi-head attention layers are recomputed."""
     layers = _attention.attention_layers(adapter, layer)
-    with _cores_recomputed(adapter, layers), _gelu.lean_feed_forward(adapter.sublayers(layer)):
+    with _cores_recomputed(adapter, layers), \
+            _lean.lean_layers(adapter.sublayers(layer), adapter.tf_variable):
         return fn(layer, *args, **kwargs)
 
 

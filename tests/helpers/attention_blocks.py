@@ -302,7 +302,7 @@ def test_gelus_keep_their_input(K, policy, monkeypatch):
 
 def test_attention_policy_keeps_only_the_gelu_input(K):
     """Under "attention" the backward pass reads one [.., ffn] tensor of each block's
-    forward pass: the GELU's input (`recompute.ops._gelu.lean_feed_forward`: the second
+    forward pass: the GELU's input (`recompute.ops._lean.lean_layers`: the second
     `Dense` does not keep the GELU's output, nor the GELU its intermediates); without
     recomputation it reads four (three of the GELU's intermediates, and its output as
     the second `Dense`'s product reads it)."""
@@ -315,6 +315,64 @@ def test_attention_policy_keeps_only_the_gelu_input(K):
     assert len(wide(run(K, None, False, "function")[3])) == 2 * 4  # 2 blocks
     kept = wide(run(K, "attention", True, "function")[3])
     assert len(kept) == 2, kept
+
+
+def test_attention_policy_layer_norms_keep_their_input(K):
+    """Under "attention" the backward pass reads no per-sample tensor computed inside a
+    block's LayerNormalization but its output, where the next block keeps it
+    (`recompute.ops._layer_norm`, `_lean`: the gradient from the input alone); without
+    recomputation it reads the normalization's intermediates."""
+
+    def inside(graph):  # per-sample tensors (rank >= 2)
+        return {t.op.type for t in forward_tensors_read_by_backward(graph)
+                if "layer_normalization" in t.op.name and t.shape.rank and t.shape.rank >= 2}
+
+    assert inside(run(K, None, False, "function")[3]) - {"IdentityN"}
+    assert inside(run(K, "attention", True, "function")[3]) <= {"IdentityN"}
+
+
+@pytest.mark.parametrize("center,scale,axis", [(True, True, -1), (False, True, -1),
+                                               (True, False, -1), (True, True, 1)])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_layer_norm_keeping_input_matches_the_layer(K, center, scale, axis, mode, monkeypatch):
+    """`recompute.ops._lean.lean_layers` on a LayerNormalization: its output and the gradients
+    of its input, gamma and beta equal the layer's own to float rounding (float32 and
+    float64; not over the last axis: the layer's own call, the same numbers exactly)."""
+    from recompute.adapters import _keras3, _tf_keras
+    from recompute.ops import _layer_norm, _lean
+    from tests.helpers.numerics import assert_all_close
+
+    tf_variable = _tf_keras.tf_variable if K.__name__ == "tf_keras" else _keras3.tf_variable
+    calls = []
+    real = _layer_norm.keeping_input
+    monkeypatch.setattr(_layer_norm, "keeping_input", lambda *a: calls.append(1) or real(*a))
+    for dtype in ("float32", "float64"):
+        layer = K.layers.LayerNormalization(axis=axis, center=center, scale=scale, dtype=dtype)
+        x = tf.cast(tf.random.stateless_normal([BATCH, SEQ, WIDTH], seed=(5, 6)) * 3 + 1, dtype)
+        layer(x)
+        if scale:
+            layer.gamma.assign(tf.cast(tf.linspace(0.5, 2.0, layer.gamma.shape[0]), dtype))
+        weights = [w for w in (layer.gamma, layer.beta) if w is not None]
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer(x)
+                loss = tf.reduce_sum(y * tf.cos(tf.cast(tf.range(WIDTH), dtype)))
+            return [y] + tape.gradient(loss, [x] + weights)
+
+        traced = (lambda: tf.function(step)) if mode == "function" else (lambda: step)
+        expected = to_numpy(traced()(x))
+        with _lean.lean_layers([layer], tf_variable):
+            got = to_numpy(traced()(x))
+        names = ["y", "x"] + [w.name for w in weights]
+        if axis == 1:
+            for a, b in zip(expected, got):
+                np.testing.assert_array_equal(a, b)
+        else:
+            assert_all_close(expected, got, names)
+        assert "call" not in vars(layer)  # restored
+    assert (len(calls) > 0) == (axis == -1)
 
 
 def test_attention_policy_recomputation_draws_no_random_numbers(K):

@@ -1,0 +1,180 @@
+"""The layers of a block under `policy="attention"` on TensorFlow, each keeping less.
+
+`lean_layers(layers, tf_variable)` shadows, while active, on the instances among
+`layers` (restored on exit; every other layer, and every other call, as written):
+
+- each exact GELU activation (`_gelu.keeping_input`): keeps only its input;
+- each plain `LayerNormalization` (`_layer_norm.keeping_input`): keeps only its
+  input, its gradient in closed form;
+- each plain `Dense` (`plain_dense`: Keras 3's or tf_keras's own class, float, not
+  quantized, no LoRA, no autocast) whose input is the output of one of those:
+  its product runs as `matmul_recomputing_input`, whose gradient computes that
+  input again from what its producer keeps (the GELU's or the LayerNorm's input),
+  after the incoming gradient, for the kernel's gradient -- so the input is not
+  kept a second time for the product.
+
+In a post-LayerNorm block (`x -> attention -> + x -> LayerNorm -> y -> Dense +
+GELU -> h, g -> Dense -> + y -> LayerNorm`) this keeps, of the feed-forward, the
+first LayerNorm's input and the GELU's input `h`, where TensorFlow's autodiff
+keeps the LayerNorm's input and its scaled inverse deviation, `y`, four GELU
+tensors and `g` (docs/attention.md, "What `"attention"` keeps on TensorFlow").
+The forward values are the layers' own; the gradients equal autodiff's to float
+rounding (the statistics computed again, the sums in another order), which is
+`"attention"`'s promise (`"full"` leaves every layer as written).
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from ..adapters import _keras_private, _tf_keras
+from ..engine._core import after
+from .._scoped import shadowed
+from . import _gelu, _layer_norm
+
+_MARK = "__recompute_lean__"
+
+
+def matmul_recomputing_input(x, kernel, recompute, forward):
+    """`forward(kernel)` -- the product `x @ kernel` as the layer computes it -- under a
+    gradient that keeps the kernel and not `x`: `recompute(gate)` makes `x` again once
+    `gate` (the incoming gradient) exists, for the kernel's gradient; `x`'s gradient is
+    the incoming one times the kernel, transposed."""
+
+    @tf.custom_gradient
+    def product(x, kernel):
+        def gradient(dy):
+            d_kernel = _gelu.kernel_gradient(recompute(dy), dy, kernel)
+            return _gelu.matmul_last(dy, kernel, transpose_b=True), d_kernel
+
+        return forward(kernel), gradient
+
+    return product(x, kernel)
+
+
+def _keras3_product(x):
+    """`keras.layers.Dense`'s product of `x`, as a function of the kernel."""
+    from keras import ops
+
+    return lambda kernel: ops.matmul(x, kernel)
+
+
+def _keras3_rest(layer, y):
+    """The rest of `keras.layers.Dense.call` after its product `y`."""
+    from keras import ops
+
+    if layer.bias is not None:
+        y = ops.add(y, layer.bias)
+    return layer.activation(y) if layer.activation is not None else y
+
+
+def _tf_keras_product(x):
+    """`tf_keras.layers.Dense`'s product of `x` (`core_ops.dense`: `tf.matmul` at rank 2,
+    else `tf.tensordot`), as a function of the kernel."""
+    rank = x.shape.rank
+    if rank == 2:
+        return lambda kernel: tf.matmul(x, kernel)
+
+    def product(kernel):
+        y = tf.tensordot(x, kernel, [[rank - 1], [0]])
+        if not tf.executing_eagerly():
+            y.set_shape(x.shape[:-1].concatenate([kernel.shape[-1]]))
+        return y
+
+    return product
+
+
+def _tf_keras_rest(layer, y):
+    """The rest of `tf_keras.layers.Dense.call` after its product `y`."""
+    if layer.use_bias:
+        y = tf.nn.bias_add(y, layer.bias)
+    return layer.activation(y) if layer.activation is not None else y
+
+
+# The plain `Dense` of each family, (module, name): (its product, the rest of its call)
+_DENSES = {
+    _keras_private.DENSE: (_keras3_product, _keras3_rest),
+    _tf_keras.DENSE: (_tf_keras_product, _tf_keras_rest),
+}
+
+
+def plain_dense(layer):
+    """`(product, rest)` of `_DENSES` for a plain float `Dense` (the family's own class, not
+    quantized, no LoRA, no autocast, no `call` of the instance's own), else None."""
+    cls = type(layer)
+    found = _DENSES.get((cls.__module__, cls.__name__))
+    if found is None or "call" in vars(layer) or getattr(layer, "quantization_mode", None) \
+            or getattr(layer, "lora_enabled", False) or layer.compute_dtype != layer.dtype:
+        return None
+    return found
+
+
+class _Made:
+    """The outputs of the lean GELUs and LayerNorms of one block's call, each with how to
+    make it again (`remake(gate)`: from its producer's kept input, once `gate` exists)."""
+
+    def __init__(self):
+        self.outputs = {}  # id(output) -> (output, remake)
+
+    def add(self, output, remake):
+        if getattr(output, "dtype", None) in _gelu.FLOATS:
+            self.outputs[id(output)] = (output, remake)
+        return output
+
+    def remake_of(self, x):
+        found = self.outputs.get(id(x))
+        return found[1] if found is not None and found[0] is x else None
+
+
+def _gelu_activation(made):
+    def keep(own):
+        kept = _gelu.keeping_input(own)
+
+        def activation(x):
+            return made.add(kept(x), lambda gate: own(after([x], gate)[0]))
+
+        setattr(activation, _MARK, True)
+        return activation
+
+    return keep
+
+
+def _norm_call(layer, own_call, made, tf_variable):
+    def lean(inputs, *args, **kwargs):
+        if args or kwargs or not _layer_norm.applies(layer, inputs):
+            return own_call(inputs, *args, **kwargs)
+        y = _layer_norm.keeping_input(layer, own_call, inputs, tf_variable)
+        return made.add(y, lambda gate: own_call(after([inputs], gate)[0]))
+
+    setattr(lean, _MARK, True)
+    return lean
+
+
+def _dense_call(layer, own_call, made, product, rest):
+    def lean(inputs, *args, **kwargs):
+        remake = made.remake_of(inputs)
+        if remake is None:
+            return own_call(inputs, *args, **kwargs)
+        kernel = tf.convert_to_tensor(layer.kernel)
+        return rest(layer, matmul_recomputing_input(inputs, kernel, remake, product(inputs)))
+
+    setattr(lean, _MARK, True)
+    return lean
+
+
+@contextlib.contextmanager
+def lean_layers(layers, tf_variable):
+    """While active, the exact GELUs, plain LayerNorms and plain `Dense` layers among
+    `layers` keep less (the module docstring). `tf_variable(w)`: the `tf.Variable`
+    behind one of the family's weights."""
+    made = _Made()
+    denses = ((layer, plain_dense(layer)) for layer in layers)
+    norms = (layer for layer in layers if _layer_norm.plain_norm(layer))
+    with _gelu.kept_input(layers, _gelu_activation(made)), shadowed(
+            [(layer, "call", _norm_call(layer, layer.call, made, tf_variable)) for layer in norms]
+            + [(layer, "call", _dense_call(layer, layer.call, made, *found))
+               for layer, found in denses if found is not None]):
+        try:
+            yield
+        finally:
+            made.outputs.clear()
