@@ -79,7 +79,8 @@ def _gelu_matmul(h, kernel, gelu, product=None):
         forward = lambda k: _matmul_last(gelu(h), k)  # noqa: E731
     else:
         forward = lambda k: tf.identity(product)  # noqa: E731
-    return _gelu.gelu_matmul(h, kernel, gelu, gelu_grad, forward, matmul=_matmul_last)
+    return _gelu.gelu_matmul(h, kernel, lambda x: (gelu(x), lambda d: gelu_grad(x, d)), forward,
+                             matmul=_matmul_last)
 
 
 def lean_call(layer, inputs, keep_product=False):

@@ -47,15 +47,19 @@ def is_exact_gelu(fn):
     return (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) in _GELUS
 
 
-def gelu_grad(x, dy):
-    """The gradient of `tf.nn.gelu(x)` times `dy`: autodiff's ops, in its order.
+_C = 0.7071067811865476  # tf.nn.gelu's 1 / sqrt(2)
+
+
+def gelu_grad(x, dy, erfc=None):
+    """The gradient of `tf.nn.gelu(x)` times `dy`: autodiff's ops, in its order
+    (`erfc`: `erfc(-x / sqrt(2))` where the caller has it, `with_erfc`).
 
     Pass `x` gated on the gradient (`_core.after([x], dy)`), so that the
     recomputed ops wait for the backward pass instead of running (and being
     kept) in the forward pass."""
-    c = tf.cast(0.7071067811865476, x.dtype)
+    c = tf.cast(_C, x.dtype)
     u = -x * c
-    d_half_x = dy * tf.math.erfc(u)  # Mul's gradient: grad * the other factor
+    d_half_x = dy * (tf.math.erfc(u) if erfc is None else erfc)  # Mul's gradient: grad * the other factor
     d_erfc = dy * (0.5 * x)
     d_u = d_erfc * tf.constant(-2 / np.sqrt(np.pi), dtype=dy.dtype) * tf.exp(-tf.square(u))
     return (0.5 * d_half_x) + (-(d_u * c))
@@ -124,20 +128,28 @@ def kernel_gradient(x, dy, kernel):
                      transpose_a=True)
 
 
-def gelu_matmul(h, kernel, gelu, grad, forward, matmul=matmul_last):
+def with_erfc(h):
+    """`(tf.nn.gelu(h), its gradient)` (exact: `0.5 h erfc(-h / sqrt(2))`, the same ops),
+    the two sharing one `erfc` pass: `gelu_matmul`'s `gelu_and_grad` for Keras's GELU."""
+    erfc = tf.math.erfc(-h * tf.cast(_C, h.dtype))
+    return 0.5 * h * erfc, lambda dy: gelu_grad(h, dy, erfc)
+
+
+def gelu_matmul(h, kernel, gelu_and_grad, forward, matmul=matmul_last):
     """`forward(kernel)` -- the product `gelu(h) @ kernel` as the caller computes it --
     under a gradient that keeps only `h` and the kernel: when the incoming gradient
-    has arrived (`after`), `gelu(h)` is computed again for the kernel's gradient, and
-    `grad(h, d_gelu)` (the GELU's gradient from its input) carries the gradient to `h`.
-    `matmul(x, w, **kwargs)` is the product over the last axis the gradient uses
-    (`matmul_last`)."""
+    has arrived (`after`), `gelu_and_grad(h)` gives `gelu(h)` again, for the kernel's
+    gradient, and the GELU's gradient at `h` (a function of the incoming one), which
+    carries the gradient to `h`. `matmul(x, w, **kwargs)` is the product over the last
+    axis the gradient uses (`matmul_last`)."""
 
     @tf.custom_gradient
     def product(h, kernel):
         def gradient(dy):
             h_ = after([h], dy)[0]  # recomputed when the gradient arrives, not in the forward pass
-            d_kernel = kernel_gradient(gelu(h_), dy, kernel)
-            return grad(h_, matmul(dy, kernel, transpose_b=True)), d_kernel
+            g, grad = gelu_and_grad(h_)
+            d_kernel = kernel_gradient(g, dy, kernel)
+            return grad(matmul(dy, kernel, transpose_b=True)), d_kernel
 
         return forward(kernel), gradient
 

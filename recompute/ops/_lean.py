@@ -7,11 +7,13 @@
 - each plain `LayerNormalization` (`_layer_norm.keeping_input`): keeps only its
   input, its gradient in closed form;
 - each plain `Dense` (`plain_dense`: Keras 3's or tf_keras's own class, float, not
-  quantized, no LoRA, no autocast) whose input is the output of one of those:
-  its product runs as `matmul_recomputing_input`, whose gradient computes that
-  input again from what its producer keeps (the GELU's or the LayerNorm's input),
-  after the incoming gradient, for the kernel's gradient -- so the input is not
-  kept a second time for the product.
+  quantized, no LoRA, no autocast) whose input is the output of one of those
+  computes its input again, after the incoming gradient, for its kernel's gradient
+  -- so the input is not kept a second time for the product: a LayerNorm's output
+  by the layer's own call on its kept input (`matmul_recomputing_input`); a GELU's
+  as `_gelu.gelu_matmul` over the GELU's input, one gradient through the GELU and
+  the product that shares one `erfc` pass between the GELU's output and its
+  derivative (`_gelu.with_erfc`).
 
 In a post-LayerNorm block (`x -> attention -> + x -> LayerNorm -> y -> Dense +
 GELU -> h, g -> Dense -> + y -> LayerNorm`) this keeps, of the feed-forward, the
@@ -116,14 +118,16 @@ class _Made:
     def __init__(self):
         self.outputs = {}  # id(output) -> (output, remake)
 
-    def add(self, output, remake):
+    def add(self, output, remake, gelu_input=None):
         if getattr(output, "dtype", None) in _gelu.FLOATS:
-            self.outputs[id(output)] = (output, remake)
+            self.outputs[id(output)] = (output, remake, gelu_input)
         return output
 
-    def remake_of(self, x):
+    def of(self, x):
+        """`(remake, gelu_input)` of a recorded output `x` (`gelu_input`: the input of the
+        GELU that made it, or None), else None."""
         found = self.outputs.get(id(x))
-        return found[1] if found is not None and found[0] is x else None
+        return found[1:] if found is not None and found[0] is x else None
 
 
 def _gelu_activation(made):
@@ -131,7 +135,7 @@ def _gelu_activation(made):
         kept = _gelu.keeping_input(own)
 
         def activation(x):
-            return made.add(kept(x), lambda gate: own(after([x], gate)[0]))
+            return made.add(kept(x), lambda gate: own(after([x], gate)[0]), x)
 
         setattr(activation, _MARK, True)
         return activation
@@ -152,11 +156,15 @@ def _norm_call(layer, own_call, made, tf_variable):
 
 def _dense_call(layer, own_call, made, product, rest):
     def lean(inputs, *args, **kwargs):
-        remake = made.remake_of(inputs)
-        if remake is None:
+        found = made.of(inputs)
+        if found is None:
             return own_call(inputs, *args, **kwargs)
-        kernel = tf.convert_to_tensor(layer.kernel)
-        return rest(layer, matmul_recomputing_input(inputs, kernel, remake, product(inputs)))
+        (remake, h), kernel = found, tf.convert_to_tensor(layer.kernel)
+        if h is None:  # a LayerNorm's output
+            return rest(layer, matmul_recomputing_input(inputs, kernel, remake, product(inputs)))
+        # a GELU's: one gradient through the GELU and the product, one erfc pass (`with_erfc`)
+        h = tf.convert_to_tensor(h)
+        return rest(layer, _gelu.gelu_matmul(h, kernel, _gelu.with_erfc, product(inputs)))
 
     setattr(lean, _MARK, True)
     return lean
