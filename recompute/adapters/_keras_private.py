@@ -35,7 +35,9 @@ _SEED_GENERATOR = "keras.src.random.seed_generator"
 MODULE_PREFIX = "keras.src."  # the modules Keras 3's classes are defined in
 GELU = ("keras.src.activations.activations", "gelu")  # (module, name) of the exact GELU
 DENSE = ("keras.src.layers.core.dense", "Dense")  # (module, name) of `keras.layers.Dense`
-LAYER_NORMALIZATION = ("keras.src.layers.normalization.layer_normalization", "LayerNormalization")  # `keras.layers.LayerNormalization`
+# (module, name) of `keras.layers.LayerNormalization`
+LAYER_NORMALIZATION = ("keras.src.layers.normalization.layer_normalization",
+                       "LayerNormalization")
 CURRENT_CALL_CONTEXT = "current_call_ctx"
 UNINITIALIZED_VARIABLES = "uninitialized_variables"
 

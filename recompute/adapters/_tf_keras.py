@@ -47,7 +47,9 @@ _CALL_CONTEXT = "tf_keras.src.engine.base_layer_utils.CallContext"
 _AUTOCAST = "tf_keras.src.mixed_precision.autocast_variable"
 GELU = ("tf_keras.src.activations", "gelu")  # (module, name) of the exact GELU (`recompute.ops._gelu`)
 DENSE = ("tf_keras.src.layers.core.dense", "Dense")  # (module, name) of `tf_keras.layers.Dense`
-LAYER_NORMALIZATION = ("tf_keras.src.layers.normalization.layer_normalization", "LayerNormalization")  # `tf_keras.layers.LayerNormalization`
+# (module, name) of `tf_keras.layers.LayerNormalization`
+LAYER_NORMALIZATION = ("tf_keras.src.layers.normalization.layer_normalization",
+                       "LayerNormalization")
 
 PRIVATE_NAMES = (
     owned_by((_LAYER,), "_flatten_layers", "_losses", "_eager_losses", "_callable_losses",

@@ -8,7 +8,13 @@
 - `_attention`: Keras's `MultiHeadAttention` core run as that core (both families), its
   dropout decided once per step and kept as bits (`recompute.engine._core.kept`).
 - `_gelu`: the exact GELU with a gradient that keeps only its input (a custom gradient,
-  or `jax.checkpoint` on JAX).
+  or `jax.checkpoint` on JAX); `gelu_matmul`, a GELU and the product it feeds under one
+  gradient that keeps the GELU's input alone (bert4keras's `FeedForward`, `_lean`).
+- `_layer_norm`: `LayerNormalization` with a gradient, in closed form, that keeps only its
+  input (TensorFlow).
+- `_lean`: `lean_layers`, the block's layers under `"attention"` on TensorFlow: the GELUs
+  and LayerNorms above, and the `Dense` layers they feed, which make their input again for
+  the kernel's gradient.
 
 They use `recompute.engine` (TensorFlow's `kept`, `after`) and `recompute.adapters`;
 `recompute.policies` and the integrations use them.

@@ -59,7 +59,8 @@ def gelu_grad(x, dy, erfc=None):
     kept) in the forward pass."""
     c = tf.cast(_C, x.dtype)
     u = -x * c
-    d_half_x = dy * (tf.math.erfc(u) if erfc is None else erfc)  # Mul's gradient: grad * the other factor
+    # Mul's gradient: grad * the other factor
+    d_half_x = dy * (tf.math.erfc(u) if erfc is None else erfc)
     d_erfc = dy * (0.5 * x)
     d_u = d_erfc * tf.constant(-2 / np.sqrt(np.pi), dtype=dy.dtype) * tf.exp(-tf.square(u))
     return (0.5 * d_half_x) + (-(d_u * c))
