@@ -79,7 +79,13 @@ def keeping_input(layer, own_call, x, tf_variable):
         def gradient(d_y, variables=None):
             d_x, d_gamma, d_beta = norm_grad(after([x], d_y)[0], d_y, gamma_value, layer.epsilon)
             found = {"gamma": d_gamma, "beta": d_beta}
-            return d_x, [found.get(refs.get(v.ref())) for v in variables or ()]
+            unknown = [v.name for v in variables or () if v.ref() not in refs]
+            if unknown:  # (a gradient of None would be a silent zero)
+                raise ValueError(
+                    f"recompute: the LayerNormalization '{layer.name}' read variables other "
+                    f"than its gamma and beta in its call, whose gradients its lean gradient "
+                    f"cannot give. Received: {unknown}")
+            return d_x, [found[refs[v.ref()]] for v in variables or ()]
 
         return own_call(x), gradient
 

@@ -132,6 +132,42 @@ def check_aggregated_state_variable(K, strategy, aggregation):
 
 
 @pytest.mark.slow
+def test_mirrored_attention_policy(K, strategy):
+    """`policy="attention"` under `MirroredStrategy`, dropout off (the cores' dropouts draw
+    per replica): every weight's gradient, summed over the replicas, equals RECOMPUTE=0's --
+    the lean LayerNorms' gamma and beta among them, whose gradients are matched to the
+    variables the strategy's replica reads (`recompute.ops._layer_norm`)."""
+    from tests.helpers import attention_blocks as blocks
+    from tests.helpers.numerics import to_numpy
+
+    x, mask = blocks.inputs()
+
+    def gradients(on):
+        with strategy.scope():
+            K.utils.set_random_seed(0)
+            cls = blocks.block_class(K, "attention")
+            inputs = [K.Input((blocks.SEQ, blocks.WIDTH)), K.Input((blocks.SEQ,) * 2, dtype="bool")]
+            h = inputs[0]
+            for _ in range(2):
+                h = cls(rate=0.0)(h, inputs[1])
+            model = K.Model(inputs, K.layers.Dense(1)(K.layers.GlobalAveragePooling1D()(h)))
+
+        def replica(x, mask):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model([x, mask], training=True) - 0.5) ** 2)
+            return tape.gradient(loss, model.trainable_variables)
+
+        @tf.function
+        def step(x, mask):
+            return [strategy.reduce("SUM", g, axis=None)
+                    for g in strategy.run(replica, args=(x, mask))]
+
+        with recompute.recompute_scope(on):
+            return to_numpy(step(x, mask))
+
+    assert_all_close(gradients(False), gradients(True))
+
+
 def test_two_worker_processes(K, tmp_path):
     """MultiWorkerMirroredStrategy, 2 processes: recomputation on equals off on each
     worker (gradients before the all-reduce, weights, statistics, RNG states), and the
