@@ -112,22 +112,22 @@ def plain_dense(layer):
 
 
 class _Made:
-    """The outputs of the lean GELUs and LayerNorms of one block's call, each with how to
-    make it again (`remake(gate)`: from its producer's kept input, once `gate` exists)."""
+    """The outputs of the lean GELUs and LayerNorms of one block's call, each with the
+    product a `Dense` fed by it computes under a gradient that makes the output again
+    (`fused(kernel, forward)`: `forward(kernel)`, the layer's own product, as its value)."""
 
     def __init__(self):
-        self.outputs = {}  # id(output) -> (output, remake)
+        self.outputs = {}  # id(output) -> (output, fused)
 
-    def add(self, output, remake, gelu_input=None):
+    def add(self, output, fused):
         if getattr(output, "dtype", None) in _gelu.FLOATS:
-            self.outputs[id(output)] = (output, remake, gelu_input)
+            self.outputs[id(output)] = (output, fused)
         return output
 
-    def of(self, x):
-        """`(remake, gelu_input)` of a recorded output `x` (`gelu_input`: the input of the
-        GELU that made it, or None), else None."""
+    def fused_of(self, x):
+        """The `fused` of a recorded output `x`, else None."""
         found = self.outputs.get(id(x))
-        return found[1:] if found is not None and found[0] is x else None
+        return found[1] if found is not None and found[0] is x else None
 
 
 def _gelu_activation(made):
@@ -135,7 +135,10 @@ def _gelu_activation(made):
         kept = _gelu.keeping_input(own)
 
         def activation(x):
-            return made.add(kept(x), lambda gate: own(after([x], gate)[0]), x)
+            # one gradient through the GELU and the product, one erfc pass (`with_erfc`)
+            h = tf.convert_to_tensor(x)
+            return made.add(kept(x), lambda kernel, forward: _gelu.gelu_matmul(
+                h, kernel, _gelu.with_erfc, forward))
 
         setattr(activation, _MARK, True)
         return activation
@@ -148,7 +151,9 @@ def _norm_call(layer, own_call, made, tf_variable):
         if args or kwargs or not _layer_norm.applies(layer, inputs):
             return own_call(inputs, *args, **kwargs)
         y = _layer_norm.keeping_input(layer, own_call, inputs, tf_variable)
-        return made.add(y, lambda gate: own_call(after([inputs], gate)[0]))
+        remake = lambda gate: own_call(after([inputs], gate)[0])  # noqa: E731
+        return made.add(y, lambda kernel, forward: matmul_recomputing_input(
+            y, kernel, remake, forward))
 
     setattr(lean, _MARK, True)
     return lean
@@ -156,15 +161,10 @@ def _norm_call(layer, own_call, made, tf_variable):
 
 def _dense_call(layer, own_call, made, product, rest):
     def lean(inputs, *args, **kwargs):
-        found = made.of(inputs)
-        if found is None:
+        fused = made.fused_of(inputs)
+        if fused is None:
             return own_call(inputs, *args, **kwargs)
-        (remake, h), kernel = found, tf.convert_to_tensor(layer.kernel)
-        if h is None:  # a LayerNorm's output
-            return rest(layer, matmul_recomputing_input(inputs, kernel, remake, product(inputs)))
-        # a GELU's: one gradient through the GELU and the product, one erfc pass (`with_erfc`)
-        h = tf.convert_to_tensor(h)
-        return rest(layer, _gelu.gelu_matmul(h, kernel, _gelu.with_erfc, product(inputs)))
+        return rest(layer, fused(tf.convert_to_tensor(layer.kernel), product(inputs)))
 
     setattr(lean, _MARK, True)
     return lean
