@@ -91,8 +91,8 @@ def _checked_call(call):
 
 
 def _check_offload(offload, policy):
-    """`offload` as a bool; a ValueError if it is not one, or if it is True under a policy
-    other than "full" (only a whole call's inputs are offloaded)."""
+    """`offload` as a bool: a TypeError if it is not one, a ValueError if it is True under a
+    policy other than "full" (only a whole call's inputs are offloaded)."""
     if not isinstance(offload, bool):
         raise TypeError(f"`offload` is True or False. Received: offload={offload!r}")
     if offload and policy != "full":

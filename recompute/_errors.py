@@ -57,3 +57,10 @@ def offload_refused(policy):
     """The message for `offload=True` under a policy other than "full"."""
     return ("`offload=True` keeps a recomputed call's inputs in host memory: it applies to "
             f'policy="full" only. Received: policy={policy!r}, offload=True')
+
+
+TENSORFLOW_OFFLOAD = (
+    "`offload=True` keeps a recomputed call's inputs in host memory on Keras 3's JAX backend "
+    "only; TensorFlow has no host offload (docs/recompute.md, \"Host offload\"). "
+    "Use offload=False on TensorFlow."
+)

@@ -27,15 +27,9 @@ call makes before it is recomputed).
 """
 
 from ..adapters import _backends, _tf
+from .._errors import TENSORFLOW_OFFLOAD
 from . import _core, _jax, _running
 from ._core import after, check_recomputable, float_tensors, kept  # noqa: F401  (TensorFlow's)
-
-
-TENSORFLOW_OFFLOAD = (
-    "`offload=True` keeps a recomputed call's inputs in host memory on Keras 3's JAX backend "
-    "only; TensorFlow has no host offload (docs/recompute.md, \"Host offload\"). "
-    "Use offload=False on TensorFlow."
-)
 
 
 class Engine:
