@@ -26,7 +26,8 @@ backward (docs/attention.md):
 
 Only the standard case is blocked: softmax normalization, no position bias,
 and not in half precision, and under `attention_core("auto")` beyond 512 keys
-only (`recompute.ops._flash.runs_blocked`, the rule Keras's cores follow too).
+only, or under `policy="attention"` (`recompute.ops._flash.runs_blocked`, the rule Keras's
+cores follow too).
 `lean_applies` says whether a call is; every other call runs bert4keras's own
 code (recomputed all the same).
 """
@@ -40,18 +41,19 @@ SCORES_EINSUM = "bjhd,bkhd->bhjk"  # queries x keys, as bert4keras writes it
 P_EINSUM = "bhjk,bkhd->bjhd"  # probabilities x values, as bert4keras writes it
 
 
-def lean_applies(layer, inputs, kwargs):
+def lean_applies(layer, inputs, kwargs, policy=None):
     """True if `layer.pay_attention_to(inputs, mask, **kwargs)` is the standard case:
     softmax, no position bias; an attention bias (`a_bias`: the language model's
     causal mask, UniLM's) is supported; and `recompute.ops._flash.runs_blocked` says
     the blocked core runs (not in half precision: there bert4keras's own code
-    runs, recomputed, as for Keras's core; under "auto" beyond 512 keys only)."""
+    runs, recomputed, as for Keras's core; under "auto" beyond 512 keys, and under
+    `policy="attention"` up to 512 keys too)."""
     return (
         getattr(layer, "normalization", None) == "softmax"
         and not kwargs.get("p_bias")
         and len(inputs) == (4 if kwargs.get("a_bias") else 3)
         and _flash.runs_blocked(_flash_tf.ENGINE, inputs[0].dtype, inputs[0].shape[1],
-                                inputs[1].shape[1])
+                                inputs[1].shape[1], policy)
     )
 
 
@@ -113,7 +115,7 @@ def _decision(layer, qw, kw, dropout):
         tf.where(ran, tf.constant(rate, tf.float32), 0.0)
 
 
-def lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked=True):
+def lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked=True, policy=None):
     """bert4keras's `pay_attention_to(inputs, mask)` for the standard case
     (`lean_applies`) as the blocked attention core (`recompute.ops._flash_tf`): it keeps
     its inputs and the dropout's bits, and holds one block of [.., seq, seq] floats
@@ -128,6 +130,8 @@ def lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked=True):
         dropout: `dropout(rate)`, returning the `Dropout` layer bert4keras
             would create here.
         scores_asked: whether the caller uses the scores (else None is returned).
+        policy: the policy it runs under ("attention": one block of every row up to
+            512 keys, `recompute.ops._flash.block_rows`).
 
     Returns:
         `(o, a)` as bert4keras: the attended values [batch, seq, heads, size]
@@ -137,7 +141,8 @@ def lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked=True):
     qw, kw, vw = inputs[:3]
     bits, rate = engine.kept(lambda: _decision(layer, qw, kw, dropout))
     queries, keys = qw.shape[1], kw.shape[1]
-    block = None if None in (queries, keys) else _flash.block_rows(queries, keys)
+    block = None if None in (queries, keys) else _flash.block_rows(queries, keys, _flash_tf.ENGINE,
+                                                                   policy)
     o = _flash_tf.attention(_logits(layer), qw, kw, vw, _masks(inputs, mask), bits, rate, block,
                             _flash.key_block(keys))
     a = tf.einsum(SCORES_EINSUM, _scaled(layer, qw), kw) if scores_asked else None

@@ -207,7 +207,8 @@ def _attending_to(pay_attention_to):
 
     def recomputed_unit(self, inputs, mask, scores_asked):
         dropout = sys.modules[type(self).__module__].Dropout
-        return _attention.lean_pay_attention_to(self, inputs, mask, dropout, scores_asked)
+        return _attention.lean_pay_attention_to(self, inputs, mask, dropout, scores_asked,
+                                                "attention")
 
     def wrapper(self, *args, **kwargs):
         if not _config.is_enabled():
@@ -219,7 +220,7 @@ def _attending_to(pay_attention_to):
         keep = bool(getattr(self, "return_attention_scores", True))
         inputs, mask, rest = _pay_attention_arguments(args, kwargs)
         if (engine.TensorFlowEngine.recomputes()
-                and _attention.lean_applies(self, inputs, rest)):
+                and _attention.lean_applies(self, inputs, rest, "attention")):
             engine.check_recomputable(adapter, self, engine.float_tensors(inputs))
             return attending(self, inputs, mask, keep, compute=recomputed_unit)
         return _registry.recompute_core(adapter, recomputed, self, args, kwargs, keep)

@@ -59,7 +59,7 @@ def is_keras_core(core):
         ("keras.", "tf_keras."))
 
 
-def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
+def keras_blocked(engine, core, layer, args, kwargs, scores_asked, policy=None):
     """`core(layer, *args, **kwargs)` -- Keras's `MultiHeadAttention._compute_attention`
     -- as the blocked core of `engine` (`_flash_tf` or `_flash_jax`), or None if
     the call is not the standard case (then the caller runs or recomputes `core`
@@ -80,6 +80,9 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
     probabilities, computed whole beside the blocked core: in `tf.function`,
     `fit` and `jax.jit` they are pruned when unused.
 
+    `policy`: the recomputation policy the core runs under (`_flash.runs_blocked`'s
+    and `_flash.block_rows`'s rule reads it).
+
     Returns `(attention_output, attention_scores or None)`.
     """
     if not is_keras_core(core):
@@ -98,7 +101,8 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
         or len(query.shape) != 4 or len(key.shape) != 4 or len(value.shape) != 4
         or None in (query.shape[1], key.shape[1], query.shape[2])
         or tuple(_mha.attention_axes(layer) or (1,)) != (1,)
-        or not _flash.runs_blocked(engine.ENGINE, query.dtype, query.shape[1], key.shape[1])
+        or not _flash.runs_blocked(engine.ENGINE, query.dtype, query.shape[1], key.shape[1],
+                                   policy)
     ):
         return None
     mask = a["attention_mask"]
@@ -110,6 +114,7 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
     while mask is not None and len(mask.shape) < 4:  # as `_masked_softmax` expands it
         mask = mask[..., None, :, :]
     queries, heads, keys = query.shape[1], query.shape[2], key.shape[1]
+    rows = _flash.block_rows(queries, keys, engine.ENGINE, policy)
     factor = 1.0 / math.sqrt(float(_mha.key_dim(layer)))
     dtype = getattr(_mha.softmax(layer), "compute_dtype", None) or query.dtype
 
@@ -125,7 +130,7 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
         if not training:
             return None
         bits = engine.dropout_bits(_mha.dropout_layer(layer), query, [heads, queries, keys], dtype,
-                                   _flash.block_rows(queries, keys))
+                                   rows)
         if bits is not None:
             return bits
         dropped = _mha.dropout_layer(layer)(engine.ones(query, [heads, queries, keys], dtype),
@@ -133,8 +138,8 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked):
         return engine.pack(dropped != 0)
 
     bits = _core.kept(decide)
-    output = engine.attention(logits, query, key, value, mask, bits, rate,
-                              _flash.block_rows(queries, keys), _flash.key_block(keys))
+    output = engine.attention(logits, query, key, value, mask, bits, rate, rows,
+                              _flash.key_block(keys))
     scores = probabilities(query, key, mask) if scores_asked else None
     return output, scores
 

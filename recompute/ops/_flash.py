@@ -98,9 +98,14 @@ class attention_block_size(Setting):
         super().__init__(rows)
 
 
-def block_rows(queries, keys):
-    """The query rows of one block for `queries` x `keys` attention."""
+def block_rows(queries, keys, engine=None, policy=None):
+    """The query rows of one block for `queries` x `keys` attention: `attention_block_size`'s
+    where set; else every row (one block) under `policy="attention"` on TensorFlow up to
+    `TF_KERAS_CORE_KEYS` keys (`runs_blocked`); else a tile of about
+    `DEFAULT_BLOCK_ELEMENTS` (query, key) pairs. `engine`: the `Engine` of the call."""
     rows = _block_size[0]
+    if rows is None and _whole_rows(engine, policy, queries, keys):
+        rows = queries
     if rows is None:  # (`key_block`: the keys of one tile, where the keys are cut)
         rows = max(1, DEFAULT_BLOCK_ELEMENTS // max(1, key_block(keys) or keys))
         if rows >= 8:
@@ -150,7 +155,7 @@ class attention_core(Setting):
         super().__init__(core)
 
 
-def runs_blocked(engine, dtype, queries, keys):
+def runs_blocked(engine, dtype, queries, keys, policy=None):
     """Whether an attention core that is the standard case runs as the blocked core
     (True) or as the layer's own code (False: Keras's `_compute_attention`,
     bert4keras's `pay_attention_to`), for one call: the one rule, which
@@ -171,12 +176,14 @@ def runs_blocked(engine, dtype, queries, keys):
       (docs/limitations.md). In float32 (and float64) both agree to float
       rounding (<= 1e-5 relative).
     - `attention_core("keras")` / `("blocked")`: that core.
-    - `"auto"` on TensorFlow: by the keys' length (`tensorflow_pays`): the layer's
-      own core up to 512 keys (`TF_KERAS_CORE_KEYS`), where on TensorFlow's CPU
-      kernels it is faster at about the same memory (BERT-base, seq 512), and where the
-      length is known only when the core runs; the blocked core beyond, where the
-      [seq, seq] scores dominate (seq 1024: far less memory; docs/attention.md,
-      "Which core runs").
+    - `"auto"` on TensorFlow: by the keys' length (`tensorflow_pays`) and the policy:
+      beyond 512 keys (`TF_KERAS_CORE_KEYS`) the blocked core, where the [seq, seq]
+      scores dominate (seq 1024: far less memory; docs/attention.md, "Which core
+      runs"); up to 512 keys the blocked core under `policy="attention"`, as one
+      block of every query row (`block_rows`; its dropout's decision kept as bits,
+      not drawn again: BERT-base seq 512 on TensorFlow's CPU kernels, x1.077 against
+      x1.104 with Keras's core), else (`"full"`, a length known only when the core
+      runs) the layer's own core, there the faster at about the same memory.
     - `"auto"` on JAX: the blocked core (since 2026-11-28). XLA:GPU's plan for an
       H100 of keras-hub BERT-base (12 blocks, seq 512, float32) holds 19.5 MiB per
       sample under `"full"` with it against 78.0 with Keras's core, and 247.6 against
@@ -194,6 +201,8 @@ def runs_blocked(engine, dtype, queries, keys):
             TensorFlow, NumPy or JAX dtype, or its name).
         queries, keys: the lengths of the query and key axes (None where known
             only when the core runs).
+        policy: the recomputation policy the core runs under ("full", "attention";
+            None: "full").
     """
     name = getattr(dtype, "name", None) or str(dtype)
     if name in HALF_PRECISION:
@@ -201,11 +210,18 @@ def runs_blocked(engine, dtype, queries, keys):
     if _core_choice[0] != "auto":
         return _core_choice[0] == "blocked"
     if engine.name == "tensorflow":
-        return tensorflow_pays(queries, keys)
+        return tensorflow_pays(queries, keys) or _whole_rows(engine, policy, queries, keys)
     return True  # JAX: XLA:GPU's plan of it is at or below Keras's core's (docstring)
 
 
 TF_KERAS_CORE_KEYS = 512  # under "auto", TensorFlow runs the layer's own core up to this many keys
+
+
+def _whole_rows(engine, policy, queries, keys):
+    """Whether the rule runs the blocked core as one block of every query row: under
+    `policy="attention"` on TensorFlow, both lengths known, up to `TF_KERAS_CORE_KEYS` keys."""
+    return (policy == "attention" and getattr(engine, "name", None) == "tensorflow"
+            and None not in (queries, keys) and not tensorflow_pays(queries, keys))
 
 
 def tensorflow_pays(queries, keys):
@@ -279,6 +295,12 @@ class Engine:
         (`ys` a tuple): `(carry, stacked)`, each of the ys stacked on a new axis 0.
         `anchor` is an input of the core: the loop's buffers need not exist before
         it (`_flash_jax`)."""
+
+    def ordered(self, tensors, gate):
+        """`tensors` (a list), made to exist only once `gate` (a list) does, where the
+        engine's executor would otherwise run them in any order (TensorFlow's graphs); as
+        they are where the compiler orders for memory itself (XLA)."""
+        return list(tensors)
 
     def chain(self, tensors, gate):
         """`(tensors, gate)` (two lists), the tensors made to exist only once `gate` does:
@@ -603,6 +625,9 @@ def _tile(E, logits, rate, q_j, k_c, v_c, mask_c, keep, cols, d_out_j, dot_j, ls
         p = E.where(valid, p, 0.0)
     dropped = p if keep is None else E.drop(p, keep, rate)
     d_v = E.einsum(D_VALUE, dropped, d_out_j)
+    # dO V^T after dV: the dropped probabilities are freed first (one [rows, keys] float
+    # fewer alive: 3 rather than 4 at BERT-base seq 512 on TensorFlow, from its allocator)
+    d_out_j, v_c = E.ordered([d_out_j, v_c], [d_v])
     d_dropped = E.einsum(D_PROBS, d_out_j, v_c)
     d_p = d_dropped if keep is None else E.drop(d_dropped, keep, rate)
     dot = E.row_sum(d_p * p) if dot_j is None else dot_j[..., None]

@@ -4,7 +4,11 @@
 are `_flash.forward` and `_flash.backward`, their blocks a `tf.while_loop` of
 one iteration at a time (a Python loop in eager mode). The gradient keeps the
 inputs, the mask and the dropout's bits; its loop waits for the incoming
-gradient (`_core.after`), so that a graph executor does not run it early.
+gradient (`_core.after`), so that a graph executor does not run it early. Where
+one sample's [heads, queries, keys] tile holds `SAMPLE_ELEMENTS` or more and the
+keys are one block, both passes run one sample at a time (`_by_sample`: a loop of
+one iteration at a time), so that the [.., seq, seq] temporaries are one sample's,
+whatever the batch.
 """
 
 import tensorflow as tf
@@ -73,6 +77,9 @@ class _Engine(_flash.Engine):
 
     def chain(self, tensors, gate):
         return after(tensors, *gate), list(gate)
+
+    def ordered(self, tensors, gate):
+        return after(tensors, *gate)
 
     def vjp(self, fn, *primals):
         with tf.GradientTape(watch_accessed_variables=False) as tape:
@@ -214,13 +221,20 @@ def attention(logits, query, key, value, mask, bits, rate, block, key_block=None
     and, where there are key blocks (`_flash.uses_output`), the output and the per-row
     log-sum-exp (with one key block the backward pass takes each row's softmax again and
     reads neither; kept, the output would be kept twice, here and as the output
-    projection's input)."""
+    projection's input). With one key block and a large tile (`_sample_by_sample`) the
+    forward and the backward pass run one sample at a time."""
     keeps_output = _flash.uses_output(key.shape[1], key_block)
+    by_sample = not keeps_output and _sample_by_sample(query, key)
 
     @tf.custom_gradient
     def core(query, key, value):
-        output, lse = _flash.forward(ENGINE, logits, query, key, value, mask, bits, rate, block,
-                                     key_block)
+        if by_sample:
+            (output,) = _by_sample(
+                lambda q, k, v, m, b: _flash.forward(ENGINE, logits, q, k, v, m, b, rate, block)[:1],
+                [query, key, value, mask, bits], [(value.dtype, _output_shape(query, value))])
+        else:
+            output, lse = _flash.forward(ENGINE, logits, query, key, value, mask, bits, rate,
+                                         block, key_block)
 
         def grad(d_out):
             # The recomputation waits for the gradient (see `_core.after`).
@@ -230,9 +244,62 @@ def attention(logits, query, key, value, mask, bits, rate, block, key_block=None
                 (q, k, v), o, s = after([query, key, value], d_out), None, None
             m = _flash._map_mask(mask, lambda x: after([x], d_out)[0])
             b = None if bits is None else after([bits], d_out)[0]
+            if by_sample:
+                return _by_sample(
+                    lambda q, k, v, m, b, d: _flash.backward(ENGINE, logits, q, k, v, m, b, rate,
+                                                             block, d, None, None),
+                    [q, k, v, m, b, d_out], [(t.dtype, t.shape) for t in (q, k, v)])
             return _flash.backward(ENGINE, logits, q, k, v, m, b, rate, block, d_out, o, s,
                                    key_block)
 
         return output, grad
 
     return core(query, key, value)
+
+
+SAMPLE_ELEMENTS = 1 << 20  # from this many [heads, queries, keys] per sample, one sample at a time
+
+
+def _sample_by_sample(query, key):
+    """Whether `attention` runs one sample at a time: where one sample's [heads, queries,
+    keys] tile holds `SAMPLE_ELEMENTS` or more (static shapes) and the batch is not one."""
+    heads, queries, keys = query.shape[2], query.shape[1], key.shape[1]
+    if None in (heads, queries, keys) or query.shape[0] == 1:
+        return False
+    return heads * queries * keys >= SAMPLE_ELEMENTS
+
+
+def _sample(x, i):
+    """Sample `i` of `x` (axis 0, kept as an axis of 1), or `x` where it broadcasts over
+    the batch (axis 0 of 1; None stays None)."""
+    if x is None or x.shape.rank == 0 or x.shape[0] == 1:
+        return x
+    return tf.gather(x, tf.reshape(i, [1]))
+
+
+def _output_shape(query, value):
+    return query.shape[:-1].concatenate(value.shape[-1:])
+
+
+def _by_sample(fn, tensors, outs):
+    """`fn(*tensors of one sample)` (a list of tensors of one sample each) for the samples
+    of the batch of `tensors[0]` one at a time (a loop of one iteration at a time), the
+    results joined along axis 0 (`outs`: their dtypes and static shapes, batch included);
+    masks (tuples allowed) as `_sample` takes them."""
+    n = tf.shape(tensors[0])[0]
+
+    def pick(t, i):
+        return _flash._map_mask(t, lambda m: _sample(m, i)) if isinstance(t, tuple) \
+            else _sample(t, i)
+
+    def step(i, arrays):
+        outs = fn(*[pick(t, i) for t in tensors])
+        return i + 1, tuple(a.write(i, o) for a, o in zip(arrays, outs))
+
+    arrays = tuple(tf.TensorArray(d, size=n, element_shape=[1] + shape[1:]) for d, shape in outs)
+    _, arrays = tf.while_loop(lambda i, _: i < n, step, (tf.constant(0), arrays),
+                              parallel_iterations=1)
+    joined = [a.concat() for a in arrays]
+    for t, (_, shape) in zip(joined, outs):
+        t.set_shape(shape)
+    return joined

@@ -17,7 +17,12 @@ JAX backend the same policy installs `checkpointed(gelu)` instead
 (`kept_input(layers, checkpointed)`): `jax.checkpoint` of the GELU, which keeps
 its input and replays its own jaxpr for the gradient (autodiff keeps four
 [seq, ffn] values there too: the input, the erfc, the exp and 0.5 x).
-`gelu_matmul` is bert4keras's `FeedForward` product (`recompute.bert4keras._feed_forward`).
+`gelu_matmul` is bert4keras's `FeedForward` product (`recompute.bert4keras._feed_forward`)
+and `_lean`'s `Dense` fed by a GELU; its gradient runs in chunks of rows
+(`chunk_rows`, about `CHUNK_ELEMENTS` elements each, one chunk at a time), so that
+the GELU's and the product's [rows, units] temporaries are one chunk's, not the
+batch's (BERT-base, seq 512: four [seq, ffn] temporaries per sample at the backward
+pass's peak before).
 
 Bit for bit holds op for op (eager, and `tf.function` on its own), not under
 every graph rewrite: in `fit` and with oneDNN's rewrites, TensorFlow's
@@ -142,16 +147,69 @@ def gelu_matmul(h, kernel, gelu_and_grad, forward, matmul=matmul_last):
     has arrived (`after`), `gelu_and_grad(h)` gives `gelu(h)` again, for the kernel's
     gradient, and the GELU's gradient at `h` (a function of the incoming one), which
     carries the gradient to `h`. `matmul(x, w, **kwargs)` is the product over the last
-    axis the gradient uses (`matmul_last`)."""
+    axis the gradient uses (`matmul_last`). The gradient runs chunk of rows by chunk of
+    rows (`chunk_rows`); the kernel's gradient is the sum of the chunks' products."""
 
     @tf.custom_gradient
     def product(h, kernel):
         def gradient(dy):
             h_ = after([h], dy)[0]  # recomputed when the gradient arrives, not in the forward pass
-            g, grad = gelu_and_grad(h_)
-            d_kernel = kernel_gradient(g, dy, kernel)
-            return grad(matmul(dy, kernel, transpose_b=True)), d_kernel
+            return _in_row_chunks(h_, dy, kernel, gelu_and_grad, matmul)
 
         return forward(kernel), gradient
 
     return product(h, kernel)
+
+
+CHUNK_ELEMENTS = 1 << 20  # about this many elements of `h` per chunk of `gelu_matmul`'s gradient
+
+
+def _divisor(n, at_most):
+    """The largest divisor of `n` that is at most `at_most` (>= 1)."""
+    return next(d for d in range(max(1, min(n, at_most)), 0, -1) if n % d == 0)
+
+
+def chunk_rows(shape):
+    """The rows (of `h` flattened to rank 2) of one chunk of `gelu_matmul`'s gradient for an
+    `h` of static shape `shape` ([batch, seq, units] or any rank >= 2): about
+    `CHUNK_ELEMENTS` elements, whole sequences or a divisor of one, so that every chunk is
+    whole (the same shape: XLA compiles it); None (one chunk, the whole) where the
+    lengths are not known or no divisor near that size exists."""
+    units, seq = shape[-1], (shape[-2] if len(shape) > 2 else None)
+    if units is None or seq is None:
+        return None
+    target = max(1, CHUNK_ELEMENTS // units)
+    if target >= seq:
+        batch = 1
+        for d in shape[:-2]:
+            batch = None if d is None or batch is None else batch * d
+        return seq * (1 if batch is None else _divisor(batch, target // seq))
+    rows = _divisor(seq, target)
+    return rows if rows * 8 >= target else None
+
+
+def _in_row_chunks(h, dy, kernel, gelu_and_grad, matmul):
+    """`(d_h, d_kernel)` of `gelu(h) @ kernel` for `dy`, in chunks of `chunk_rows` rows, one
+    chunk at a time (a loop of one iteration at a time): the GELU's and the product's
+    [rows, units] temporaries of one chunk alive, not of the whole batch."""
+    rows = chunk_rows(h.shape.as_list())
+    units, out = h.shape[-1], kernel.shape[-1]
+    if rows is None:
+        g, grad = gelu_and_grad(h)
+        return grad(matmul(dy, kernel, transpose_b=True)), kernel_gradient(g, dy, kernel)
+    h3, dy3 = tf.reshape(h, [-1, rows, units]), tf.reshape(dy, [-1, rows, out])  # (no copies)
+    n = tf.shape(h3)[0]
+
+    def step(i, d_kernel, array):
+        h_c, dy_c = tf.gather(h3, i), tf.gather(dy3, i)
+        g, grad = gelu_and_grad(h_c)
+        d_kernel = d_kernel + tf.matmul(g, dy_c, transpose_a=True)
+        return i + 1, d_kernel, array.write(i, grad(matmul(dy_c, kernel, transpose_b=True)))
+
+    array = tf.TensorArray(h.dtype, size=n, element_shape=[rows, units])
+    _, d_kernel, array = tf.while_loop(
+        lambda i, *_: i < n, step, (tf.constant(0), tf.zeros(kernel.shape, kernel.dtype), array),
+        parallel_iterations=1)
+    d_h = tf.reshape(array.concat(), tf.shape(h))
+    d_h.set_shape(h.shape)
+    return d_h, d_kernel

@@ -52,14 +52,14 @@ def full(adapter, fn, layer, args, kwargs):
     """The whole call is recomputed; its attention cores run blocked (`_flash`)."""
     layers = adapter.attention_layers(adapter.sublayers(layer))
     if layers:
-        fn = _attention.with_blocked_cores(fn, lambda: _cores_recomputed(adapter, layers))
+        fn = _attention.with_blocked_cores(fn, lambda: _cores_recomputed(adapter, layers, "full"))
     return _core.recomputed_call(adapter, fn, layer, args, kwargs)
 
 
 def attention(adapter, fn, layer, args, kwargs):
     """Only the attention cores of the call's multi-head attention layers are recomputed."""
     layers = _attention.attention_layers(adapter, layer)
-    with _cores_recomputed(adapter, layers), \
+    with _cores_recomputed(adapter, layers, "attention"), \
             _lean.lean_layers(adapter.sublayers(layer), adapter.tf_variable):
         return fn(layer, *args, **kwargs)
 
@@ -105,16 +105,18 @@ def recompute_core(adapter, core, layer, args, kwargs, keep_scores):
 _MARK = "__recompute_core__"
 
 
-def _class_core(adapter, core):
+def _class_core(adapter, core, policy):
     """The class's core `core` (a function of the layer): the blocked core of
     `_attention.keras_blocked` where it applies (the dropout drawn once, its
-    decision kept as bits), else as written, by `recompute_core`."""
+    decision kept as bits), else as written, by `recompute_core`. `policy`: the policy's
+    name, for the core's rule (`_flash.runs_blocked`)."""
 
     def recomputed(layer, *args, **kwargs):
         keep_scores = adapter.scores_asked(args, kwargs)
         if TensorFlowEngine.recomputes():
             _core.check_recomputable(adapter, layer, _core.float_tensors((args, kwargs)))
-        blocked = _attention.keras_blocked(_flash_tf, core, layer, args, kwargs, keep_scores)
+        blocked = _attention.keras_blocked(_flash_tf, core, layer, args, kwargs, keep_scores,
+                                           policy)
         if blocked is not None:
             return blocked
         return recompute_core(adapter, core, layer, args, kwargs, keep_scores)
@@ -134,19 +136,19 @@ def _own_core(adapter, own):
 
 
 @contextlib.contextmanager
-def _cores_recomputed(adapter, layers):
+def _cores_recomputed(adapter, layers, policy):
     """While active, the attention core of each of `layers` keeps only its inputs,
     is recomputed, and is lean where it can be (`_attention`).
 
     The core is the layer's method `adapter.attention_core`; it is shadowed by
     an instance attribute (the class and other instances are untouched) and
     restored on exit. A core shadowed already -- by an enclosing decorated call
-    -- is left as it is.
+    -- is left as it is. `policy` ("full", "attention") goes to the core's rule.
     """
     name = adapter.attention_core
 
     def core_of(layer, own):
-        recomputed = _class_core(adapter, getattr(type(layer), name)) if own is None \
+        recomputed = _class_core(adapter, getattr(type(layer), name), policy) if own is None \
             else _own_core(adapter, own)
 
         def core(*args, **kwargs):

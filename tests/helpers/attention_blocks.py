@@ -250,7 +250,8 @@ def test_blocked_cores_used(K, policy, monkeypatch):
     """Under either policy, with `attention_core("blocked")` Keras's own cores run blocked
     (`recompute.ops._flash`): once per forward pass of a block (twice per block under "full",
     which recomputes the block) and once backward; off, never. Under the rule ("auto")
-    at seq 6 Keras's own core runs on TensorFlow (`_flash.runs_blocked`: up to 512 keys)."""
+    at seq 6 on TensorFlow (`_flash.runs_blocked`: up to 512 keys) Keras's own core runs
+    under "full", the blocked core as one block of every row under "attention"."""
     from recompute.ops import _flash
 
     calls = []
@@ -264,8 +265,16 @@ def test_blocked_cores_used(K, policy, monkeypatch):
     calls.clear()
     run(K, policy, False, "eager")
     assert calls == []
+    rows = []
+    real_rows = _flash.block_rows
+    monkeypatch.setattr(_flash, "block_rows",
+                        lambda *a, **k: rows.append(real_rows(*a, **k)) or rows[-1])
     run(K, policy, True, "eager", core="auto")
-    assert calls == []
+    if policy == "full":
+        assert calls == [] and rows == []
+    else:
+        assert sorted(calls) == ["backward"] * 2 + ["forward"] * 2
+        assert rows and set(rows) == {SEQ}  # one block of every query row
 
 
 @pytest.mark.parametrize("policy", ["full", "attention"])
@@ -404,6 +413,54 @@ def test_fit_matches(K, policy):
     from tests.helpers.numerics import assert_all_close
 
     assert_all_close(fit_weights(K, None, False), fit_weights(K, policy, True))
+
+
+def _small_thresholds(monkeypatch):
+    """The blocked core one sample at a time (`_flash_tf.SAMPLE_ELEMENTS`) and the GELU
+    product's gradient in chunks of 3 rows (`_gelu.CHUNK_ELEMENTS`: half a sequence),
+    at these small widths; returns the lists the counted calls append to: the batch of
+    each `_flash.backward` call, the rows of each `_gelu.with_erfc` call."""
+    from recompute.ops import _flash, _flash_tf, _gelu
+
+    monkeypatch.setattr(_flash_tf, "SAMPLE_ELEMENTS", 1)
+    monkeypatch.setattr(_gelu, "CHUNK_ELEMENTS", 3 * 2 * WIDTH)  # the GELU is 2 * WIDTH wide
+    backward, with_erfc = _flash.backward, _gelu.with_erfc
+    samples, rows = [], []
+    monkeypatch.setattr(_flash, "backward",
+                        lambda *a, **k: samples.append(a[2].shape[0]) or backward(*a, **k))
+    monkeypatch.setattr(_gelu, "with_erfc", lambda h: rows.append(h.shape[0]) or with_erfc(h))
+    return samples, rows
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
+def test_attention_policy_by_sample_and_row_chunks(K, mode, monkeypatch):
+    """Under the rule ("auto"), "attention" on TensorFlow runs the blocked core one
+    sample at a time where a sample's tile is large, and the gradient of the product the
+    GELU feeds in chunks of rows: with both thresholds lowered to these widths the loss
+    and every gradient are RECOMPUTE=0's to float rounding; in eager mode the core's
+    backward pass runs once per sample and block, the GELU's gradient once per chunk."""
+    from tests.helpers.numerics import assert_all_close
+
+    samples, rows = _small_thresholds(monkeypatch)
+    loss0, grads0, _, _, model = run(K, None, False, mode)
+    loss1, grads1, _, _, _ = run(K, "attention", True, mode, core="auto")
+    names = ["input"] + [getattr(v, "path", v.name) for v in model.trainable_variables]
+    assert_all_close([loss0], [loss1], ["loss"])
+    assert_all_close(grads0, grads1, names)
+    if mode == "eager":
+        assert samples == [1] * (2 * BATCH)  # 2 blocks
+        assert rows == [3] * 12  # 2 blocks of 18 rows
+    else:
+        assert samples and set(samples) == {1}
+
+
+def test_attention_policy_by_sample_fit(K, monkeypatch):
+    """The same in `fit` (its batch axis of unknown length in the traced step)."""
+    from tests.helpers.numerics import assert_all_close
+
+    samples, _ = _small_thresholds(monkeypatch)
+    assert_all_close(fit_weights(K, None, False), fit_weights(K, "attention", True, core="auto"))
+    assert samples and set(samples) == {1}
 
 
 def test_attention_policy_keeps_no_attention_matrix(K):
