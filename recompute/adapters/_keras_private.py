@@ -38,6 +38,7 @@ DENSE = ("keras.src.layers.core.dense", "Dense")  # (module, name) of `keras.lay
 # (module, name) of `keras.layers.LayerNormalization`
 LAYER_NORMALIZATION = ("keras.src.layers.normalization.layer_normalization",
                        "LayerNormalization")
+DROPOUT = ("keras.src.layers.regularization.dropout", "Dropout")  # (module, name) of `keras.layers.Dropout`
 CURRENT_CALL_CONTEXT = "current_call_ctx"
 UNINITIALIZED_VARIABLES = "uninitialized_variables"
 
@@ -56,6 +57,7 @@ PRIVATE_NAMES = (
     + owned_by((GELU[0],), GELU[1])
     + owned_by((DENSE[0],), DENSE[1])
     + owned_by((LAYER_NORMALIZATION[0],), LAYER_NORMALIZATION[1])
+    + owned_by((DROPOUT[0],), DROPOUT[1])
 )
 
 

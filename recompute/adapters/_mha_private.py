@@ -40,6 +40,11 @@ def dropout_layer(layer):
     return layer._dropout_layer
 
 
+def own_dropout(layer):
+    """`dropout_layer(layer)` for a `MultiHeadAttention` layer (one with the core), else None."""
+    return getattr(layer, "_dropout_layer", None) if hasattr(layer, CORE) else None
+
+
 def key_dim(layer):
     """The size of each head of the queries and keys (the scores' scale is `1 / sqrt` of it)."""
     return layer._key_dim

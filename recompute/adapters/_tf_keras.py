@@ -50,6 +50,7 @@ DENSE = ("tf_keras.src.layers.core.dense", "Dense")  # (module, name) of `tf_ker
 # (module, name) of `tf_keras.layers.LayerNormalization`
 LAYER_NORMALIZATION = ("tf_keras.src.layers.normalization.layer_normalization",
                        "LayerNormalization")
+DROPOUT = ("tf_keras.src.layers.regularization.dropout", "Dropout")  # (module, name) of `tf_keras.layers.Dropout`
 
 PRIVATE_NAMES = (
     owned_by((_LAYER,), "_flatten_layers", "_losses", "_eager_losses", "_callable_losses",
@@ -67,6 +68,7 @@ PRIVATE_NAMES = (
     + owned_by((GELU[0],), GELU[1])
     + owned_by((DENSE[0],), DENSE[1])
     + owned_by((LAYER_NORMALIZATION[0],), LAYER_NORMALIZATION[1])
+    + owned_by((DROPOUT[0],), DROPOUT[1])
 )
 
 name = "tf_keras"

@@ -13,7 +13,12 @@
   by the layer's own call on its kept input (`matmul_recomputing_input`); a GELU's
   as `_gelu.gelu_matmul` over the GELU's input, one gradient through the GELU and
   the product that shares one `erfc` pass between the GELU's output and its
-  derivative (`_gelu.with_erfc`).
+  derivative (`_gelu.with_erfc`);
+- each plain `Dropout` (`plain_dropout`: the family's own class, no noise shape, a rate
+  between 0 and 1) of the block itself (not an attention layer's: the attention core
+  keeps its own as bits) keeps its decision as bits, 1 per entry, where autodiff keeps
+  it as bools, 8 per entry (`keeping_bits`): the same random numbers, drawn by the
+  layer's own call on ones of the input's shape.
 
 In a post-LayerNorm block (`x -> attention -> + x -> LayerNorm -> y -> Dense +
 GELU -> h, g -> Dense -> + y -> LayerNorm`) this keeps, of the feed-forward, the
@@ -29,10 +34,10 @@ import contextlib
 
 import tensorflow as tf
 
-from ..adapters import _keras_private, _tf_keras
+from ..adapters import _keras_private, _mha_private, _tf_keras
 from ..engine._core import after
 from .._scoped import shadowed
-from . import _gelu, _layer_norm
+from . import _flash_tf, _gelu, _layer_norm
 
 _MARK = "__recompute_lean__"
 
@@ -170,18 +175,73 @@ def _dense_call(layer, own_call, made, product, rest):
     return lean
 
 
+_DROPOUTS = (_keras_private.DROPOUT, _tf_keras.DROPOUT)
+
+
+def plain_dropout(layer):
+    """True for the family's own `Dropout` class (no `call` of the instance's own), no noise
+    shape, a rate strictly between 0 and 1."""
+    cls = type(layer)
+    rate = getattr(layer, "rate", None)
+    return ((cls.__module__, cls.__name__) in _DROPOUTS and "call" not in vars(layer)
+            and getattr(layer, "noise_shape", None) is None
+            and isinstance(rate, float) and 0.0 < rate < 1.0)
+
+
+def keeping_bits(x, draw, rate):
+    """`Dropout(rate)(x, training=True)` whose gradient keeps the decision as bits: `draw(ones)`
+    is the layer's own call on ones of `x`'s shape and dtype (its random numbers, drawn
+    once); the output is `where(keep, x * scale, 0)` and the gradient `where(keep, dy, 0) *
+    scale`, TensorFlow's dropout and its autodiff op for op."""
+
+    @tf.custom_gradient
+    def dropped(x):
+        zero = tf.zeros([], x.dtype)
+        keep = tf.not_equal(draw(tf.ones_like(x)), zero)
+        scale = tf.convert_to_tensor(1 / (1 - rate), dtype=x.dtype)
+        bits = _flash_tf.pack(keep)
+
+        def gradient(dy):
+            kept = _flash_tf.ENGINE.unpack(after([bits], dy)[0], x.shape[-1])
+            return tf.where(kept, dy, tf.zeros([], dy.dtype)) * scale
+
+        return tf.where(keep, x * scale, zero), gradient
+
+    return dropped(x)
+
+
+def _dropout_call(layer, own_call):
+    def lean(inputs, training=None, **kwargs):
+        x = inputs
+        if (training is not True or kwargs or not isinstance(x, tf.Tensor)
+                or x.dtype not in _gelu.FLOATS or x.shape.rank in (None, 0) or x.shape[-1] is None):
+            return own_call(inputs, training=training, **kwargs)
+        return keeping_bits(x, lambda ones: own_call(ones, training=True), layer.rate)
+
+    setattr(lean, _MARK, True)
+    return lean
+
+
+def _block_dropouts(layers):
+    """The plain `Dropout` layers among `layers` but the attention layers' own."""
+    owned = {id(_mha_private.own_dropout(layer)) for layer in layers}
+    return [layer for layer in layers if plain_dropout(layer) and id(layer) not in owned]
+
+
 @contextlib.contextmanager
 def lean_layers(layers, tf_variable):
-    """While active, the exact GELUs, plain LayerNorms and plain `Dense` layers among
-    `layers` keep less (the module docstring). `tf_variable(w)`: the `tf.Variable`
-    behind one of the family's weights."""
+    """While active, the exact GELUs, plain LayerNorms, plain `Dense` and plain `Dropout`
+    layers among `layers` keep less (the module docstring). `tf_variable(w)`: the
+    `tf.Variable` behind one of the family's weights."""
     made = _Made()
     denses = ((layer, plain_dense(layer)) for layer in layers)
     norms = (layer for layer in layers if _layer_norm.plain_norm(layer))
     with _gelu.kept_input(layers, _gelu_activation(made)), shadowed(
             [(layer, "call", _norm_call(layer, layer.call, made, tf_variable)) for layer in norms]
             + [(layer, "call", _dense_call(layer, layer.call, made, *found))
-               for layer, found in denses if found is not None]):
+               for layer, found in denses if found is not None]
+            + [(layer, "call", _dropout_call(layer, layer.call))
+               for layer in _block_dropouts(layers)]):
         try:
             yield
         finally:
