@@ -15,9 +15,10 @@ probabilities of the block's `MultiHeadAttention` layers (`POLICIES`). Under
 every policy the attention cores follow one rule (`attention_core`,
 `recompute.ops._flash.runs_blocked`): on TensorFlow in float32 beyond 512 keys they run
 blocked (no [seq, seq] floats kept, one block of query rows alive at a time:
-`attention_block_size` sets it); up to 512 keys on TensorFlow (faster there,
-at about the same memory) and in half precision the layer's own core runs,
-recomputed; on JAX in float32 the blocked core.
+`attention_block_size` sets it); up to 512 keys on TensorFlow, under
+`"attention"` the blocked core as one block of every row, under `"full"` the layer's
+own core (faster there, at about the same memory); in half precision the layer's own
+core runs, recomputed; on JAX in float32 the blocked core.
 
 Packages, from the top floor down: `planner` (`plan`: the policy, micro-batch and
 accumulation steps of an effective batch within a memory budget, measured; its command

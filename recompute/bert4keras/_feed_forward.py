@@ -17,6 +17,10 @@ recomputation on it keeps only the GELU's input:
 - every recomputation waits for the incoming gradient (`recompute.engine.after`): a
   graph executor runs an op as soon as its inputs exist, so ops that read
   only forward tensors would run in the forward pass and keep their outputs;
+- fed by a LayerNormalization unit (which keeps only its input), the first dense
+  layer makes the LayerNorm's output again for its kernel's gradient
+  (`remade_from_input`, `recompute.ops._lean.matmul_recomputing_input`) instead of
+  keeping it;
 - elsewhere (a gated or other activation, mixed precision), the GELU alone
   keeps only its input (`_patch._gelu`) and `o_dense` keeps its output.
 
@@ -30,7 +34,18 @@ import math
 import tensorflow as tf
 
 from .. import engine
-from ..ops import _gelu
+from ..ops import _gelu, _lean
+
+REMADE_ATTR = "_recompute_remade_from"  # set on a LayerNorm's output: (its input, the norm)
+
+
+def remade_from_input(output, x, norm):
+    """`output` (a LayerNormalization unit's output under "attention"), marked as made again
+    by `norm(x)` from the unit's kept input `x`: a `FeedForward` fed by it does not keep it
+    for its first kernel's gradient (`lean_call`). Returns `output`."""
+    if isinstance(output, tf.Tensor) and isinstance(x, tf.Tensor):
+        setattr(output, REMADE_ATTR, (x, norm))
+    return output
 
 
 def gelu_grad(x, dy):
@@ -98,7 +113,14 @@ def lean_call(layer, inputs, keep_product=False):
     recomputes `gelu(h)` from it, as under "attention").
     """
     i0, o = layer.i0_dense, layer.o_dense
-    h = tf.tensordot(inputs, i0.kernel, [[2], [0]])
+    remade = getattr(inputs, REMADE_ATTR, None)
+    if remade is None or keep_product:
+        h = tf.tensordot(inputs, i0.kernel, [[2], [0]])
+    else:  # the LayerNorm's output made again for the kernel's gradient, not kept
+        x, norm = remade
+        h = _lean.matmul_recomputing_input(
+            inputs, tf.convert_to_tensor(i0.kernel), lambda gate: norm(engine.after([x], gate)[0]),
+            lambda kernel: tf.tensordot(inputs, kernel, [[2], [0]]))
     if i0.use_bias:
         h = tf.nn.bias_add(h, i0.bias)
     gelu = getattr(i0.activation, "__wrapped__", i0.activation)

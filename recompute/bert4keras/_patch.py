@@ -118,8 +118,11 @@ def _marked_call(call, cls):
     written, except a `FeedForward`, whose GELU keeps only its input
     (`_feed_forward`). Under "block_keep_ffn" a `FeedForward` inside its
     recomputed block keeps its second product for the recomputation
-    (`_feed_forward.lean_call(..., keep_product=True)`)."""
+    (`_feed_forward.lean_call(..., keep_product=True)`). Under "attention" a
+    LayerNormalization unit's output is marked as made again from its kept input
+    (`_feed_forward.remade_from_input`), for a `FeedForward` it feeds."""
     elementwise = cls.__name__ in ELEMENTWISE
+    norm = cls.__name__ == "LayerNormalization"
     feed_forward = cls.__name__ == "FeedForward"
 
     @functools.wraps(call)
@@ -134,6 +137,10 @@ def _marked_call(call, cls):
     decorated = recompute_grad(keeping_product if feed_forward else call)
 
     def wrapper(self, *args, **kwargs):
+        if norm and _policy_of(self) == "attention" and _config.is_enabled() \
+                and len(args) == 1 and not kwargs:
+            return _feed_forward.remade_from_input(
+                decorated(self, *args), args[0], lambda x: call(self, x))
         if _policy_of(self) != "attention" or elementwise:
             return decorated(self, *args, **kwargs)
         if not _config.is_enabled():

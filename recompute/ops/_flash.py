@@ -125,10 +125,11 @@ class attention_core(Setting):
 
     `"auto"` (the default) follows the rule of `runs_blocked`: the blocked core
     on TensorFlow in float32 beyond 512 keys and on JAX in float32 (where XLA:GPU's
-    plan of it is below Keras's core's: docs/attention.md), the layer's own core
-    (Keras's `_compute_attention`, bert4keras's `pay_attention_to`) on TensorFlow up
-    to 512 keys, where it is the faster at about the same memory, and in half
-    precision everywhere. `"keras"` runs the layer's own core everywhere; `"blocked"`
+    plan of it is below Keras's core's: docs/attention.md) and on TensorFlow up to
+    512 keys under `policy="attention"` (one block of every row), the layer's own
+    core (Keras's `_compute_attention`, bert4keras's `pay_attention_to`) on
+    TensorFlow up to 512 keys under `"full"`, where it is the faster at about the
+    same memory, and in half precision everywhere. `"keras"` runs the layer's own core everywhere; `"blocked"`
     runs the blocked core wherever it is exact (float32 and float64, the
     standard case). Each is exact: the choice moves memory and time, not
     numbers. As a statement it holds for the rest of the process; as a

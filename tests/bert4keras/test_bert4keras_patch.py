@@ -301,6 +301,24 @@ def test_attention_policy_gelu_keeps_only_its_input(dropout_config_path, replaya
     assert read["attention"] <= {"BiasAdd", "IdentityN", "Identity"}, read
 
 
+def test_attention_policy_feed_forward_makes_its_input_again(dropout_config_path, replayable_rng):
+    """Under "attention" the FeedForward's first dense layer does not keep its input (the
+    LayerNormalization unit's output: `_feed_forward.remade_from_input`) for its kernel's
+    gradient: the backward pass reads no FeedForward tensor of the hidden width (it
+    makes the LayerNorm's output again from the unit's kept input); under "layer" with
+    recomputation off it reads the input, flattened for the product."""
+    from tests.helpers.attention_blocks import forward_tensors_read_by_backward
+
+    read = {}
+    for policy, on in (("layer", False), ("attention", True)):
+        graph = _step_graph(dropout_config_path, policy, on)
+        read[policy] = {t.op.name for t in forward_tensors_read_by_backward(graph)
+                        if "-FeedForward/" in t.op.name and t.op.type == "Reshape"
+                        and t.shape.rank == 2}
+    assert read["layer"], read  # the input of the first product (and the GELU's output)
+    assert not read["attention"], read
+
+
 def test_attention_policy_recomputes_when_the_gradient_arrives(dropout_config_path, replayable_rng):
     """The GELU work redone in the backward pass (erf, the GELU output for the second
     dense layer) waits for the incoming gradient: a graph executor runs an op as
