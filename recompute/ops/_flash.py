@@ -182,9 +182,11 @@ def runs_blocked(engine, dtype, queries, keys, policy=None):
       scores dominate (seq 1024: far less memory; docs/attention.md, "Which core
       runs"); up to 512 keys the blocked core under `policy="attention"`, as one
       block of every query row (`block_rows`; its dropout's decision kept as bits,
-      not drawn again: BERT-base seq 512 on TensorFlow's CPU kernels, x1.077 against
-      x1.104 with Keras's core), else (`"full"`, a length known only when the core
-      runs) the layer's own core, there the faster at about the same memory.
+      not drawn again: BERT-base seq 512 on TensorFlow's CPU kernels, x1.077 and
+      x1.071 against x1.104 and x1.072 with Keras's core, at the same memory; with
+      `_flash_tf`'s loop over samples, less), else (`"full"`, a length known only
+      when the core runs) the layer's own core, there the faster at about the same
+      memory.
     - `"auto"` on JAX: the blocked core (since 2026-11-28). XLA:GPU's plan for an
       H100 of keras-hub BERT-base (12 blocks, seq 512, float32) holds 19.5 MiB per
       sample under `"full"` with it against 78.0 with Keras's core, and 247.6 against

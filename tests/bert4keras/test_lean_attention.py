@@ -248,19 +248,24 @@ def test_dropout_decision_kept_as_bits(config_path, policy):
 def test_rule_runs_bert4keras_core_up_to_512_keys(core):
     """`lean_applies` follows `recompute.ops._flash.runs_blocked`: under "auto" bert4keras's own
     core up to 512 keys and where the length is known only when the core runs, the blocked
-    core beyond; `attention_core` overrides it; half precision runs bert4keras's own core."""
+    core beyond; under policy="attention" the blocked core up to 512 keys too (not where the
+    length is known only when the core runs); `attention_core` overrides it; half
+    precision runs bert4keras's own core."""
     layer = B.MultiHeadAttention(heads=2, head_size=4)
 
-    def applies(keys, queries=None, dtype=tf.float32):
+    def applies(keys, queries=None, dtype=tf.float32, policy=None):
         if keys is None:  # symbolic: a length known only when the core runs
             q = k = tf.keras.Input((None, 2, 4), dtype=dtype)
         else:
             q, k = tf.zeros([1, queries or keys, 2, 4], dtype), tf.zeros([1, keys, 2, 4], dtype)
-        return _attention.lean_applies(layer, [q, k, k], {})
+        return _attention.lean_applies(layer, [q, k, k], {}, policy)
 
     with recompute.attention_core(core):
-        expected = {"auto": [False, False, True, True, True, False],
-                    "blocked": [True] * 6, "keras": [False] * 6}[core]
-        assert [applies(SEQ), applies(512), applies(513), applies(1024), applies(2048, 1),
-                applies(None)] == expected
-        assert not applies(2048, dtype=tf.float16)
+        for policy in (None, "full", "attention"):
+            expected = {"auto": [policy == "attention"] * 2 + [True, True, True, False],
+                        "blocked": [True] * 6, "keras": [False] * 6}[core]
+            assert [applies(SEQ, policy=policy), applies(512, policy=policy),
+                    applies(513, policy=policy), applies(1024, policy=policy),
+                    applies(2048, 1, policy=policy), applies(None, policy=policy)] == expected
+            assert not applies(2048, dtype=tf.float16, policy=policy)
+            assert not applies(SEQ, dtype=tf.float16, policy=policy)

@@ -275,3 +275,28 @@ def test_tensorflow_rule_by_key_length():
             assert _flash.runs_blocked(tf_engine, "float32", queries, keys)
         with recompute.attention_core("keras"):
             assert not _flash.runs_blocked(tf_engine, "float32", queries, keys)
+            assert not _flash.runs_blocked(tf_engine, "float32", queries, keys, "attention")
+
+
+def test_tensorflow_rule_under_the_attention_policy():
+    """Under "auto" on TensorFlow with `policy="attention"`, the blocked core up to 512 keys
+    too, as one block of every query row (`block_rows`), where both lengths are known;
+    under "full" (and no policy) the rule of `test_tensorflow_rule_by_key_length`; on JAX,
+    and with `attention_block_size` set, the rows as before."""
+    from recompute.ops import _flash, _flash_jax, _flash_tf
+
+    tf_engine, jax_engine = _flash_tf.ENGINE, _flash_jax.ENGINE
+    for queries, keys, blocked in [(6, 6, True), (512, 512, True), (4096, 512, True),
+                                   (513, 513, True), (None, None, False), (2048, None, False),
+                                   (None, 512, False)]:
+        assert _flash.runs_blocked(tf_engine, "float32", queries, keys, "attention") is blocked
+        assert not _flash.runs_blocked(tf_engine, "float16", queries, keys, "attention")
+    for policy in (None, "full"):
+        assert not _flash.runs_blocked(tf_engine, "float32", 512, 512, policy)
+        assert _flash.block_rows(512, 512, tf_engine, policy) == 128
+    assert _flash.block_rows(512, 512, tf_engine, "attention") == 512
+    assert _flash.block_rows(6, 6, tf_engine, "attention") == 6
+    assert _flash.block_rows(1024, 1024, tf_engine, "attention") == _flash.block_rows(1024, 1024)
+    assert _flash.block_rows(512, 512, jax_engine, "attention") == 128
+    with recompute.attention_block_size(64):
+        assert _flash.block_rows(512, 512, tf_engine, "attention") == 64
