@@ -2,19 +2,22 @@
 
 - `_flash`: FlashAttention-2 (Dao, 2023) written once in framework ops (`forward`,
   `backward` over an `Engine`), the rule that picks it or the layer's own core
-  (`runs_blocked`) and its settings (`attention_core`, `attention_block_size`);
-  its engines `_flash_tf` (`tf.custom_gradient` over a `tf.while_loop`) and `_flash_jax`
+  (`runs_blocked`, by shape, engine and policy) and its settings (`attention_core`,
+  `attention_block_size`); its engines `_flash_tf` (`tf.custom_gradient` over a
+  `tf.while_loop`; one sample at a time where a sample's tile is large) and `_flash_jax`
   (`jax.custom_vjp` over a `fori_loop`).
 - `_attention`: Keras's `MultiHeadAttention` core run as that core (both families), its
   dropout decided once per step and kept as bits (`recompute.engine._core.kept`).
 - `_gelu`: the exact GELU with a gradient that keeps only its input (a custom gradient,
   or `jax.checkpoint` on JAX); `gelu_matmul`, a GELU and the product it feeds under one
-  gradient that keeps the GELU's input alone (bert4keras's `FeedForward`, `_lean`).
+  gradient that keeps the GELU's input alone and runs in chunks of rows (bert4keras's
+  `FeedForward`, `_lean`).
 - `_layer_norm`: `LayerNormalization` with a gradient, in closed form, that keeps only its
   input (TensorFlow).
 - `_lean`: `lean_layers`, the block's layers under `"attention"` on TensorFlow: the GELUs
-  and LayerNorms above, and the `Dense` layers they feed, which make their input again for
-  the kernel's gradient.
+  and LayerNorms above, the `Dense` layers they feed, which make their input again for
+  the kernel's gradient (`matmul_recomputing_input`, bert4keras's `FeedForward` too), and
+  the block's own `Dropout` layers, which keep their decision as bits.
 
 They use `recompute.engine` (TensorFlow's `kept`, `after`) and `recompute.adapters`;
 `recompute.policies` and the integrations use them.
