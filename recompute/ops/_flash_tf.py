@@ -274,6 +274,8 @@ def _sample(x, i):
     the batch (axis 0 of 1; None stays None)."""
     if x is None or x.shape.rank == 0 or x.shape[0] == 1:
         return x
+    if x.shape[0] is None:  # (an axis of 1 known only when run broadcasts too)
+        i = tf.minimum(i, tf.shape(x)[0] - 1)
     return tf.gather(x, tf.reshape(i, [1]))
 
 
