@@ -471,6 +471,23 @@ def test_attention_policy_by_sample_and_row_chunks(K, mode, monkeypatch):
         assert samples and set(samples) == {1}
 
 
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_full_policy_blocked_core_by_sample(K, mode, monkeypatch):
+    """The loop over samples runs wherever the blocked core runs with one key block: under
+    "full" too (here forced, `attention_core("blocked")`), the loss and every gradient
+    RECOMPUTE=0's; in eager mode one backward pass per sample and block."""
+    from tests.helpers.numerics import assert_all_close
+
+    samples, _ = _small_thresholds(monkeypatch)
+    loss0, grads0, _, _, model = run(K, None, False, mode)
+    loss1, grads1, _, _, _ = run(K, "full", True, mode, core="blocked")
+    names = ["input"] + [getattr(v, "path", v.name) for v in model.trainable_variables]
+    assert_all_close([loss0], [loss1], ["loss"])
+    assert_all_close(grads0, grads1, names)
+    if mode == "eager":
+        assert samples == [1] * (2 * BATCH)
+
+
 def test_attention_policy_by_sample_fit(K, monkeypatch):
     """The same in `fit` (its batch axis of unknown length in the traced step)."""
     from tests.helpers.numerics import assert_all_close
