@@ -449,6 +449,18 @@ def _small_thresholds(monkeypatch):
     return samples, rows
 
 
+def _matches_no_recompute(K, policy, mode, core):
+    """One step under `policy` (RECOMPUTE on, `attention_core(core)`): the loss and every
+    gradient RECOMPUTE=0's to float rounding."""
+    from tests.helpers.numerics import assert_all_close
+
+    loss0, grads0, _, _, model = run(K, None, False, mode)
+    loss1, grads1, _, _, _ = run(K, policy, True, mode, core=core)
+    names = ["input"] + [getattr(v, "path", v.name) for v in model.trainable_variables]
+    assert_all_close([loss0], [loss1], ["loss"])
+    assert_all_close(grads0, grads1, names)
+
+
 @pytest.mark.parametrize("mode", ["eager", "function", "jit"])
 def test_attention_policy_by_sample_and_row_chunks(K, mode, monkeypatch):
     """Under the rule ("auto"), "attention" on TensorFlow runs the blocked core one
@@ -456,14 +468,8 @@ def test_attention_policy_by_sample_and_row_chunks(K, mode, monkeypatch):
     GELU feeds in chunks of rows: with both thresholds lowered to these widths the loss
     and every gradient are RECOMPUTE=0's to float rounding; in eager mode the core's
     backward pass runs once per sample and block, the GELU's gradient once per chunk."""
-    from tests.helpers.numerics import assert_all_close
-
     samples, rows = _small_thresholds(monkeypatch)
-    loss0, grads0, _, _, model = run(K, None, False, mode)
-    loss1, grads1, _, _, _ = run(K, "attention", True, mode, core="auto")
-    names = ["input"] + [getattr(v, "path", v.name) for v in model.trainable_variables]
-    assert_all_close([loss0], [loss1], ["loss"])
-    assert_all_close(grads0, grads1, names)
+    _matches_no_recompute(K, "attention", mode, "auto")
     if mode == "eager":
         assert samples == [1] * (2 * BATCH)  # 2 blocks
         assert rows == [3] * 12  # 2 blocks of 18 rows
@@ -476,14 +482,8 @@ def test_full_policy_blocked_core_by_sample(K, mode, monkeypatch):
     """The loop over samples runs wherever the blocked core runs with one key block: under
     "full" too (here forced, `attention_core("blocked")`), the loss and every gradient
     RECOMPUTE=0's; in eager mode one backward pass per sample and block."""
-    from tests.helpers.numerics import assert_all_close
-
     samples, _ = _small_thresholds(monkeypatch)
-    loss0, grads0, _, _, model = run(K, None, False, mode)
-    loss1, grads1, _, _, _ = run(K, "full", True, mode, core="blocked")
-    names = ["input"] + [getattr(v, "path", v.name) for v in model.trainable_variables]
-    assert_all_close([loss0], [loss1], ["loss"])
-    assert_all_close(grads0, grads1, names)
+    _matches_no_recompute(K, "full", mode, "blocked")
     if mode == "eager":
         assert samples == [1] * (2 * BATCH)
 
