@@ -285,23 +285,21 @@ def _output_shape(query, value):
 
 def _by_sample(fn, tensors, outs):
     """`fn(*tensors of one sample)` (a list of tensors of one sample each) for the samples
-    of the batch of `tensors[0]` one at a time (a loop of one iteration at a time), the
-    results joined along axis 0 (`outs`: their dtypes and static shapes, batch included);
-    masks (tuples allowed) as `_sample` takes them."""
-    n = tf.shape(tensors[0])[0]
+    of the batch of `tensors[0]` one at a time (`ENGINE.scan`: a loop of one iteration at
+    a time), the results joined along axis 0 (`outs`: their dtypes and static shapes,
+    batch included); masks (tuples allowed) as `_sample` takes them."""
 
     def pick(t, i):
         return _flash._map_mask(t, lambda m: _sample(m, i)) if isinstance(t, tuple) \
             else _sample(t, i)
 
-    def step(i, arrays):
-        outs = fn(*[pick(t, i) for t in tensors])
-        return i + 1, tuple(a.write(i, o) for a, o in zip(arrays, outs))
+    def body(carry, i):
+        return carry, tuple(fn(*[pick(t, i) for t in tensors]))
 
-    arrays = tuple(tf.TensorArray(d, size=n, element_shape=[1] + shape[1:]) for d, shape in outs)
-    _, arrays = tf.while_loop(lambda i, _: i < n, step, (tf.constant(0), arrays),
-                              parallel_iterations=1)
-    joined = [a.concat() for a in arrays]
-    for t, (_, shape) in zip(joined, outs):
-        t.set_shape(shape)
+    _, stacked = ENGINE.scan(body, (), tf.shape(tensors[0])[0], [d for d, _ in outs], None)
+    joined = []
+    for y, (_, shape) in zip(stacked, outs):  # [samples, 1, ...] -> [samples, ...]
+        y = tf.reshape(y, tf.concat([[-1], tf.shape(y)[2:]], 0))
+        y.set_shape(shape)
+        joined.append(y)
     return joined

@@ -40,6 +40,7 @@ import tensorflow as tf
 from ..adapters import _keras_private, _tf_keras
 from ..engine._core import after
 from .._scoped import shadowed
+from . import _flash_tf
 
 _GELUS = (_keras_private.GELU, _tf_keras.GELU)
 _MARK = "__recompute_gelu__"
@@ -190,26 +191,24 @@ def chunk_rows(shape):
 
 def _in_row_chunks(h, dy, kernel, gelu_and_grad, matmul):
     """`(d_h, d_kernel)` of `gelu(h) @ kernel` for `dy`, in chunks of `chunk_rows` rows, one
-    chunk at a time (a loop of one iteration at a time): the GELU's and the product's
-    [rows, units] temporaries of one chunk alive, not of the whole batch."""
+    chunk at a time (`_flash_tf.ENGINE.scan`: a loop of one iteration at a time): the
+    GELU's and the product's [rows, units] temporaries of one chunk alive, not of the
+    whole batch."""
     rows = chunk_rows(h.shape.as_list())
     units, out = h.shape[-1], kernel.shape[-1]
     if rows is None:
         g, grad = gelu_and_grad(h)
         return grad(matmul(dy, kernel, transpose_b=True)), kernel_gradient(g, dy, kernel)
     h3, dy3 = tf.reshape(h, [-1, rows, units]), tf.reshape(dy, [-1, rows, out])  # (no copies)
-    n = tf.shape(h3)[0]
 
-    def step(i, d_kernel, array):
+    def body(d_kernel, i):
         h_c, dy_c = tf.gather(h3, i), tf.gather(dy3, i)
         g, grad = gelu_and_grad(h_c)
         d_kernel = d_kernel + tf.matmul(g, dy_c, transpose_a=True)
-        return i + 1, d_kernel, array.write(i, grad(matmul(dy_c, kernel, transpose_b=True)))
+        return d_kernel, (grad(matmul(dy_c, kernel, transpose_b=True)),)
 
-    array = tf.TensorArray(h.dtype, size=n, element_shape=[rows, units])
-    _, d_kernel, array = tf.while_loop(
-        lambda i, *_: i < n, step, (tf.constant(0), tf.zeros(kernel.shape, kernel.dtype), array),
-        parallel_iterations=1)
-    d_h = tf.reshape(array.concat(), tf.shape(h))
+    d_kernel, (d_h,) = _flash_tf.ENGINE.scan(body, tf.zeros(kernel.shape, kernel.dtype),
+                                             tf.shape(h3)[0], (h.dtype,), None)
+    d_h = tf.reshape(d_h, tf.shape(h))
     d_h.set_shape(h.shape)
     return d_h, d_kernel

@@ -212,11 +212,11 @@ def keeping_bits(x, draw, rate):
 
 def _dropout_call(layer, own_call):
     def lean(inputs, training=None, **kwargs):
-        x = inputs
-        if (training is not True or kwargs or not isinstance(x, tf.Tensor)
-                or x.dtype not in _gelu.FLOATS or x.shape.rank in (None, 0) or x.shape[-1] is None):
+        if (training is not True or kwargs or not isinstance(inputs, tf.Tensor)
+                or inputs.dtype not in _gelu.FLOATS or inputs.shape.rank in (None, 0)
+                or inputs.shape[-1] is None):
             return own_call(inputs, training=training, **kwargs)
-        return keeping_bits(x, lambda ones: own_call(ones, training=True), layer.rate)
+        return keeping_bits(inputs, lambda ones: own_call(ones, training=True), layer.rate)
 
     setattr(lean, _MARK, True)
     return lean
