@@ -29,6 +29,7 @@ and `lean_call(..., keep_product=True)` keeps the second dense layer's product
 from the forward pass for the recomputation (see there).
 """
 
+import contextlib
 import math
 
 import tensorflow as tf
@@ -46,6 +47,31 @@ def remade_from_input(output, x, norm):
     if isinstance(output, tf.Tensor) and isinstance(x, tf.Tensor):
         setattr(output, REMADE_ATTR, (x, norm))
     return output
+
+
+def remaking(output):
+    """`remake(gate)` for an output marked by `remade_from_input`: the norm's call on its
+    kept input, once `gate` (the incoming gradient) exists; None for any other value."""
+    remade = getattr(output, REMADE_ATTR, None)
+    if remade is None:
+        return None
+    x, norm = remade
+    return lambda gate: norm(engine.after([x], gate)[0])
+
+
+@contextlib.contextmanager
+def dense_inputs_remade(layer, inputs):
+    """While active, the plain `Dense` sublayers of `layer` (bert4keras's attention: its
+    query, key and value `Dense` layers) fed a LayerNormalization unit's output marked by
+    `remade_from_input` among `inputs` make it again for their kernels' gradients
+    (`_lean.remaking_input`) instead of keeping it; otherwise nothing changes."""
+    values = inputs if isinstance(inputs, (list, tuple)) else [inputs]
+    marked = {id(v): v for v in values if remaking(v) is not None}
+    denses = [v for v in vars(layer).values() if _lean.plain_dense(v) is not None]
+    with contextlib.ExitStack() as stack:
+        for x in marked.values() if denses else ():
+            stack.enter_context(_lean.remaking_input(denses, x, remaking(x)))
+        yield
 
 
 def gelu_grad(x, dy):
@@ -113,13 +139,12 @@ def lean_call(layer, inputs, keep_product=False):
     recomputes `gelu(h)` from it, as under "attention").
     """
     i0, o = layer.i0_dense, layer.o_dense
-    remade = getattr(inputs, REMADE_ATTR, None)
-    if remade is None or keep_product:
+    remake = remaking(inputs)
+    if remake is None or keep_product:
         h = tf.tensordot(inputs, i0.kernel, [[2], [0]])
     else:  # the LayerNorm's output made again for the kernel's gradient, not kept
-        x, norm = remade
         h = _lean.matmul_recomputing_input(
-            inputs, tf.convert_to_tensor(i0.kernel), lambda gate: norm(engine.after([x], gate)[0]),
+            inputs, tf.convert_to_tensor(i0.kernel), remake,
             lambda kernel: tf.tensordot(inputs, kernel, [[2], [0]]))
     if i0.use_bias:
         h = tf.nn.bias_add(h, i0.bias)

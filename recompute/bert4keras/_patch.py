@@ -11,6 +11,7 @@ import warnings
 from ..adapters import _backends
 from .. import _config
 from .. import engine
+from ..ops import _lean
 from ..policies import _registry
 from . import _attention, _feed_forward
 from ..engine import after
@@ -72,13 +73,14 @@ def _owned_dropout(dropout_cls):
     ("tf.function only supports singleton tf.Variables") and no seed could be
     replayed. Inside `pay_attention_to`, the first `Dropout(rate)` of a layer
     is kept as its sublayer `recompute_attention_dropout` and reused by every
-    later call; everywhere else `Dropout` is tf_keras's own.
+    later call; everywhere else `Dropout` is tf_keras's own, whose call keeps its
+    decision as bits under "attention" (`_hidden_dropout`).
     """
 
     def Dropout(rate, *args, **kwargs):
         owner = _attending.top()
         if owner is None or args or kwargs:
-            return dropout_cls(rate, *args, **kwargs)
+            return _hidden_dropout(dropout_cls(rate, *args, **kwargs))
         cached = getattr(owner, ATTENTION_DROPOUT_ATTR, None)
         if cached is None or cached.rate != rate:
             cached = dropout_cls(rate, name=f"{owner.name}-{ATTENTION_DROPOUT_ATTR}")
@@ -87,6 +89,27 @@ def _owned_dropout(dropout_cls):
 
     Dropout.__wrapped__ = dropout_cls
     return Dropout
+
+
+def _hidden_dropout(layer):
+    """`layer`, a `Dropout` of bert4keras's model (its embeddings' and blocks' dropouts,
+    outside every marked class), whose call keeps its decision as bits (1 per entry,
+    where autodiff keeps bools, 8) while it runs under the "attention" policy with
+    recomputation on and patched (`_lean.keeping_bits`: the layer's own random numbers,
+    TensorFlow's dropout and its gradient op for op); as written otherwise, and for a
+    `Dropout` that is not plain (`_lean.plain_dropout`: a noise shape, a rate of 0)."""
+    if not _lean.plain_dropout(layer):
+        return layer
+    own, keeping = layer.call, _lean.dropout_call(layer, layer.call)
+
+    @functools.wraps(own)
+    def call(inputs, training=None, **kwargs):
+        if _policy_of(layer) == "attention" and is_patched() and _config.is_enabled():
+            return keeping(inputs, training=training, **kwargs)
+        return own(inputs, training=training, **kwargs)
+
+    object.__setattr__(layer, "call", call)  # this instance only; not tracked
+    return layer
 
 
 POLICIES = ("layer", "block", "attention", "block_keep_ffn")
@@ -120,7 +143,8 @@ def _marked_call(call, cls):
     recomputed block keeps its second product for the recomputation
     (`_feed_forward.lean_call(..., keep_product=True)`). Under "attention" a
     LayerNormalization unit's output is marked as made again from its kept input
-    (`_feed_forward.remade_from_input`), for a `FeedForward` it feeds."""
+    (`_feed_forward.remade_from_input`), for a `FeedForward` or the `Dense` layers of an
+    attention layer it feeds (`_feed_forward.dense_inputs_remade`)."""
     elementwise = cls.__name__ in ELEMENTWISE
     norm = cls.__name__ == "LayerNormalization"
     feed_forward = cls.__name__ == "FeedForward"
@@ -149,7 +173,8 @@ def _marked_call(call, cls):
             return _feed_forward.lean_call(self, args[0])
         _selective.depth = getattr(_selective, "depth", 0) + 1
         try:
-            return call(self, *args, **kwargs)
+            with _feed_forward.dense_inputs_remade(self, args[0] if args else kwargs.get("inputs")):
+                return call(self, *args, **kwargs)
         finally:
             _selective.depth -= 1
 
@@ -249,9 +274,17 @@ def _patch_module(module):
     if module not in _module_gelu and objects is not None and "gelu" in objects:
         _module_gelu[module] = objects["gelu"]
         objects["gelu"] = _gelu(objects["gelu"])
-    if module not in _module_dropout and hasattr(module, "Dropout"):
-        _module_dropout[module] = module.Dropout
-        module.Dropout = _owned_dropout(module.Dropout)
+    _patch_dropout(module)
+
+
+def _patch_dropout(module):
+    """`module.Dropout` (bert4keras's layers' and models' name for tf_keras's) becomes
+    `_owned_dropout`'s, once; `unpatch()` restores it."""
+    dropout = getattr(module, "Dropout", None)
+    if module not in _module_dropout and dropout is not None \
+            and getattr(dropout, "__wrapped__", None) is None:
+        _module_dropout[module] = dropout
+        module.Dropout = _owned_dropout(dropout)
 
 
 _block_warned = set()  # model classes warned about per-layer recomputation
@@ -320,6 +353,7 @@ def _patch_models_module(module):
         current = bert.__dict__["apply_main_layers"]
         _replaced[bert, "apply_main_layers"] = current
         bert.apply_main_layers = _recomputed_blocks(current, module.keras)
+    _patch_dropout(module)  # imported before `patch()`: its blocks' dropouts
 
 
 _PATCHERS = {MODULE: _patch_module, MODELS_MODULE: _patch_models_module}

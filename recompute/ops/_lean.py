@@ -175,6 +175,22 @@ def _dense_call(layer, own_call, made, product, rest):
     return lean
 
 
+@contextlib.contextmanager
+def remaking_input(denses, x, remake):
+    """While active, each plain `Dense` among `denses` (`plain_dense`) that is fed `x`
+    computes its product under a gradient that makes `x` again, `remake(gate)` once the
+    incoming gradient `gate` exists, for its kernel's gradient, instead of keeping `x`
+    (`matmul_recomputing_input`); fed anything else it runs as written. For a tensor
+    another layer can make again from what it keeps (bert4keras's LayerNormalization
+    units feeding an attention layer's query, key and value `Dense` layers)."""
+    made = _Made()
+    made.add(x, lambda kernel, forward: matmul_recomputing_input(x, kernel, remake, forward))
+    found = ((layer, plain_dense(layer)) for layer in denses)
+    with shadowed([(layer, "call", _dense_call(layer, layer.call, made, *f))
+                   for layer, f in found if f is not None]):
+        yield
+
+
 _DROPOUTS = (_keras_private.DROPOUT, _tf_keras.DROPOUT)
 
 
@@ -210,7 +226,9 @@ def keeping_bits(x, draw, rate):
     return dropped(x)
 
 
-def _dropout_call(layer, own_call):
+def dropout_call(layer, own_call):
+    """`layer`'s call (`own_call`) keeping its decision as bits in training (`keeping_bits`):
+    as written for anything else (not training, extra arguments, no known last axis)."""
     def lean(inputs, training=None, **kwargs):
         if (training is not True or kwargs or not isinstance(inputs, tf.Tensor)
                 or inputs.dtype not in _gelu.FLOATS or inputs.shape.rank in (None, 0)
@@ -240,7 +258,7 @@ def lean_layers(layers, tf_variable):
             [(layer, "call", _norm_call(layer, layer.call, made, tf_variable)) for layer in norms]
             + [(layer, "call", _dense_call(layer, layer.call, made, *found))
                for layer, found in denses if found is not None]
-            + [(layer, "call", _dropout_call(layer, layer.call))
+            + [(layer, "call", dropout_call(layer, layer.call))
                for layer in _block_dropouts(layers)]):
         try:
             yield

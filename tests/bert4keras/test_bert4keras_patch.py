@@ -319,6 +319,50 @@ def test_attention_policy_feed_forward_makes_its_input_again(dropout_config_path
     assert not read["attention"], read
 
 
+def test_attention_policy_attention_denses_make_their_input_again(dropout_config_path,
+                                                                 replayable_rng):
+    """Under "attention" the query, key and value `Dense` layers of an attention layer fed
+    by a LayerNormalization unit (the second block's: the first is fed by the embeddings'
+    dropout) do not keep that input for their kernels' gradients
+    (`_feed_forward.dense_inputs_remade`): the backward pass reads one flattened input
+    there (the output `Dense`'s, the core's output), where under "layer" with
+    recomputation off it reads four; the first block's attention reads four under both."""
+    from tests.helpers.attention_blocks import forward_tensors_read_by_backward
+
+    read = {}
+    for policy, on in (("layer", False), ("attention", True)):
+        graph = _step_graph(dropout_config_path, policy, on)
+        read[policy] = [sum(1 for t in forward_tensors_read_by_backward(graph)
+                            if f"Transformer-{i}-MultiHeadSelfAttention/" in t.op.name
+                            and t.op.type == "Reshape" and t.shape.rank == 2)
+                        for i in (0, 1)]
+    assert read == {"layer": [4, 4], "attention": [4, 1]}, read
+
+
+def test_attention_policy_hidden_dropouts_keep_bits(dropout_config_path, replayable_rng):
+    """Under "attention" the model's own `Dropout` layers (the embeddings' and each block's
+    two, outside every patched class: `_patch._hidden_dropout`) keep their decisions as
+    bits: the backward pass reads uint8 [batch, seq, hidden / 8], one per dropout, and no
+    bool [batch, seq, hidden]; under "layer" with recomputation off it reads the bools."""
+    from tests.helpers.attention_blocks import forward_tensors_read_by_backward
+
+    token_ids = batch()[0]
+    hidden = tiny_bert.CONFIG["hidden_size"]
+
+    def masks(graph):
+        found = {}
+        for t in forward_tensors_read_by_backward(graph):
+            if t.shape.rank == 3 and t.dtype in (tf.bool, tf.uint8):
+                found.setdefault((t.dtype.name, tuple(t.shape)), set()).add(t.name)
+        return {key: len(names) for key, names in found.items()}
+
+    dropouts = 1 + 2 * 2  # the embeddings', two per block
+    assert masks(_step_graph(dropout_config_path, "attention", True)) == {
+        ("uint8", (*token_ids.shape, hidden // 8)): dropouts}
+    assert masks(_step_graph(dropout_config_path, "layer", False)) == {
+        ("bool", (*token_ids.shape, hidden)): dropouts}
+
+
 def test_attention_policy_recomputes_when_the_gradient_arrives(dropout_config_path, replayable_rng):
     """The GELU work redone in the backward pass (erf, the GELU output for the second
     dense layer) waits for the incoming gradient: a graph executor runs an op as
