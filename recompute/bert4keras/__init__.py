@@ -57,9 +57,13 @@ not imported yet, `patch()` installs an import hook (a `sys.meta_path` finder,
 removed by `unpatch()`) that patches the module right after it loads. What
 changes is bert4keras's: the `call` of the marked classes, the
 `pay_attention_to` of its attention classes and the `Dropout` name in
-`bert4keras.layers`, and the "gelu" of Keras's custom objects (the same
-function, whose gradient keeps only its input under the "attention" policy);
-nothing else in the process.
+`bert4keras.layers` and `bert4keras.models`, and the "gelu" of Keras's custom
+objects (the same function, whose gradient keeps only its input under the
+"attention" policy); nothing else in the process. The `Dropout` layers that name
+creates outside an attention core (the model's embeddings' and blocks') are
+tf_keras's own class, whose call under the "attention" policy with recomputation
+on keeps the dropout's decision as bits, 1 per entry, where autodiff keeps a
+byte (the same random numbers, the same outputs and gradients).
 
 Pretrained weights, offline: `convert(src, out_dir)` turns a Hugging Face BERT
 (`config.json`, `model.safetensors`, `tokenizer.json`; a directory or a zip)

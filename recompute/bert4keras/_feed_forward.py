@@ -20,7 +20,8 @@ recomputation on it keeps only the GELU's input:
 - fed by a LayerNormalization unit (which keeps only its input), the first dense
   layer makes the LayerNorm's output again for its kernel's gradient
   (`remade_from_input`, `recompute.ops._lean.matmul_recomputing_input`) instead of
-  keeping it;
+  keeping it; so do an attention layer's query, key and value dense layers
+  (`dense_inputs_remade`);
 - elsewhere (a gated or other activation, mixed precision), the GELU alone
   keeps only its input (`_patch._gelu`) and `o_dense` keeps its output.
 

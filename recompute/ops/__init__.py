@@ -17,7 +17,9 @@
 - `_lean`: `lean_layers`, the block's layers under `"attention"` on TensorFlow: the GELUs
   and LayerNorms above, the `Dense` layers they feed, which make their input again for
   the kernel's gradient (`matmul_recomputing_input`, bert4keras's `FeedForward` too), and
-  the block's own `Dropout` layers, which keep their decision as bits.
+  the block's own `Dropout` layers, which keep their decision as bits (`dropout_call`);
+  `remaking_input`, for a `Dense` fed a tensor another layer makes again (bert4keras's
+  attention fed by a LayerNormalization unit).
 
 They use `recompute.engine` (TensorFlow's `kept`, `after`) and `recompute.adapters`;
 `recompute.policies` and the integrations use them.

@@ -28,6 +28,10 @@ tensors and `g` (docs/attention.md, "What `"attention"` keeps on TensorFlow").
 The forward values are the layers' own; the gradients equal autodiff's to float
 rounding (the statistics computed again, the sums in another order), which is
 `"attention"`'s promise (`"full"` leaves every layer as written).
+
+Used alone, by bert4keras's patch: `remaking_input` (an attention layer's `Dense` layers
+fed a LayerNormalization unit's output make it again) and `dropout_call` (the model's own
+`Dropout` layers keep bits).
 """
 
 import contextlib
