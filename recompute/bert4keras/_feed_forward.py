@@ -25,9 +25,13 @@ recomputation on it keeps only the GELU's input:
 - elsewhere (a gated or other activation, mixed precision), the GELU alone
   keeps only its input (`_patch._gelu`) and `o_dense` keeps its output.
 
-Under `patch(policy="block_keep_ffn")` the layer is recomputed with its block,
-and `lean_call(..., keep_product=True)` keeps the second dense layer's product
-from the forward pass for the recomputation (see there).
+Recomputed (with its block under "block" and "block_keep_ffn", alone under
+"layer"), the standard layer runs as `lean_call` too, in the forward pass and in the
+recomputation, so that the recomputation's backward pass keeps the GELU's input
+alone and runs its gradient in chunks of rows (since 2026-11-29; before, bert4keras's
+own code, whose autodiff kept four [seq, ffn] tensors there). Under
+`patch(policy="block_keep_ffn")` `lean_call(..., keep_product=True)` also keeps the
+second dense layer's product from the forward pass for the recomputation (see there).
 """
 
 import contextlib

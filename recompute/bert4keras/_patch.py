@@ -136,7 +136,9 @@ _selective = threading.local()  # .depth > 0: inside a FeedForward under "attent
 
 def _marked_call(call, cls):
     """A marked class's `call`: recomputed as a unit under the "layer" and "block"
-    policies (within a recomputed block it runs plainly). Under "attention", the
+    policies (within a recomputed block it runs plainly; a standard `FeedForward` in its
+    recomputation as `_feed_forward.lean_call`, its GELU keeping only its input). Under
+    "attention", the
     element-wise classes (`ELEMENTWISE`) are still units; the others run as
     written, except a `FeedForward`, whose GELU keeps only its input
     (`_feed_forward`). Under "block_keep_ffn" a `FeedForward` inside its
@@ -151,11 +153,14 @@ def _marked_call(call, cls):
 
     @functools.wraps(call)
     def keeping_product(self, *args, **kwargs):
-        # "block_keep_ffn": the FeedForward's second product is kept from the
+        # Recomputed (with its block, or alone under "layer"), a standard FeedForward's
+        # GELU keeps only its input in the recomputation's backward pass, which runs in
+        # chunks of rows; under "block_keep_ffn" its second product is kept from the
         # forward pass for the recomputation (`_feed_forward.lean_call`).
-        if (_policy_of(self) == "block_keep_ffn" and engine.inside_recomputed_call()
-                and len(args) == 1 and not kwargs and _feed_forward.lean_applies(self, args[0])):
-            return _feed_forward.lean_call(self, args[0], keep_product=True)
+        if (engine.inside_recomputed_call() and len(args) == 1 and not kwargs
+                and _feed_forward.lean_applies(self, args[0])):
+            return _feed_forward.lean_call(self, args[0],
+                                           keep_product=_policy_of(self) == "block_keep_ffn")
         return call(self, *args, **kwargs)
 
     decorated = recompute_grad(keeping_product if feed_forward else call)

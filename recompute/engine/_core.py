@@ -79,6 +79,11 @@ def _is_float_tensor(value):
     )
 
 
+def _is_other_tensor(value):
+    """A dense tensor that is not floating-point: a mask, token ids."""
+    return isinstance(value, tf.Tensor) and not _is_float_tensor(value)
+
+
 def float_tensors(structure):
     """The floating-point tensors (not variables) of a nested structure, in order."""
     return [value for value in tf.nest.flatten(structure) if _is_float_tensor(value)]
@@ -383,8 +388,14 @@ class Recomputation:
         self.created[id(variable)] = variable.read_value()
         return variable
 
-    def _run_call(self, inputs, seed, replay=False):
-        new_flat = [inputs[self.slot_of[id(v)]] if id(v) in self.slot_of else v for v in self.flat]
+    def _run_call(self, inputs, seed, replay=False, gate=None):
+        """The call on `inputs` (its floating-point inputs); with `gate` (the recomputation:
+        the incoming gradient), its other tensor inputs -- a padding mask, token ids -- wait
+        for `gate` too (`after`): what the call computes from them alone (a mask broadcast to
+        [batch, heads, seq, seq]) would otherwise run in the forward pass and wait there."""
+        new_flat = [inputs[self.slot_of[id(v)]] if id(v) in self.slot_of
+                    else after([v], gate)[0] if gate is not None and _is_other_tensor(v)
+                    else v for v in self.flat]
         call_args, call_kwargs = tf.nest.pack_sequence_as(self.structure, new_flat)
         with _running.calls.entered(self.running.replay() if replay else self.running):
             if self.legacy is None:
@@ -454,7 +465,7 @@ class Recomputation:
                         self.layer, self.state, after(self.start, first_dy)) as recomputed_losses:
                 # The legacy seed is a forward-pass tensor too: gated like the state.
                 seed = after([self.legacy_seed], first_dy)[0] if self.legacy is not None else None
-                recomputed = self._run_call(ready, seed, replay=True)
+                recomputed = self._run_call(ready, seed, replay=True, gate=first_dy)
         self.running.check_replayed()
         if len(recomputed_losses) != len(self.losses):
             raise RuntimeError(
