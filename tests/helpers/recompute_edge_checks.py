@@ -351,4 +351,50 @@ def test_unconnected_weights_under_weight_decay_fit_matches(K, jit_compile):
         np.testing.assert_allclose(w1, w0, rtol=0, atol=1e-6, err_msg=name)
 
 
+
+
+def test_recomputation_reads_a_mask_once_the_gradient_arrives(K):
+    """A recomputed call's tensor inputs that are not floating-point (a boolean mask) reach
+    its recomputation through the incoming gradient (`recompute.engine._core`'s gate), like
+    its float inputs: what the call computes from the mask alone -- here the mask broadcast
+    to [batch, seq, seq], as bert4keras's masking does -- is recomputed when the gradient
+    arrives. Read straight from the forward pass, a graph executor runs it at once and
+    keeps it until the backward pass (bert4keras's "block", BERT-base seq 512: every
+    block's [batch, heads, seq, seq] bools alive at once). The values equal RECOMPUTE=0's."""
+    from tests.helpers.attention_blocks import ancestors
+
+    class Masked(K.layers.Layer):
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="w")
+
+        @recompute_grad
+        def call(self, x, mask):
+            full = tf.broadcast_to(mask[:, None, :], [tf.shape(x)[0], 5, 5])
+            scores = tf.einsum("bsd,btd->bst", x * self.w, x)
+            return tf.einsum("bst,btd->bsd", tf.where(full, scores, tf.zeros_like(scores)), x)
+
+    layer = Masked()
+    x = tf.random.stateless_normal([2, 5, 3], seed=[1, 2])
+    mask = tf.constant([[True] * 5, [True] * 3 + [False] * 2])
+
+    def step(x, mask):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x, mask) ** 2)
+        return loss, tape.gradient(loss, layer.trainable_weights)
+
+    results = []
+    for on in (False, True):  # (the switch is read when the step is traced)
+        with recompute.recompute_scope(on):
+            traced = tf.function(step)
+            results.append(to_numpy(traced(x, mask)))
+            graph = traced.get_concrete_function(x, mask).graph
+    assert_all_close(results[0], results[1])
+    ops = graph.get_operations()
+    first = next(i for i, op in enumerate(ops) if op.name.startswith("gradient_tape/"))
+    recomputed = [op for op in ops[first:] if op.type == "BroadcastTo"]
+    assert recomputed
+    for op in recomputed:
+        assert any(name.startswith("gradient_tape/") for name in ancestors(op)), op.name
+
+
 __all__ = [name for name in dir() if name.startswith("test_")]  # what the suites import
