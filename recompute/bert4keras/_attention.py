@@ -47,7 +47,8 @@ def lean_applies(layer, inputs, kwargs, policy=None):
     causal mask, UniLM's) is supported; and `recompute.ops._flash.runs_blocked` says
     the blocked core runs (not in half precision: there bert4keras's own code
     runs, recomputed, as for Keras's core; under "auto" beyond 512 keys, and under
-    `policy="attention"` up to 512 keys too)."""
+    `policy="attention"` or `"block"` (the patch's whole-block policies) up to 512 keys
+    too)."""
     return (
         getattr(layer, "normalization", None) == "softmax"
         and not kwargs.get("p_bias")

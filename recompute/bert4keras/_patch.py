@@ -234,7 +234,9 @@ def _attending_to(pay_attention_to):
             return compute(self, *args, **kwargs)
 
     def lean(self, inputs, mask=None, **kwargs):
-        if _attention.lean_applies(self, inputs, kwargs):
+        # the core's rule (`_flash.runs_blocked`) by policy: whole blocks recomputed, or not
+        policy = "block" if _policy_of(self) in BLOCK_POLICIES else None
+        if _attention.lean_applies(self, inputs, kwargs, policy):
             dropout = sys.modules[type(self).__module__].Dropout  # `_owned_dropout`
             return _attention.lean_pay_attention_to(self, inputs, mask, dropout)
         return pay_attention_to(self, inputs, mask, **kwargs)

@@ -184,9 +184,11 @@ def runs_blocked(engine, dtype, queries, keys, policy=None):
       block of every query row (`block_rows`; its dropout's decision kept as bits,
       not drawn again: BERT-base seq 512 on TensorFlow's CPU kernels, x1.077 and
       x1.071 against x1.104 and x1.072 with Keras's core, at the same memory; with
-      `_flash_tf`'s loop over samples, less), else (`"full"`, a length known only
-      when the core runs) the layer's own core, there the faster at about the same
-      memory.
+      `_flash_tf`'s loop over samples, less), and so under bert4keras's whole-block
+      policies (`policy="block"`: BERT-base seq 512, x1.360 against x1.375 with
+      bert4keras's core, 94.0 against 121.2 MiB per sample in one process, 2026-11-29),
+      else (`"full"`, a length known only when the core runs) the layer's own core,
+      there the faster at about the same memory.
     - `"auto"` on JAX: the blocked core (since 2026-11-28). XLA:GPU's plan for an
       H100 of keras-hub BERT-base (12 blocks, seq 512, float32) holds 19.5 MiB per
       sample under `"full"` with it against 78.0 with Keras's core, and 247.6 against
@@ -204,8 +206,8 @@ def runs_blocked(engine, dtype, queries, keys, policy=None):
             TensorFlow, NumPy or JAX dtype, or its name).
         queries, keys: the lengths of the query and key axes (None where known
             only when the core runs).
-        policy: the recomputation policy the core runs under ("full", "attention";
-            None: "full").
+        policy: the recomputation policy the core runs under ("full", "attention",
+            "block": bert4keras's whole-block policies; None: "full").
     """
     name = getattr(dtype, "name", None) or str(dtype)
     if name in HALF_PRECISION:
@@ -220,10 +222,18 @@ def runs_blocked(engine, dtype, queries, keys, policy=None):
 TF_KERAS_CORE_KEYS = 512  # under "auto", TensorFlow runs the layer's own core up to this many keys
 
 
+# The policies under which, on TensorFlow up to `TF_KERAS_CORE_KEYS` keys, the rule runs the
+# blocked core as one block of every row: "attention", and bert4keras's whole-block policies
+# ("block", "block_keep_ffn"; its patch passes "block"). Measured (docs/attention.md): as
+# fast as the layer's own core there, with less memory (one sample's [seq, seq] at a time).
+WHOLE_ROW_POLICIES = ("attention", "block")
+
+
 def _whole_rows(engine, policy, queries, keys):
-    """Whether the rule runs the blocked core as one block of every query row: under
-    `policy="attention"` on TensorFlow, both lengths known, up to `TF_KERAS_CORE_KEYS` keys."""
-    return (policy == "attention" and getattr(engine, "name", None) == "tensorflow"
+    """Whether the rule runs the blocked core as one block of every query row: under a
+    policy of `WHOLE_ROW_POLICIES` on TensorFlow, both lengths known, up to
+    `TF_KERAS_CORE_KEYS` keys."""
+    return (policy in WHOLE_ROW_POLICIES and getattr(engine, "name", None) == "tensorflow"
             and None not in (queries, keys) and not tensorflow_pays(queries, keys))
 
 

@@ -248,7 +248,8 @@ def test_dropout_decision_kept_as_bits(config_path, policy):
 def test_rule_runs_bert4keras_core_up_to_512_keys(core):
     """`lean_applies` follows `recompute.ops._flash.runs_blocked`: under "auto" bert4keras's own
     core up to 512 keys and where the length is known only when the core runs, the blocked
-    core beyond; under policy="attention" the blocked core up to 512 keys too (not where the
+    core beyond; under policy="attention" and bert4keras's whole-block policies ("block")
+    the blocked core up to 512 keys too (not where the
     length is known only when the core runs); `attention_core` overrides it; half
     precision runs bert4keras's own core."""
     layer = B.MultiHeadAttention(heads=2, head_size=4)
@@ -261,8 +262,9 @@ def test_rule_runs_bert4keras_core_up_to_512_keys(core):
         return _attention.lean_applies(layer, [q, k, k], {}, policy)
 
     with recompute.attention_core(core):
-        for policy in (None, "full", "attention"):
-            expected = {"auto": [policy == "attention"] * 2 + [True, True, True, False],
+        for policy in (None, "full", "attention", "block"):
+            expected = {"auto": [policy in ("attention", "block")] * 2
+                        + [True, True, True, False],
                         "blocked": [True] * 6, "keras": [False] * 6}[core]
             assert [applies(SEQ, policy=policy), applies(512, policy=policy),
                     applies(513, policy=policy), applies(1024, policy=policy),
