@@ -344,18 +344,10 @@ def test_attention_policy_hidden_dropouts_keep_bits(dropout_config_path, replaya
     two, outside every patched class: `_patch._hidden_dropout`) keep their decisions as
     bits: the backward pass reads uint8 [batch, seq, hidden / 8], one per dropout, and no
     bool [batch, seq, hidden]; under "layer" with recomputation off it reads the bools."""
-    from tests.helpers.attention_blocks import forward_tensors_read_by_backward
+    from tests.helpers.attention_blocks import dropout_masks_read_by_backward as masks
 
     token_ids = batch()[0]
     hidden = tiny_bert.CONFIG["hidden_size"]
-
-    def masks(graph):
-        found = {}
-        for t in forward_tensors_read_by_backward(graph):
-            if t.shape.rank == 3 and t.dtype in (tf.bool, tf.uint8):
-                found.setdefault((t.dtype.name, tuple(t.shape)), set()).add(t.name)
-        return {key: len(names) for key, names in found.items()}
-
     dropouts = 1 + 2 * 2  # the embeddings', two per block
     assert masks(_step_graph(dropout_config_path, "attention", True)) == {
         ("uint8", (*token_ids.shape, hidden // 8)): dropouts}

@@ -415,18 +415,22 @@ def test_fit_matches(K, policy):
     assert_all_close(fit_weights(K, None, False), fit_weights(K, policy, True))
 
 
+def dropout_masks_read_by_backward(graph):
+    """`{(dtype name, shape): count}` of the rank-3 bool and uint8 tensors of the forward
+    pass that the backward pass reads: a hidden dropout's decision, as bools or bits."""
+    found = {}
+    for t in forward_tensors_read_by_backward(graph):
+        if t.shape.rank == 3 and t.dtype in (tf.bool, tf.uint8):
+            found.setdefault((t.dtype.name, tuple(t.shape)), set()).add(t.name)
+    return {key: len(names) for key, names in found.items()}
+
+
 def test_attention_policy_keeps_dropout_bits(K):
     """Under "attention" the block's own `Dropout` layers keep their decisions as bits
     (`recompute.ops._lean.keeping_bits`): the backward pass reads uint8 [batch, seq,
     width / 8], one per dropout, and no bool [batch, seq, width]; without recomputation
     it reads the bools."""
-    def masks(graph):
-        found = {}
-        for t in forward_tensors_read_by_backward(graph):
-            if t.shape.rank == 3 and t.dtype in (tf.bool, tf.uint8):
-                found.setdefault((t.dtype.name, tuple(t.shape)), set()).add(t.name)
-        return {key: len(names) for key, names in found.items()}
-
+    masks = dropout_masks_read_by_backward
     assert masks(run(K, "attention", True, "function")[3]) == {
         ("uint8", (BATCH, SEQ, WIDTH // 8)): 4}  # 2 blocks, 2 dropouts each
     assert masks(run(K, None, False, "function")[3]) == {("bool", (BATCH, SEQ, WIDTH)): 4}
