@@ -61,7 +61,7 @@ def remaking(output):
     if remade is None:
         return None
     x, norm = remade
-    return lambda gate: norm(engine.after([x], gate)[0])
+    return _lean.remade_after(norm, x)
 
 
 @contextlib.contextmanager
@@ -71,11 +71,12 @@ def dense_inputs_remade(layer, inputs):
     `remade_from_input` among `inputs` make it again for their kernels' gradients
     (`_lean.remaking_input`) instead of keeping it; otherwise nothing changes."""
     values = inputs if isinstance(inputs, (list, tuple)) else [inputs]
-    marked = {id(v): v for v in values if remaking(v) is not None}
+    remakes = {id(v): (v, remaking(v)) for v in values}  # (q, k, v: one tensor, once)
     denses = [v for v in vars(layer).values() if _lean.plain_dense(v) is not None]
     with contextlib.ExitStack() as stack:
-        for x in marked.values() if denses else ():
-            stack.enter_context(_lean.remaking_input(denses, x, remaking(x)))
+        for x, remake in remakes.values():
+            if remake is not None and denses:
+                stack.enter_context(_lean.remaking_input(denses, x, remake))
         yield
 
 

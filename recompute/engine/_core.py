@@ -393,9 +393,10 @@ class Recomputation:
         the incoming gradient), its other tensor inputs -- a padding mask, token ids -- wait
         for `gate` too (`after`): what the call computes from them alone (a mask broadcast to
         [batch, heads, seq, seq]) would otherwise run in the forward pass and wait there."""
+        others = [v for v in self.flat if gate is not None and _is_other_tensor(v)]
+        gated = {id(v): w for v, w in zip(others, after(others, gate) if others else [])}
         new_flat = [inputs[self.slot_of[id(v)]] if id(v) in self.slot_of
-                    else after([v], gate)[0] if gate is not None and _is_other_tensor(v)
-                    else v for v in self.flat]
+                    else gated.get(id(v), v) for v in self.flat]
         call_args, call_kwargs = tf.nest.pack_sequence_as(self.structure, new_flat)
         with _running.calls.entered(self.running.replay() if replay else self.running):
             if self.legacy is None:

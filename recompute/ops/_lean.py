@@ -63,6 +63,12 @@ def matmul_recomputing_input(x, kernel, recompute, forward):
     return product(x, kernel)
 
 
+def remade_after(call, x):
+    """`remake(gate)` for `matmul_recomputing_input`: `call(x)` made again once `gate` (the
+    incoming gradient) exists (`after`), not in the forward pass."""
+    return lambda gate: call(after([x], gate)[0])
+
+
 def _keras3_product(x):
     """`keras.layers.Dense`'s product of `x`, as a function of the kernel."""
     from keras import ops
@@ -133,6 +139,12 @@ class _Made:
             self.outputs[id(output)] = (output, fused)
         return output
 
+    def add_remade(self, output, remake):
+        """`add` for an output that `remake(gate)` makes again: the `Dense` fed it computes
+        its product under `matmul_recomputing_input`, not keeping it."""
+        return self.add(output, lambda kernel, forward: matmul_recomputing_input(
+            output, kernel, remake, forward))
+
     def fused_of(self, x):
         """The `fused` of a recorded output `x`, else None."""
         found = self.outputs.get(id(x))
@@ -160,9 +172,7 @@ def _norm_call(layer, own_call, made, tf_variable):
         if args or kwargs or not _layer_norm.applies(layer, inputs):
             return own_call(inputs, *args, **kwargs)
         y = _layer_norm.keeping_input(layer, own_call, inputs, tf_variable)
-        remake = lambda gate: own_call(after([inputs], gate)[0])  # noqa: E731
-        return made.add(y, lambda kernel, forward: matmul_recomputing_input(
-            y, kernel, remake, forward))
+        return made.add_remade(y, remade_after(own_call, inputs))
 
     setattr(lean, _MARK, True)
     return lean
@@ -188,7 +198,7 @@ def remaking_input(denses, x, remake):
     another layer can make again from what it keeps (bert4keras's LayerNormalization
     units feeding an attention layer's query, key and value `Dense` layers)."""
     made = _Made()
-    made.add(x, lambda kernel, forward: matmul_recomputing_input(x, kernel, remake, forward))
+    made.add_remade(x, remake)
     found = ((layer, plain_dense(layer)) for layer in denses)
     with shadowed([(layer, "call", _dense_call(layer, layer.call, made, *f))
                    for layer, f in found if f is not None]):
