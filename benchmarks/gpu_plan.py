@@ -27,7 +27,11 @@ dropout on, seed state an argument); float32 (`--precision bf16`: Keras's
 `mixed_bfloat16`). Rows: RECOMPUTE=0, and each policy of `--policies` with
 the attention core the library chooses (`recompute.attention_core`, "auto"),
 and, as a diagnostic, with each core forced (`blocked`, `keras`). The MiB per
-sample is the slope of the temp buffer over `--batches` (default 2 and 4).
+sample is the slope of the temp buffer over `--batches` (default 8 and 32, the batches
+at which `benchmarks.peer` measured the H100: at small batches the step's fixed buffers --
+the embedding table's gradient, 94 MiB at BERT-base -- can set the peak, and the slope
+between 2 and 4 then says less than what a sample costs at a batch that fills a GPU; under
+"full" at BERT-base it gave 19.5 MiB per sample where 8 and 32 give 56.9, docs/attention.md).
 
 `--offload` adds a row "full" with `offload=True` (each block's inputs kept in pinned host
 memory: `recompute_grad(offload=True)`, `recompute.keras_hub.patch(offload=True)`) and
@@ -62,7 +66,7 @@ TARGETS = _xla_plan.TARGETS
 _ENV = _xla_plan.ENV
 
 DEFAULTS = dict(model="hub", layers=(12,), hidden=768, heads=12, ffn=3072, seq=512, vocab=30522,
-                dropout=0.1, batches=(2, 4), policies=("0", "attention", "full"),
+                dropout=0.1, batches=(8, 32), policies=("0", "attention", "full"),
                 cores=("auto", "blocked", "keras"), target="h100", precision="fp32")
 
 
@@ -232,7 +236,7 @@ def parse_args(argv=None):
         p.add_argument(f"--{name}", type=harness.positive_int, default=DEFAULTS[name])
     p.add_argument("--dropout", type=harness.fraction, default=DEFAULTS["dropout"])
     p.add_argument("--batches", type=harness.int_list, default=DEFAULTS["batches"],
-                   help="two or more batch sizes (default 2,4)")
+                   help="two or more batch sizes (default 8,32)")
     p.add_argument("--policies", type=harness.name_list(("0", "attention", "full")),
                    default=DEFAULTS["policies"])
     p.add_argument("--cores", type=harness.name_list(("auto", "blocked", "keras")),

@@ -17,13 +17,21 @@ from .._scoped import shadowed
 def full(fn, layer, args, kwargs, offload=False):
     """The whole call is one `jax.checkpoint`: it keeps its inputs (with `offload`, in pinned
     host memory), runs again in the backward pass; its attention cores run blocked
-    (`_flash`), in both passes."""
+    (`_flash`), and its feed-forward pairs (a `Dense` with an activation feeding one
+    without) take their gradient in row blocks (`_feed_forward_jax`), in both passes."""
+    from ..ops import _feed_forward_jax
     from ..ops._attention import with_blocked_cores
 
-    layers = _keras3.attention_layers(_keras3.sublayers(layer))
-    if layers:
-        fn = with_blocked_cores(fn, lambda: _cores_blocked(layers, _keras3.attention_core))
-    return _engine.recomputed_call(fn, layer, args, kwargs, offload=offload)
+    sublayers = _keras3.sublayers(layer)
+    layers = _keras3.attention_layers(sublayers)
+
+    @contextlib.contextmanager
+    def lean():
+        with _cores_blocked(layers, _keras3.attention_core), _feed_forward_jax.fused(sublayers):
+            yield
+
+    return _engine.recomputed_call(with_blocked_cores(fn, lean), layer, args, kwargs,
+                                   offload=offload)
 
 
 def attention(fn, layer, args, kwargs, offload=False):

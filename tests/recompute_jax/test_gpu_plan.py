@@ -40,7 +40,7 @@ def plan(tmp_path, *args):
 def test_chosen_core_plans_no_more_than_keras_core(tmp_path):
     rows, table = plan(tmp_path, "--model", "standard", "--layers", "2,8", "--hidden", "128",
                        "--heads", "2", "--ffn", "256", "--seq", "256", "--vocab", "1000",
-                       "--policies", "attention,full", "--cores", "auto,keras")
+                       "--batches", "2,4", "--policies", "attention,full", "--cores", "auto,keras")
     assert "XLA:GPU plan for NVIDIA H100 80GB HBM3" in table
     by = {(r["layers"], r["policy"], r["core"]): r for r in rows}
     for policy in ("attention", "full"):
