@@ -35,7 +35,8 @@ policy's TensorFlow and JAX functions); `recompute.ops` (what a
 recomputed block runs differently: the FlashAttention-2 core, once, with its TensorFlow
 and JAX engines and the rule that picks it; Keras's attention core as that core; a GELU
 and a LayerNorm that keep only their input, and the `Dense` layers they feed, under
-`"attention"` on TensorFlow); `recompute.engine` (the recomputation, behind one interface: on TensorFlow one
+`"attention"` on TensorFlow; under `"full"` on JAX a feed-forward pair of `Dense` layers whose
+gradient runs in row blocks); `recompute.engine` (the recomputation, behind one interface: on TensorFlow one
 `tf.custom_gradient`, forward, backward, unpack; on JAX a `jax.checkpoint` with the
 layer's state threaded through; one tracker of the running calls for both); `recompute.adapters` (the interface to
 a Keras family with its Keras 3 and tf_keras implementations, and the interface modules

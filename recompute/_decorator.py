@@ -139,9 +139,10 @@ def recompute_grad(call=None, *, policy="full", offload=False):
         offload: on Keras 3's JAX backend, with `policy="full"`, keep the call's
             inputs in pinned host memory from the forward to the backward pass
             instead of the accelerator's (keyword only; default False). Exact like
-            every policy. It pays at depth, not everywhere: at keras-hub BERT-base
-            XLA:GPU plans more device memory with it (`benchmarks.gpu_plan
-            --offload` shows a model's plan). On a CPU, host memory is the
+            every policy. It pays at depth and at large batches, not everywhere: at
+            keras-hub BERT-base XLA:GPU plans less device memory with it at batches 8
+            and 32, more at 2 and 4 (`benchmarks.gpu_plan --offload` shows a model's
+            plan). On a CPU, host memory is the
             device's: nothing to offload to, the same gradients. TensorFlow has no host offload: True raises
             there (docs/recompute.md, "Host offload").
 

@@ -14,6 +14,9 @@
   `FeedForward`, `_lean`).
 - `_layer_norm`: `LayerNormalization` with a gradient, in closed form, that keeps only its
   input (TensorFlow).
+- `_feed_forward_jax`: under `"full"` on JAX, a `Dense` with an activation feeding a `Dense`
+  without one runs as one operation whose gradient keeps the first product and runs in
+  row blocks (`fused`, `feed_forward`).
 - `_lean`: `lean_layers`, the block's layers under `"attention"` on TensorFlow: the GELUs
   and LayerNorms above, the `Dense` layers they feed, which make their input again for
   the kernel's gradient (`matmul_recomputing_input`, bert4keras's `FeedForward` too), and

@@ -13,7 +13,9 @@ picks one.
   one extra forward pass of the layer. Its GELUs run as written (the GELU of
   `_gelu` measured no smaller here beyond noise, and with it Adam turned
   rounding-level differences of analytically zero gradients into whole steps
-  in `fit`).
+  in `fit`). On JAX a `Dense` with an activation feeding a `Dense` without one
+  (a feed-forward) runs as one operation whose gradient runs in row blocks
+  (`_feed_forward_jax`: the activation's gradient is autodiff's).
 - `attention`: the call runs as usual and keeps its activations, except in the
   *attention core* of every multi-head attention layer it contains (Keras's
   `MultiHeadAttention._compute_attention`: scaled scores, mask, softmax,

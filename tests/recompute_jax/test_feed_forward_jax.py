@@ -15,9 +15,10 @@ import keras
 import numpy as np
 import pytest
 
-from recompute import recompute_grad, recompute_scope
+from recompute import recompute_grad
 from recompute.ops import _feed_forward_jax
 from tests.helpers.numerics import assert_all_close
+from tests.recompute_jax.test_recompute_jax import stateless_step_seq
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,22 +81,9 @@ def test_full_runs_the_pair_as_one_operation_and_stays_exact(monkeypatch):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5, 8))
     model = keras.Model(inputs, Block()(Block()(inputs)))
-    x = np.random.default_rng(1).normal(size=(3, 5, 8)).astype("float32")
-    trainable = [v.value for v in model.trainable_variables]
-    non_trainable = [v.value for v in model.non_trainable_variables]
-
-    def step(on):
-        def loss(trainable):
-            with recompute_scope(on):
-                out, _ = model.stateless_call(trainable, non_trainable, x, training=True)
-            return jnp.sum(out * jnp.cos(out))
-
-        value, grads = jax.jit(jax.value_and_grad(loss))(trainable)
-        return float(value), [np.asarray(g) for g in grads]
-
-    loss0, grads0 = step(False)
+    loss0, grads0, _ = stateless_step_seq(model, False)
     assert not seen  # recomputation off: the layers run as written
-    loss1, grads1 = step(True)
+    loss1, grads1, _ = stateless_step_seq(model, True)
     # one pair per block (the second has a dropout between its layers), traced once:
     # `jax.checkpoint` traces the call once for both passes
     assert len(seen) == 2 and all(a is keras.activations.gelu for a in seen), seen
@@ -114,29 +102,16 @@ def test_keras_hub_encoder_under_full_runs_the_pair(monkeypatch):
     recompute.keras_hub.patch()
     try:
         keras.utils.set_random_seed(0)
-        layer = keras_hub.layers.TransformerEncoder(intermediate_dim=32, num_heads=2,
-                                                    dropout=0.1)
-        x = np.random.default_rng(0).normal(size=(2, 6, 16)).astype("float32")
-        layer(x)
-        trainable = [v.value for v in layer.trainable_variables]
-        non_trainable = [v.value for v in layer.non_trainable_variables]
-
-        def step(on):
-            def loss(trainable):
-                with recompute_scope(on):
-                    out, _ = layer.stateless_call(trainable, non_trainable, x, training=True)
-                return jnp.sum(out * jnp.cos(out))
-
-            value, grads = jax.jit(jax.value_and_grad(loss))(trainable)
-            return float(value), [np.asarray(g) for g in grads]
-
-        loss0, grads0 = step(False)
-        loss1, grads1 = step(True)
+        inputs = keras.Input((6, 16))
+        model = keras.Model(inputs, keras_hub.layers.TransformerEncoder(
+            intermediate_dim=32, num_heads=2, dropout=0.1)(inputs))
+        loss0, grads0, _ = stateless_step_seq(model, False)
+        loss1, grads1, _ = stateless_step_seq(model, True)
     finally:
         recompute.keras_hub.unpatch()
     assert seen == [(2, 6, 16)], seen  # traced once, for both passes
     assert abs(loss0 - loss1) <= 1e-6 * abs(loss0)
-    assert_all_close(grads0, grads1, [v.path for v in layer.trainable_variables])
+    assert_all_close(grads0, grads1, [v.path for v in model.trainable_variables])
 
 
 _PLAN = """

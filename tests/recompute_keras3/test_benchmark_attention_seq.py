@@ -37,11 +37,11 @@ def test_tiny_run(tmp_path):
     out = tmp_path / "seq.json"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.attention_seq", "--seqs", "32,64", "--layers", "1",
-         "--hidden", "128", "--heads", "2", "--ffn", "256", "--steps", "1",
+         "--hidden", "128", "--heads", "2", "--ffn", "256", "--steps", "1", "--modes", "0,full",
          "--plot", str(tmp_path / "seq.png"), "--json", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
-    assert set(results) == {"32", "64"} and set(results["32"]) == {"0", "full", "attention"}
+    assert set(results) == {"32", "64"} and set(results["32"]) == {"0", "full"}
     assert (tmp_path / "seq.png").stat().st_size > 1000
     assert "RECOMPUTE=0" in done.stdout
