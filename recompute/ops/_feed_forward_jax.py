@@ -13,11 +13,12 @@ its gradients equal autodiff's to float rounding (the activation's gradient is a
 `jax.vjp`; only the weights' sums run in another order). docs/attention.md, "The plan at
 a GPU's batches".
 
-`fused(sublayers)`, while active, makes each plain float32 `Dense` with an activation among
-`sublayers` note its output, and each plain `Dense` without one that is called on such an
-output compute the pair as `feed_forward` from the first layer's input (the first layer's
-own product, then unused, is dropped by XLA). A `Dense` called on anything else runs as
-written. `recompute.policies._jax.full` runs the call inside it.
+`fused(sublayers)`, while active, makes each plain `Dense` among `sublayers` (float32
+weights, computing in float32 or bfloat16) with an activation note its output, and each
+plain `Dense` without one that is called on such an output compute the pair as
+`feed_forward` from the first layer's input (the first layer's own product, then unused, is
+dropped by XLA). A `Dense` called on anything else runs as written.
+`recompute.policies._jax.full` runs the call inside it.
 """
 
 import contextlib
@@ -28,6 +29,9 @@ from .._scoped import shadowed
 CHUNKS = 4  # row blocks of the gradient (plan at BERT-base, 8 blocks: 1 MiB per sample less)
 
 
+HALF_OR_FULL = ("float32", "bfloat16")  # the compute dtypes the pair runs in
+
+
 def plain_dense(layer):
     """True for Keras 3's own float32 `Dense` (not quantized, no LoRA, no `call` of the
     instance's own)."""
@@ -36,7 +40,7 @@ def plain_dense(layer):
     return (type(layer) is keras.layers.Dense and "call" not in vars(layer)
             and not getattr(layer, "quantization_mode", None)
             and not getattr(layer, "lora_enabled", False)
-            and layer.dtype == "float32" and layer.compute_dtype == "float32")
+            and layer.dtype == "float32" and layer.compute_dtype in HALF_OR_FULL)
 
 
 @contextlib.contextmanager
@@ -61,7 +65,7 @@ def fused(sublayers):
         def run(inputs, *args, **kwargs):
             found = made.get(id(inputs))
             if found is None or found[0] is not inputs or \
-                    getattr(inputs, "dtype", None) != "float32":
+                    str(getattr(inputs, "dtype", "")) not in HALF_OR_FULL:
                 return call(inputs, *args, **kwargs)
             _, x, first = found
             return feed_forward(first.activation, x, *_weights(first), *_weights(layer))
@@ -90,8 +94,9 @@ def feed_forward(activation, x, w1, b1, w2, b2):
 
         y = feed_forward(keras.activations.gelu, x, w1, b1, w2, b2)  # x: [..., hidden]
 
-    Limits: float32; the rows are `x`'s leading axes flattened, split into `CHUNKS` blocks
-    (fewer where there are fewer rows)."""
+    Limits: float32 or bfloat16 (the weights' gradients summed over the blocks in float32,
+    rounded once to the weights' dtype); the rows are `x`'s leading axes flattened, split
+    into `CHUNKS` blocks (fewer where there are fewer rows)."""
     return _op()(activation, x, w1, b1, w2, b2)
 
 
@@ -120,8 +125,9 @@ def _op():
         x, pre, w1, b1, w2, b2 = residuals
         rows = x.reshape(-1, x.shape[-1])
         pres, grads = pre.reshape(-1, pre.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        sums = (jnp.zeros_like(w1), jnp.zeros(w1.shape[-1:], dy.dtype), jnp.zeros_like(w2),
-                jnp.zeros(w2.shape[-1:], dy.dtype))
+        f32 = jnp.float32  # the blocks' sums in float32, rounded once to the weights' dtype
+        sums = tuple(jnp.zeros(s, f32) for s in (w1.shape, w1.shape[-1:], w2.shape,
+                                                   w2.shape[-1:]))
         dxs = []
         for start, stop in _blocks(rows.shape[0]):
             xc, gc = rows[start:stop], grads[start:stop]
@@ -130,11 +136,13 @@ def _op():
             pc = pres[start:stop]
             h, activation_vjp = jax.vjp(activation, pc)
             dpre = activation_vjp(gc @ w2.T)[0]
-            sums = (sums[0] + xc.T @ dpre, sums[1] + dpre.sum(0), sums[2] + h.T @ gc,
-                    sums[3] + gc.sum(0))
+            sums = (sums[0] + jnp.matmul(xc.T, dpre, preferred_element_type=f32),
+                    sums[1] + dpre.sum(0, dtype=f32),
+                    sums[2] + jnp.matmul(h.T, gc, preferred_element_type=f32),
+                    sums[3] + gc.sum(0, dtype=f32))
             dxs.append(dpre @ w1.T)
         dx = jnp.concatenate(dxs, 0).reshape(x.shape)
-        dw1, db1, dw2, db2 = sums
+        dw1, db1, dw2, db2 = (s.astype(w.dtype) for s, w in zip(sums, (w1, w1, w2, w2)))
         return (dx, dw1, None if b1 is None else db1, dw2, None if b2 is None else db2)
 
     op.defvjp(forward, backward)

@@ -27,7 +27,8 @@ def full(fn, layer, args, kwargs, offload=False):
 
     @contextlib.contextmanager
     def lean():
-        with _cores_blocked(layers, _keras3.attention_core), _feed_forward_jax.fused(sublayers):
+        with _cores_blocked(layers, _keras3.attention_core), \
+                _feed_forward_jax.fused(sublayers), _dropouts_gated(layers):
             yield
 
     return _engine.recomputed_call(with_blocked_cores(fn, lean), layer, args, kwargs,
@@ -56,6 +57,33 @@ def attention(fn, layer, args, kwargs, offload=False):
             return _block_checkpointed(fn, layer, args, kwargs, sublayers)
         with _gelu.kept_input(sublayers, _gelu.checkpointed):
             return fn(layer, *args, **kwargs)
+
+
+def _dropouts_gated(layers):
+    """While active, the Keras `Dropout` layers of the attention `layers` (the dropout of
+    Keras's own core, where it runs: half precision) draw their decision only once their
+    input exists: the seed it draws (`seed_generator.next()`,
+    as `Dropout.call` does) passes one optimization barrier with the input. Without it XLA:GPU
+    computed every block's recomputed attention-dropout mask in one fusion at the start of the
+    backward pass, all alive at once (keras-hub BERT-base, bfloat16, Keras's core: 12 [batch,
+    12, 512, 512] bools, 36 of 49.4 MiB per sample; docs/attention.md). The same draw, the
+    same values."""
+    import jax
+    import keras
+
+    def gated(layer, call):
+        def run(inputs, training=False):
+            if training is not True or not layer.rate or _engine.in_shape_inference():
+                return call(inputs, training=training)
+            seed, inputs = jax.lax.optimization_barrier((layer.seed_generator.next(), inputs))
+            return keras.random.dropout(inputs, layer.rate, noise_shape=layer.noise_shape,
+                                        seed=seed)
+
+        return run
+
+    return shadowed((sub, "call", gated(sub, sub.call)) for layer in layers
+                    for sub in _keras3.sublayers(layer)
+                    if type(sub) is keras.layers.Dropout and "call" not in vars(sub))
 
 
 # What `"attention"`'s block checkpoint keeps (`jax.checkpoint_policies.save_only_these_names`)
