@@ -41,8 +41,8 @@ def attention_layers(adapter, layer):
 
 def with_blocked_cores(fn, cores):
     """`fn` (a call `fn(layer, *args, **kwargs)`) run inside the context `cores()` -- the
-    blocked cores installed, and on JAX the fused feed-forward pairs -- in the forward pass
-    and in the recomputation alike (both engines' "full")."""
+    blocked cores installed, and on JAX the feed-forward pairs and gated dropouts -- in the
+    forward pass and in the recomputation alike (both engines' "full")."""
 
     def call(layer, *args, **kwargs):
         with cores():

@@ -17,8 +17,9 @@ from .._scoped import shadowed
 def full(fn, layer, args, kwargs, offload=False):
     """The whole call is one `jax.checkpoint`: it keeps its inputs (with `offload`, in pinned
     host memory), runs again in the backward pass; its attention cores run blocked
-    (`_flash`), and its feed-forward pairs (a `Dense` with an activation feeding one
-    without) take their gradient in row blocks (`_feed_forward_jax`), in both passes."""
+    (`_flash`), where Keras's own core runs its dropout draws once its input exists
+    (`_dropouts_gated`), and its feed-forward pairs (a `Dense` with an activation feeding
+    one without) take their gradient in row blocks (`_feed_forward_jax`), in both passes."""
     from ..ops import _feed_forward_jax
     from ..ops._attention import with_blocked_cores
 
@@ -62,11 +63,11 @@ def attention(fn, layer, args, kwargs, offload=False):
 def _dropouts_gated(layers):
     """While active, the Keras `Dropout` layers of the attention `layers` (the dropout of
     Keras's own core, where it runs: half precision) draw their decision only once their
-    input exists: the seed it draws (`seed_generator.next()`,
-    as `Dropout.call` does) passes one optimization barrier with the input. Without it XLA:GPU
-    computed every block's recomputed attention-dropout mask in one fusion at the start of the
-    backward pass, all alive at once (keras-hub BERT-base, bfloat16, Keras's core: 12 [batch,
-    12, 512, 512] bools, 36 of 49.4 MiB per sample; docs/attention.md). The same draw, the
+    input exists: the seed each draws (`seed_generator.next()`, as `Dropout.call` does)
+    passes one optimization barrier with the input. Without it XLA:GPU computed every
+    block's recomputed attention-dropout mask in one fusion at the start of the backward
+    pass, all alive at once (keras-hub BERT-base, bfloat16, Keras's core: 12 [batch, 12,
+    512, 512] bools, 36 of 49.4 MiB per sample; docs/attention.md). The same draw, the
     same values."""
     import jax
     import keras
