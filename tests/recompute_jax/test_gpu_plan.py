@@ -20,10 +20,16 @@ ROOT = Path(__file__).resolve().parents[2]
 # Per added block, the chosen core may grow by XLA's small tuple buffers more than Keras's
 # core: the blocked core's chained optimization barriers get 256 bytes each (seq 256,
 # "attention": 1,792 bytes more from 2 to 8 blocks, while 1,792 bytes below Keras's at 2
-# blocks and equal at 8; docs/attention.md, "The last bytes at seq 256"). Anything of a
-# tensor's size kept per block -- the smallest here, one layer's dropout bits, 64 KiB at
-# batch 4 -- is far above it and fails.
+# blocks and equal at 8; docs/attention.md, "The last bytes at seq 256").
 BARRIER_SLACK = 1024
+# Under "full", since the feed-forward pair (`recompute.ops._feed_forward_jax`, which runs
+# under either core), Keras's core grows 42,837 bytes per added block less than the chosen
+# core at these widths (2,903,552 against 3,166,720 bytes from 2 to 8 blocks, 2026-11-29;
+# without the pair 3,162,624 against 3,159,552), while the chosen core stays below it at
+# both depths (15,377,312 against 17,468,320 bytes at 8 blocks). Anything of a tensor's
+# size kept per block -- the smallest here, one layer's dropout bits, 64 KiB at batch 4 --
+# is above it and fails.
+FULL_SLACK = 48 * 1024
 
 
 def plan(tmp_path, *args):
@@ -50,7 +56,8 @@ def test_chosen_core_plans_no_more_than_keras_core(tmp_path):
             assert auto["per_sample_mib"] <= keras["per_sample_mib"] + 1e-6, (policy, layers, table)
         growth = {core: by[8, policy, core]["temp"] - by[2, policy, core]["temp"]
                   for core in ("auto", "keras")}
-        assert growth["auto"] <= growth["keras"] + 6 * BARRIER_SLACK, (policy, growth, table)
+        slack = FULL_SLACK if policy == "full" else BARRIER_SLACK
+        assert growth["auto"] <= growth["keras"] + 6 * slack, (policy, growth, table)
     # "attention" keeps per block what its backward pass multiplies by and no more
     # (policies/_jax._block_checkpointed): the block's input, q, k, v, the core's output,
     # the first LayerNorm's output and the feed-forward's two products, 7 [seq, hidden]
