@@ -16,8 +16,11 @@ a GPU's batches".
 `fused(sublayers)`, while active, makes each plain `Dense` among `sublayers` (float32
 weights, computing in float32 or bfloat16) with an activation note its output, and each
 plain `Dense` without one that is called on such an output compute the pair as
-`feed_forward` from the first layer's input (the first layer's own product, then unused, is
-dropped by XLA). A `Dense` called on anything else runs as written.
+`feed_forward` from the first layer's input. The first layer's own product and activation,
+then unused, are dropped by XLA under `jax.jit` (Keras's `fit` on JAX jits); run without
+jit (`run_eagerly=True`, an unjitted `jax.grad`), JAX evaluates them and discards them: one
+[rows, ffn] product and activation more in the forward pass. A `Dense` called on anything
+else runs as written.
 `recompute.policies._jax.full` runs the call inside it.
 """
 
