@@ -45,13 +45,16 @@ that read every private Keras or TensorFlow name, each listing them in its
 `test_private_interface*` tests; `keras_hub._private` lists `chunked_loss`'s). Beside them: `_config` (the switch),
 `_errors`, `_scoped` (a per-thread stack of what a thread is inside of, and instance
 attributes shadowed for a block: written once for every module), `_precision` (`exact_float32`: float32 products on GPUs, where TF32 is the
-default), `_setting` (what `exact_float32`, `attention_block_size` and `attention_core`
-share: a statement or a context manager that restores, on exit, what its entry found).
+default), `_batch_cut` (`batch_cut`: how many samples a recomputed block runs at a time under
+`"full"` on JAX), `_setting` (what `exact_float32`, `attention_block_size`,
+`attention_core` and `batch_cut` share: a statement or a context manager that restores,
+on exit, what its entry found).
 """
 
 from ._config import ENV_VAR, is_enabled, recompute_scope
 from ._errors import VariableCreatedInRecomputationError
 from .ops._flash import attention_block_size, attention_core
+from ._batch_cut import batch_cut
 from ._decorator import recompute_grad
 from .policies._registry import NAMES as POLICIES  # the names `recompute_grad(policy=...)` takes
 from ._precision import exact_float32
@@ -63,6 +66,7 @@ __all__ = [
     "VariableCreatedInRecomputationError",
     "attention_block_size",
     "attention_core",
+    "batch_cut",
     "exact_float32",
     "is_enabled",
     "plan",

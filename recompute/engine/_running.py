@@ -30,3 +30,21 @@ def innermost(kind):
     """The innermost running call if it is a `kind` (a `RunningCall` class), else None."""
     call = calls.top()
     return call if isinstance(call, kind) else None
+
+
+windows = ThreadStack()  # the `BatchWindow` of a recomputed call run by samples, while traced
+
+
+class BatchWindow:
+    """The samples `[start, start + size)` of a batch of `batch` samples, on which a
+    recomputed call runs (traced) when its batch is cut (`recompute.engine._jax`): every
+    random draw inside it is the whole batch's draw, cut to these samples. `start` may be
+    a traced integer."""
+
+    def __init__(self, start, size, batch):
+        self.start, self.size, self.batch = start, size, batch
+
+
+def batch_window():
+    """The `BatchWindow` the call being traced runs on, or None (the whole batch)."""
+    return windows.top()

@@ -143,6 +143,10 @@ def _op():
                     sums[3] + gc.sum(0, dtype=f32))
             dxs.append(dpre @ w1.T)
         dx = jnp.concatenate(dxs, 0).reshape(x.shape)
+        # the weights' gradients complete before the input's is used: else XLA:GPU deferred
+        # them past the attention's backward pass, the product and blocks kept (offload:
+        # 38.0 against 34.3 MiB per sample, docs/attention.md)
+        dx, sums = jax.lax.optimization_barrier((dx, sums))
         dw1, db1, dw2, db2 = (s.astype(w.dtype) for s, w in zip(sums, (w1, w1, w2, w2)))
         return (dx, dw1, None if b1 is None else db1, dw2, None if b2 is None else db2)
 

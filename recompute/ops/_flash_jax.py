@@ -16,6 +16,7 @@ and under `"full"` it is drawn again in the recomputation (docs/attention.md,
 """
 
 from . import _flash
+from ..engine._jax import scan_after, zero_after  # (their home: the JAX engine)
 
 
 def pack(mask):
@@ -118,45 +119,6 @@ def jax_rows(x, start, size, axis):
 ENGINE = _Engine()
 
 
-def zero_after(x, dtype):
-    """A scalar zero of `dtype` that exists only once `x` does: it passes through an
-    optimization barrier with `x`, so XLA can neither fold it into a constant nor make it
-    before `x` (see `scan_after`)."""
-    import jax
-    import jax.numpy as jnp
-
-    return jax.lax.optimization_barrier((x, jnp.zeros((), dtype)))[1]
-
-
-def scan_after(body, carry, n, anchor):
-    """`jax.lax.scan(body, carry, jnp.arange(n))` whose buffers are made after `anchor`.
-
-    `jax.lax.scan` stacks its ys into a buffer of zeros, and `_flash.backward`
-    starts dK and dV from zeros: values that depend on nothing. XLA's GPU
-    pipeline fused those zero buffers of every layer's loops into one
-    operation at the start of the step, so all of them were alive at once
-    (BERT-base on an H100: 63 MiB per sample more than without the blocked
-    core; docs/attention.md, "On JAX"). Here the ys buffer is zeros made
-    after `anchor` (an input of this call: `zero_after`), as are the zero
-    carries (`_Engine.zeros_like`), and the blocks run in a
-    `jax.lax.fori_loop`, each y written in place.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    shapes = jax.eval_shape(lambda c: body(c, jnp.asarray(0, jnp.int32))[1], carry)
-    ys = jax.tree_util.tree_map(
-        lambda y: jnp.broadcast_to(zero_after(anchor, y.dtype), (n,) + tuple(y.shape)), shapes)
-
-    def step(i, state):
-        carry, ys = state
-        carry, y = body(carry, i)
-        return carry, jax.tree_util.tree_map(
-            lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, i, 0), ys, y)
-
-    return jax.lax.fori_loop(0, n, step, (carry, ys))
-
-
 def ones(batch_like, shape, dtype):
     """Ones of `[batch of batch_like] + shape` (what the dropout's decision is drawn on)."""
     import jax.numpy as jnp
@@ -234,14 +196,19 @@ def _bit_draw(dropout, batch_like, shape, rows):
     import jax.numpy as jnp
     import numpy as np
 
+    from ..engine._running import batch_window
+
     batch = batch_like.shape[0]
     heads, queries, keys = (int(n) for n in shape)
     if batch is None or not _drawable(dropout):
         return None
     rows = max(1, min(int(rows), queries))
     n = -(-queries // rows)
-    if batch * heads * n * rows * keys >= 2**32:
+    window = batch_window()  # a cut of the batch: the whole batch's counters, from its start
+    whole = batch if window is None else window.batch
+    if whole * heads * n * rows * keys >= 2**32:
         return None
+    first = jnp.uint32(0) if window is None else jnp.asarray(window.start).astype(jnp.uint32)
     from jax.extend.random import threefry2x32_p
     from ..adapters._keras_private import draw_seed
 
@@ -259,7 +226,7 @@ def _bit_draw(dropout, batch_like, shape, rows):
         # built from small vectors, the block's row offset entering before any full-size
         # value: full-size iotas do not depend on the loop, and XLA:GPU hoisted them out of
         # it, and scheduled those of every layer's recomputation at the start of the step
-        bh = (jnp.arange(batch, dtype=jnp.uint32)[:, None] * heads
+        bh = ((jnp.arange(batch, dtype=jnp.uint32) + first)[:, None] * heads
               + jnp.arange(heads, dtype=jnp.uint32)[None, :])  # [batch, heads]
         # (`start`: a zero, which the backward pass's draw (`Redraw`) passes through its
         # optimization barrier: the counters are made again there, not kept from the

@@ -8,6 +8,8 @@ values named `KEPT`); `_policies.POLICIES` names both engines' functions.
 
 import contextlib
 
+import numpy as np
+
 from ..adapters import _keras3
 from ..engine import _jax as _engine, _running
 from .._errors import offload_refused
@@ -25,15 +27,36 @@ def full(fn, layer, args, kwargs, offload=False):
 
     sublayers = _keras3.sublayers(layer)
     layers = _keras3.attention_layers(sublayers)
+    samples = _cut_samples(layer, sublayers, layers, args, kwargs)
+    dropouts = (sublayers if samples else
+                [sub for lyr in layers for sub in _keras3.sublayers(lyr)])
 
     @contextlib.contextmanager
     def lean():
         with _cores_blocked(layers, _keras3.attention_core), \
-                _feed_forward_jax.fused(sublayers), _dropouts_gated(layers):
+                _feed_forward_jax.fused(sublayers), _dropouts_gated(dropouts):
             yield
 
     return _engine.recomputed_call(with_blocked_cores(fn, lean), layer, args, kwargs,
-                                   offload=offload)
+                                   offload=offload, samples=samples)
+
+
+def _cut_samples(layer, sublayers, layers, args, kwargs):
+    """The samples of one cut of the batch (`recompute.batch_cut`) where `layer`'s call may
+    run by cuts (`recompute.engine._jax._by_samples`): a block of Keras's attention, `Dense`,
+    `LayerNormalization` and `Dropout` layers (`_kept_block`), its dropouts without a noise
+    shape, its first floating input of rank 3 or more. Else None."""
+    import keras
+
+    from .._batch_cut import samples_per_cut
+
+    first = next((x for x in keras.tree.flatten((args, kwargs))
+                  if getattr(x, "ndim", 0) and "float" in str(getattr(x, "dtype", ""))), None)
+    if first is None or first.ndim < 3 or not _kept_block(layer, sublayers, layers) or any(
+            sub.noise_shape is not None for sub in sublayers
+            if isinstance(sub, keras.layers.Dropout)):
+        return None
+    return samples_per_cut(int(np.prod(first.shape[1:-1])))
 
 
 def attention(fn, layer, args, kwargs, offload=False):
@@ -60,7 +83,7 @@ def attention(fn, layer, args, kwargs, offload=False):
             return fn(layer, *args, **kwargs)
 
 
-def _dropouts_gated(layers):
+def _dropouts_gated(sublayers):
     """While active, the Keras `Dropout` layers of the attention `layers` (the dropout of
     Keras's own core, where it runs: half precision) draw their decision only once their
     input exists: the seed each draws (`seed_generator.next()`, as `Dropout.call` does)
@@ -77,13 +100,20 @@ def _dropouts_gated(layers):
             if training is not True or not layer.rate or _engine.in_shape_inference():
                 return call(inputs, training=training)
             seed, inputs = jax.lax.optimization_barrier((layer.seed_generator.next(), inputs))
-            return keras.random.dropout(inputs, layer.rate, noise_shape=layer.noise_shape,
-                                        seed=seed)
+            window = _running.batch_window()
+            if window is None:
+                return keras.random.dropout(inputs, layer.rate,
+                                            noise_shape=layer.noise_shape, seed=seed)
+            # the whole batch's draw (keras.random.dropout's), cut to the window's samples
+            keep_prob = 1.0 - layer.rate
+            mask = jax.random.bernoulli(seed, p=keep_prob,
+                                        shape=(window.batch,) + tuple(inputs.shape[1:]))
+            mask = jax.lax.dynamic_slice_in_dim(mask, window.start, window.size, 0)
+            return jax.lax.select(mask, inputs / keep_prob, jax.numpy.zeros_like(inputs))
 
         return run
 
-    return shadowed((sub, "call", gated(sub, sub.call)) for layer in layers
-                    for sub in _keras3.sublayers(layer)
+    return shadowed((sub, "call", gated(sub, sub.call)) for sub in sublayers
                     if type(sub) is keras.layers.Dropout and "call" not in vars(sub))
 
 

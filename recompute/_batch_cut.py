@@ -1,0 +1,59 @@
+"""`batch_cut(samples)`: how many samples one cut of the batch holds where a recomputed call
+runs its batch in cuts (on Keras 3's JAX backend, under `"full"`:
+`recompute.engine._jax._by_samples`), and `samples_per_cut`, the rule that reads it."""
+
+from ._setting import Setting
+
+CUT_ROWS = 4096  # by default a cut holds about this many rows: 8 samples at seq 512
+
+_samples = [None]  # what `batch_cut` set: None (the rule), 0 (no cuts) or the samples
+
+
+class batch_cut(Setting):
+    """Sets how many samples a recomputed call runs at a time, on JAX under `"full"`.
+
+    On Keras 3's JAX backend a call recomputed under `policy="full"` that is a block of
+    Keras's attention, `Dense`, `LayerNormalization` and `Dropout` layers (keras-hub's
+    `TransformerEncoder` and `TransformerDecoder`, the standard Keras 3 block) runs its
+    batch in cuts, in the forward pass and in the recomputation: the step then holds one
+    cut's working set of a block, not the batch's, and what a sample adds is the block
+    inputs that `"full"` keeps (docs/attention.md, "Cutting the batch"). Dropout draws
+    the whole batch's numbers and cuts them; the weights' gradients are summed over the
+    cuts. The values equal the uncut call's to float rounding. By default (`None`) a cut
+    holds about 4,096 rows (`CUT_ROWS`; 8 samples at seq 512); `0` runs whole batches. As
+    a statement it holds for the rest of the process; as a context manager, inside the
+    block (restored on exit to what the entry found). It is read when a call is traced
+    (in `jax.jit`, `fit`: at the first step).
+
+    ```python
+    import recompute
+    recompute.batch_cut(4)          # 4 samples at a time inside each recomputed block
+    with recompute.batch_cut(0):    # whole batches inside the block
+        ...
+    ```
+
+    Limits: TensorFlow has no cuts (the setting is accepted and has no effect there); a
+    call of other layers, one that adds a loss or whose dropout has a noise shape, runs
+    whole; the arrays whose leading axis has the batch's length are the ones cut.
+
+    Args:
+        samples: an integer >= 0 (0: no cuts), or None for the default.
+    """
+
+    _cell = _samples  # the state: `Setting`'s default methods read and write it
+
+    def __init__(self, samples):
+        if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int)
+                                    or samples < 0):
+            raise ValueError("`samples` must be an integer >= 0 or None. "
+                             f"Received: samples={samples!r}")
+        super().__init__(samples)
+
+
+def samples_per_cut(rows_per_sample):
+    """The samples of one cut for samples of `rows_per_sample` rows (the positions of an
+    input's middle axes), or None where the batch is not cut (`batch_cut(0)`)."""
+    samples = _samples[0]
+    if samples is None:
+        return max(1, CUT_ROWS // max(1, int(rows_per_sample)))
+    return samples or None
