@@ -45,7 +45,8 @@ def _cut_samples(layer, sublayers, layers, args, kwargs):
     """The samples of one cut of the batch (`recompute.batch_cut`) where `layer`'s call may
     run by cuts (`recompute.engine._jax._by_samples`): a block of Keras's attention, `Dense`,
     `LayerNormalization` and `Dropout` layers (`_kept_block`), its dropouts without a noise
-    shape, its first floating input of rank 3 or more. Else None."""
+    shape, its first floating input of rank 3 or more, its batch more than one cut. Else
+    None."""
     import keras
 
     from .._batch_cut import samples_per_cut
@@ -56,7 +57,8 @@ def _cut_samples(layer, sublayers, layers, args, kwargs):
             sub.noise_shape is not None for sub in sublayers
             if isinstance(sub, keras.layers.Dropout)):
         return None
-    return samples_per_cut(int(np.prod(first.shape[1:-1])))
+    samples = samples_per_cut(int(np.prod(first.shape[1:-1])))
+    return samples if samples and first.shape[0] > samples else None
 
 
 def attention(fn, layer, args, kwargs, offload=False):
