@@ -33,6 +33,11 @@ the embedding table's gradient, 94 MiB at BERT-base -- can set the peak, and the
 between 2 and 4 then says less than what a sample costs at a batch that fills a GPU; under
 "full" at BERT-base it gave 19.5 MiB per sample where 8 and 32 give 56.9, docs/attention.md).
 
+Under `"full"` each recomputed block runs its batch in cuts of `--batch-cut` samples
+(`recompute.batch_cut`; by default about 4,096 rows, 8 samples at seq 512; 0: whole
+batches), where the batch is larger than one cut: at the default batches, 8 runs whole and
+32 in four cuts, so the slope is what a sample adds beyond one cut's working set.
+
 `--offload` adds a row "full" with `offload=True` (each block's inputs kept in pinned host
 memory: `recompute_grad(offload=True)`, `recompute.keras_hub.patch(offload=True)`) and
 two columns, the host temporaries per sample and at the largest batch (the device's
@@ -200,13 +205,25 @@ def row_name(policy, core):
     return "RECOMPUTE=0" if policy == "0" else f'"{policy}", core {core}'
 
 
+def _cut_words(samples, seq):
+    """How `"full"`'s recomputed blocks cut the batch (`recompute.batch_cut`), in words."""
+    if samples == 0:
+        return '"full" on whole batches (batch cut 0)'
+    if samples is None:
+        from recompute._batch_cut import CUT_ROWS
+
+        return f'"full" in cuts of {max(1, CUT_ROWS // seq)} samples (the default)'
+    return f'"full" in cuts of {samples} samples'
+
+
 def format_table(results, cfg, target):
     batch = cfg["batches"][-1]
     offload = any(r["policy"] == OFFLOAD for r in results)
     lines = [f"XLA:GPU plan for {TARGETS[target]['name']} (compiled here, no GPU): "
              f"{'keras-hub BertBackbone' if cfg['model'] == 'hub' else 'standard Keras 3 blocks'}, "
              f"hidden {cfg['hidden']}, {cfg['heads']} heads, FFN {cfg['ffn']}, seq {cfg['seq']}, "
-             f"dropout {cfg['dropout']}, {cfg['precision']}; MiB per sample = slope of the temp "
+             f"dropout {cfg['dropout']}, {cfg['precision']}; "
+             f"{_cut_words(cfg.get('batch_cut'), cfg['seq'])}; MiB per sample = slope of the temp "
              f"buffer over batches {', '.join(map(str, cfg['batches']))}",
              "",
              f"| layers | row | temp MiB / sample | temp MiB @ {batch} | arguments MiB | "
@@ -242,6 +259,10 @@ def parse_args(argv=None):
     p.add_argument("--cores", type=harness.name_list(("auto", "blocked", "keras")),
                    default=DEFAULTS["cores"], help="attention cores per policy row "
                    "(default auto,blocked,keras; auto is the library's choice)")
+    p.add_argument("--batch-cut", type=harness.non_negative_int, default=None, metavar="SAMPLES",
+                   help='samples per cut of a recomputed block under "full" '
+                   "(`recompute.batch_cut`; default: the library's rule, about 4096 rows; "
+                   "0: whole batches)")
     p.add_argument("--offload", action="store_true", help='also a row "full" with '
                    "offload=True (inputs in host memory), and host temporaries apart")
     p.add_argument("--target", choices=sorted(TARGETS), default=DEFAULTS["target"])
@@ -265,6 +286,10 @@ def main(argv=None):
     policies = list(args.policies)
     if args.offload:
         policies.insert(policies.index("full") + 1 if "full" in policies else len(policies), OFFLOAD)
+    import recompute
+
+    recompute.batch_cut(args.batch_cut)
+    cfg["batch_cut"] = args.batch_cut
     results = measure(cfg, policies, args.cores, args.target)
     with harness.report_to_docs(args.docs, TOOL, argv):
         print(format_table(results, cfg, args.target))

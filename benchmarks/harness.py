@@ -252,6 +252,11 @@ def positive_int(text):
     return _number(text, int, lambda v: v >= 1, "a positive integer")
 
 
+def non_negative_int(text):
+    """Type: an integer >= 0 (a count where 0 means none)."""
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
 def positive_float(text):
     # `v > 0` also rejects nan.
     return _number(text, float, lambda v: v > 0 and v != float("inf"), "a positive number")

@@ -188,7 +188,10 @@ def test_setting_rule_and_errors():
 
 
 def test_docstring_example():
+    """The docstring's example runs; docs/jax.md shows the same one."""
     example = textwrap.dedent(recompute.batch_cut.__doc__.split("```python\n")[1].split("```")[0])
+    page = (ROOT / "docs" / "jax.md").read_text()
+    assert example in [block.split("```")[0] for block in page.split("```python\n")[1:]]
     example = example.replace("    ...\n", "    assert samples_per_cut(512) is None\n")
     exec(compile(example, "batch_cut.__doc__", "exec"),
          {"samples_per_cut": samples_per_cut})
