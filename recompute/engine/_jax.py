@@ -24,6 +24,11 @@ dropout masks, and a state update happens once, in the forward pass. The
 call's context (training flag, mixed-precision autocast) is the forward
 pass's: JAX traces the call once and replays its jaxpr.
 
+Two variants of the checkpoint keep the same inputs elsewhere or work in parts:
+`_offloaded` (`offload=True`: the inputs in pinned host memory) and `_by_samples`
+(`samples`: the call run on cuts of its batch in both passes, one cut's working set alive
+at a time; `recompute.batch_cut`).
+
 Reads Keras's JAX backend's private names -- the raw value of a variable, the
 symbolic (shape-inference) scope, the global seed generator and the check that keeps
 it out of traced code -- through `recompute.adapters._keras_private`. This module is
@@ -106,7 +111,9 @@ def _is_array(value):
 def recomputed_call(call, layer, args, kwargs, policy=None, offload=False, samples=None):
     """Runs `call(layer, *args, **kwargs)` under `jax.checkpoint` (with `policy`: what it
     may keep; None keeps nothing but the inputs), state threaded through it. With `offload`
-    (policy None only), the inputs are kept in pinned host memory instead (`_offloaded`)."""
+    (policy None only), the inputs are kept in pinned host memory instead (`_offloaded`).
+    With `samples` (policy None only), the call runs on cuts of that many samples of its
+    batch where the batch is larger (`_by_samples`)."""
     import jax
     import keras
     outer = _keras_private.stateless_scope()
@@ -241,7 +248,7 @@ def _by_samples(pure, whole, samples, offload, traced):
     is larger; else `whole` (the call as one checkpoint).
 
     A `jax.custom_vjp`. The forward pass runs the call on each cut of the batch in turn (a
-    `lax.scan`, and the rest after it) and keeps only the inputs (with `offload`, in pinned
+    `jax.lax.fori_loop`, `scan_after`, and the rest after it) and keeps only the inputs (with `offload`, in pinned
     host memory); the backward pass runs again on each cut and differentiates it there
     (`jax.vjp`), summing the weights' gradients over the cuts. So a step holds one cut's
     working set of the call at a time, not the batch's. While each cut is traced, the
@@ -250,8 +257,9 @@ def _by_samples(pure, whole, samples, offload, traced):
     cut them, so that the values are the uncut call's. The inputs cut are the arrays whose
     leading axis has the batch's length (the batch: the first floating input's leading
     axis); the others pass whole. Runs `whole` instead where the cut call adds a loss,
-    assigns a variable other than a seed generator's state, or returns an array without the
-    batch's leading axis (its value would then depend on the cut)."""
+    assigns a variable other than a seed generator's state, or returns an array that is not
+    floating or has not the batch's leading axis (its value would then depend on the
+    cut)."""
     import jax
     import jax.numpy as jnp
 
@@ -280,7 +288,7 @@ def _by_samples(pure, whole, samples, offload, traced):
             shapes = jax.eval_shape(converted, values, cut(inputs, 0, size), jnp.int32(0),
                                     *consts)
             if shapes[2] or any(v.name != SEED_STATE for v in traced["assigned"]) or any(
-                    not o.ndim or o.shape[0] != size for o in shapes[0]):
+                    not o.ndim or o.shape[0] != size or not _floating(o) for o in shapes[0]):
                 return whole(values, inputs)
             pieces.append((converted, consts, size))
 

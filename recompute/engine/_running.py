@@ -7,6 +7,10 @@ bert4keras's LayerNormalization over ScaleOffset) runs plainly -- in the forward
 where no tape records anyway, and in the recomputation, which would otherwise recompute
 it a second time. Each engine enters a `RunningCall` (TensorFlow's carries what its
 forward pass keeps: `recompute.engine._core`).
+
+`windows` holds the `BatchWindow` of a JAX call run in cuts of its batch while each cut is
+traced (`batch_window()`): the random draws inside it (`recompute.policies._jax`'s
+dropouts, the attention core's bits) draw the whole batch's numbers and take the cut's.
 """
 
 from .._scoped import ThreadStack

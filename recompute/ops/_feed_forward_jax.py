@@ -29,7 +29,7 @@ import functools
 
 from .._scoped import shadowed
 
-CHUNKS = 4  # row blocks of the gradient (BERT-base's plan: 46.4 MiB per sample; 8: 45.4)
+CHUNKS = 4  # row blocks of the gradient (BERT-base, whole batches: 46.4 MiB per sample; 8: 45.4)
 HALF_OR_FULL = ("float32", "bfloat16")  # the compute dtypes the pair runs in
 
 

@@ -11,18 +11,18 @@ import sys
 import textwrap
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
 
 import recompute
-from recompute import recompute_grad, recompute_scope
+from recompute import recompute_grad
 from recompute._batch_cut import CUT_ROWS, samples_per_cut
 from recompute.engine import _running
 from recompute.ops import _feed_forward_jax
 from tests.helpers.numerics import assert_all_close
+from tests.recompute_jax.test_recompute_jax import stateless_step_seq
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,17 +34,7 @@ def _whole_batches_after():
 
 
 def _step(model, on, inputs):
-    """Loss, every gradient and the new state of one jitted training step."""
-    trainable = [v.value for v in model.trainable_variables]
-    non_trainable = [v.value for v in model.non_trainable_variables]
-
-    def loss_fn(trainable):
-        with recompute_scope(on):
-            out, state = model.stateless_call(trainable, non_trainable, inputs, training=True)
-        return jnp.sum(out * jnp.cos(out)), state
-
-    (loss, state), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(trainable)
-    return float(loss), [np.asarray(g) for g in grads], [np.asarray(s) for s in state]
+    return stateless_step_seq(model, on, inputs)
 
 
 def _hub_encoder():
@@ -65,7 +55,8 @@ class KerasBlock(keras.layers.Layer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.attention = keras.layers.MultiHeadAttention(2, 8, dropout=0.1, seed=1)
-        self.norm1, self.norm2 = keras.layers.LayerNormalization(), keras.layers.LayerNormalization()
+        self.norm1 = keras.layers.LayerNormalization()
+        self.norm2 = keras.layers.LayerNormalization()
         self.up, self.down = keras.layers.Dense(32, activation="gelu"), keras.layers.Dense(16)
         self.drop = keras.layers.Dropout(0.1, seed=2)
 

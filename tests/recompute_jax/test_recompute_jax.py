@@ -353,8 +353,12 @@ def test_encoder_policies_match_and_keep_less(policy):
     assert_all_close(state0, state1)
 
 
-def stateless_step_seq(model, on):
-    x = np.random.default_rng(3).normal(size=(2,) + tuple(model.input_shape[1:])).astype("float32")
+def stateless_step_seq(model, on, x=None):
+    """Loss, every gradient and the new state of one jitted training step on `x` (default: a
+    batch of 2 drawn for the model's input)."""
+    if x is None:
+        x = np.random.default_rng(3).normal(
+            size=(2,) + tuple(model.input_shape[1:])).astype("float32")
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
 
