@@ -21,7 +21,11 @@ def full(fn, layer, args, kwargs, offload=False):
     host memory), runs again in the backward pass; its attention cores run blocked
     (`_flash`), where Keras's own core runs its dropout draws once its input exists
     (`_dropouts_gated`), and its feed-forward pairs (a `Dense` with an activation feeding
-    one without) take their gradient in row blocks (`_feed_forward_jax`), in both passes."""
+    one without) take their gradient in row blocks (`_feed_forward_jax`), in both passes.
+    A block of Keras's attention, `Dense`, `LayerNormalization` and `Dropout` layers whose
+    batch is more than one cut (`_cut_samples`, `recompute.batch_cut`) runs in cuts of its
+    batch (`recompute.engine._jax._by_samples`), every `Dropout` of it gated and drawing the
+    whole batch's numbers."""
     from ..ops import _feed_forward_jax
     from ..ops._attention import with_blocked_cores
 
@@ -86,14 +90,17 @@ def attention(fn, layer, args, kwargs, offload=False):
 
 
 def _dropouts_gated(sublayers):
-    """While active, the Keras `Dropout` layers of the attention `layers` (the dropout of
-    Keras's own core, where it runs: half precision) draw their decision only once their
-    input exists: the seed each draws (`seed_generator.next()`, as `Dropout.call` does)
-    passes one optimization barrier with the input. Without it XLA:GPU computed every
-    block's recomputed attention-dropout mask in one fusion at the start of the backward
-    pass, all alive at once (keras-hub BERT-base, bfloat16, Keras's core: 12 [batch, 12,
-    512, 512] bools, 36 of 49.4 MiB per sample; docs/attention.md). The same draw, the
-    same values."""
+    """While active, the Keras `Dropout` layers among `sublayers` (the attention layers'
+    own -- the dropout of Keras's own core, where it runs: half precision -- or, where the
+    call runs in cuts of its batch, every one of the call) draw their decision only once
+    their input exists: the seed each draws (`seed_generator.next()`, as `Dropout.call`
+    does) passes one optimization barrier with the input. Inside a cut
+    (`_running.batch_window()`), the draw is the whole batch's, `jax.random.bernoulli` on
+    its shape as Keras's `dropout` draws it, cut to the window's samples. Without the gate
+    XLA:GPU computed every block's recomputed attention-dropout mask in one fusion at the
+    start of the backward pass, all alive at once (keras-hub BERT-base, bfloat16, Keras's
+    core: 12 [batch, 12, 512, 512] bools, 36 of 49.4 MiB per sample; docs/attention.md).
+    The same draw, the same values."""
     import jax
     import keras
 
