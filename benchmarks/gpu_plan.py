@@ -210,7 +210,7 @@ def _cut_words(samples, seq):
     if samples == 0:
         return '"full" on whole batches (batch cut 0)'
     if samples is None:
-        from recompute._batch_cut import CUT_ROWS
+        from recompute.engine._batch_cut import CUT_ROWS
 
         return f'"full" in cuts of {max(1, CUT_ROWS // seq)} samples (the default)'
     return f'"full" in cuts of {samples} samples'

@@ -38,15 +38,15 @@ and a LayerNorm that keep only their input, and the `Dense` layers they feed, un
 `"attention"` on TensorFlow; under `"full"` on JAX a feed-forward pair of `Dense` layers whose
 gradient runs in row blocks); `recompute.engine` (the recomputation, behind one interface: on TensorFlow one
 `tf.custom_gradient`, forward, backward, unpack; on JAX a `jax.checkpoint` with the
-layer's state threaded through; one tracker of the running calls for both); `recompute.adapters` (the interface to
+layer's state threaded through, or under `"full"` a block's batch run in cuts, whose size
+`engine._batch_cut`'s `batch_cut` sets; one tracker of the running calls for both); `recompute.adapters` (the interface to
 a Keras family with its Keras 3 and tf_keras implementations, and the interface modules
 that read every private Keras or TensorFlow name, each listing them in its
 `PRIVATE_NAMES`, checked against the installed versions by the
 `test_private_interface*` tests; `keras_hub._private` lists `chunked_loss`'s). Beside them: `_config` (the switch),
 `_errors`, `_scoped` (a per-thread stack of what a thread is inside of, and instance
 attributes shadowed for a block: written once for every module), `_precision` (`exact_float32`: float32 products on GPUs, where TF32 is the
-default), `_batch_cut` (`batch_cut`: how many samples a recomputed block runs at a time under
-`"full"` on JAX), `_setting` (what `exact_float32`, `attention_block_size`,
+default), `_setting` (what `exact_float32`, `attention_block_size`,
 `attention_core` and `batch_cut` share: a statement or a context manager that restores,
 on exit, what its entry found).
 """
@@ -54,7 +54,7 @@ on exit, what its entry found).
 from ._config import ENV_VAR, is_enabled, recompute_scope
 from ._errors import VariableCreatedInRecomputationError
 from .ops._flash import attention_block_size, attention_core
-from ._batch_cut import batch_cut
+from .engine._batch_cut import batch_cut
 from ._decorator import recompute_grad
 from .policies._registry import NAMES as POLICIES  # the names `recompute_grad(policy=...)` takes
 from ._precision import exact_float32

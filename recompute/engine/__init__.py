@@ -16,8 +16,8 @@ The engines: `_core` (TensorFlow: one `tf.custom_gradient` around the call, forw
 the tapes' reach, backward under a fresh tape in the same call context; `kept` and
 `after`) and `_jax` (Keras 3's JAX backend: the call as a `jax.checkpoint`, the layer's
 state threaded through; with `offload`, its inputs kept in host memory; with `samples`,
-its batch run in cuts, `_by_samples`, while `_running`'s `BatchWindow` tells the random
-draws inside which samples they draw). Both track their running calls in one
+its batch run in cuts, `_by_samples`, of the size `_batch_cut` gives, while `_running`'s
+`BatchWindow` tells the random draws inside which samples they draw). Both track their running calls in one
 `_running.calls` (the one tracker: `inside_recomputed_call()`).
 They ask the Keras family through `recompute.adapters`.
 

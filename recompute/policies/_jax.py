@@ -53,7 +53,7 @@ def _cut_samples(layer, sublayers, layers, args, kwargs):
     None."""
     import keras
 
-    from .._batch_cut import samples_per_cut
+    from ..engine._batch_cut import samples_per_cut
 
     first = next((x for x in keras.tree.flatten((args, kwargs))
                   if getattr(x, "ndim", 0) and "float" in str(getattr(x, "dtype", ""))), None)

@@ -2,7 +2,7 @@
 runs its batch in cuts (on Keras 3's JAX backend, under `"full"`:
 `recompute.engine._jax._by_samples`), and `samples_per_cut`, the rule that reads it."""
 
-from ._setting import Setting
+from .._setting import Setting
 
 CUT_ROWS = 4096  # by default a cut holds about this many rows: 8 samples at seq 512
 
