@@ -248,8 +248,8 @@ def _by_samples(pure, whole, samples, offload, traced):
     is larger; else `whole` (the call as one checkpoint).
 
     A `jax.custom_vjp`. The forward pass runs the call on each cut of the batch in turn (a
-    `jax.lax.fori_loop`, `scan_after`, and the rest after it) and keeps only the inputs (with `offload`, in pinned
-    host memory); the backward pass runs again on each cut and differentiates it there
+    `jax.lax.fori_loop`, `scan_after`, and the rest after it) and keeps only the inputs
+    (with `offload`, in pinned host memory); the backward pass runs again on each cut and differentiates it there
     (`jax.vjp`), summing the weights' gradients over the cuts. So a step holds one cut's
     working set of the call at a time, not the batch's. While each cut is traced, the
     `BatchWindow` of `_running` is active: the random draws inside (`Dropout` layers through
