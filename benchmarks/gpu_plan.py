@@ -206,14 +206,14 @@ def row_name(policy, core):
 
 
 def _cut_words(samples, seq):
-    """How `"full"`'s recomputed blocks cut the batch (`recompute.batch_cut`), in words."""
-    if samples == 0:
-        return '"full" on whole batches (batch cut 0)'
-    if samples is None:
-        from recompute.engine._batch_cut import CUT_ROWS
+    """How `"full"`'s recomputed blocks cut the batch, in words: `samples` as `--batch-cut`
+    gave it, the cut the library's rule makes of it at `seq` (`samples_per_cut`)."""
+    from recompute.engine._batch_cut import samples_per_cut
 
-        return f'"full" in cuts of {max(1, CUT_ROWS // seq)} samples (the default)'
-    return f'"full" in cuts of {samples} samples'
+    cut = samples_per_cut(seq)  # the setting `main` made: `recompute.batch_cut(samples)`
+    if cut is None:
+        return '"full" on whole batches (batch cut 0)'
+    return f'"full" in cuts of {cut} samples' + (" (the default)" if samples is None else "")
 
 
 def format_table(results, cfg, target):

@@ -22,7 +22,7 @@ from recompute.engine._batch_cut import CUT_ROWS, samples_per_cut
 from recompute.engine import _running
 from recompute.ops import _feed_forward_jax
 from tests.helpers.numerics import assert_all_close
-from tests.recompute_jax.test_recompute_jax import stateless_step_seq
+from tests.recompute_jax.test_recompute_jax import stateless_step_seq as _step
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,10 +31,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def _whole_batches_after():
     yield
     recompute.batch_cut(None)
-
-
-def _step(model, on, inputs):
-    return stateless_step_seq(model, on, inputs)
 
 
 def _hub_encoder():
