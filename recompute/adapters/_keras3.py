@@ -106,11 +106,14 @@ def unique(values):
 
 
 @contextlib.contextmanager
-def replay_state(layer, state, start):
+def replay_state(layer, state, start, assigned=None):
     """Runs the recomputation on the start values of `state`, discarding its writes.
 
     Yields a list that holds, once the block exits, the tensors the
-    recomputation passed to `add_loss` (in call order).
+    recomputation passed to `add_loss` (in call order). With `assigned` (a dict), it
+    also gets, on exit, `{id(variable): (variable, value)}` of each variable the block
+    assigned, with the last value assigned (`recompute.engine._cuts_tf` writes a cut's
+    seed states so).
 
     A `keras.StatelessScope` maps each state variable to the value it had when
     the forward call began: seed generators draw the same seeds again, moving
@@ -129,6 +132,8 @@ def replay_state(layer, state, start):
         ) as scope:
             yield losses
         losses.extend(scope.losses)
+        if assigned is not None:
+            assigned.update(scope.assigned)
         for lyr in sublayers(layer):
             _private.clear_loss_ids(lyr)
 
@@ -185,6 +190,7 @@ def _replay_scope_class():
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
                 self._unaggregated = {}  # id(variable) -> its tf.Variable
+                self.assigned = {}  # id(variable) -> (variable, the last value assigned)
 
             def add_update(self, update):
                 variable, value = update
@@ -192,6 +198,7 @@ def _replay_scope_class():
                 # the assigned value; the recorded value must not have one either.
                 super().add_update((variable, tf.stop_gradient(value)))
                 self._unaggregated[id(variable)] = tf_variable(variable)
+                self.assigned[id(variable)] = (variable, self.state_mapping[id(variable)])
 
             def get_current_value(self, variable):
                 target = self._unaggregated.pop(id(variable), None)

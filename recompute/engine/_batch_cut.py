@@ -4,7 +4,8 @@ runs its batch in cuts (on Keras 3's JAX backend, under `"full"`:
 
 from .._setting import Setting
 
-CUT_ROWS = 4096  # by default a cut holds about this many rows: 8 samples at seq 512
+CUT_ROWS = 4096  # by default a cut holds about this many rows on JAX: 8 samples at seq 512
+TF_CUT_ROWS = 1024  # on TensorFlow: 2 samples at seq 512
 
 _samples = [None]  # what `batch_cut` set: None (the rule), 0 (no cuts) or the samples
 
@@ -50,10 +51,12 @@ class batch_cut(Setting):
         super().__init__(samples)
 
 
-def samples_per_cut(rows_per_sample):
+def samples_per_cut(rows_per_sample, engine="jax"):
     """The samples of one cut for samples of `rows_per_sample` rows (the positions of an
-    input's middle axes), or None where the batch is not cut (`batch_cut(0)`)."""
+    input's middle axes) on `engine` ("jax", "tensorflow"), or None where the batch is not
+    cut (`batch_cut(0)`)."""
     samples = _samples[0]
     if samples is None:
-        return max(1, CUT_ROWS // max(1, int(rows_per_sample)))
+        rows = TF_CUT_ROWS if engine == "tensorflow" else CUT_ROWS
+        return max(1, rows // max(1, int(rows_per_sample)))
     return samples or None

@@ -8,12 +8,11 @@ values named `KEPT`); `_policies.POLICIES` names both engines' functions.
 
 import contextlib
 
-import numpy as np
-
 from ..adapters import _keras3
 from ..engine import _jax as _engine, _running
 from .._errors import offload_refused
 from .._scoped import shadowed
+from ._blocks import cut_samples, kept_block
 
 
 def full(fn, layer, args, kwargs, offload=False):
@@ -23,7 +22,7 @@ def full(fn, layer, args, kwargs, offload=False):
     (`_dropouts_gated`), and its feed-forward pairs (a `Dense` with an activation feeding
     one without) take their gradient in row blocks (`_feed_forward_jax`), in both passes.
     A block of Keras's attention, `Dense`, `LayerNormalization` and `Dropout` layers whose
-    batch is more than one cut (`_cut_samples`, `recompute.batch_cut`) runs in cuts of its
+    batch is more than one cut (`_blocks.cut_samples`, `recompute.batch_cut`) runs in cuts of its
     batch (`recompute.engine._jax._by_samples`), every `Dropout` of it gated and drawing the
     whole batch's numbers."""
     from ..ops import _feed_forward_jax
@@ -31,7 +30,7 @@ def full(fn, layer, args, kwargs, offload=False):
 
     sublayers = _keras3.sublayers(layer)
     layers = _keras3.attention_layers(sublayers)
-    samples = _cut_samples(layer, sublayers, layers, args, kwargs)
+    samples = cut_samples(layer, sublayers, layers, args, kwargs)
     dropouts = (sublayers if samples else
                 [sub for lyr in layers for sub in _keras3.sublayers(lyr)])
 
@@ -45,33 +44,13 @@ def full(fn, layer, args, kwargs, offload=False):
                                    offload=offload, samples=samples)
 
 
-def _cut_samples(layer, sublayers, layers, args, kwargs):
-    """The samples of one cut of the batch (`recompute.batch_cut`) where `layer`'s call may
-    run by cuts (`recompute.engine._jax._by_samples`): a block of Keras's attention, `Dense`,
-    `LayerNormalization` and `Dropout` layers (`_kept_block`), its dropouts without a noise
-    shape, its first floating input of rank 3 or more, its batch more than one cut. Else
-    None."""
-    import keras
-
-    from ..engine._batch_cut import samples_per_cut
-
-    first = next((x for x in keras.tree.flatten((args, kwargs))
-                  if getattr(x, "ndim", 0) and "float" in str(getattr(x, "dtype", ""))), None)
-    if first is None or first.ndim < 3 or not _kept_block(layer, sublayers, layers) or any(
-            sub.noise_shape is not None for sub in sublayers
-            if isinstance(sub, keras.layers.Dropout)):
-        return None
-    samples = samples_per_cut(int(np.prod(first.shape[1:-1])))
-    return samples if samples and first.shape[0] > samples else None
-
-
 def attention(fn, layer, args, kwargs, offload=False):
     """Only the attention core (`MultiHeadAttention._compute_attention`) of each multi-head
     attention layer in the call keeps less: blocked (`_flash_jax`: it keeps its inputs and
     the dropout's seed), or, where the core is not the standard case, a `jax.checkpoint`
     (its dropout replayed from the seed state); and the exact GELUs of its `Dense`
     sublayers keep only their input (`_gelu.checkpointed`). Where the call is a block of
-    Keras's attention, `Dense`, `LayerNormalization` and `Dropout` layers (`_kept_block`),
+    Keras's attention, `Dense`, `LayerNormalization` and `Dropout` layers (`_blocks.kept_block`),
     the rest keeps only what the backward pass multiplies by (`_block_checkpointed`);
     elsewhere everything else is kept."""
     from ..ops import _gelu
@@ -81,7 +60,7 @@ def attention(fn, layer, args, kwargs, offload=False):
         raise ValueError(offload_refused("attention"))
     layers = attention_layers(_keras3, layer)
     sublayers = _keras3.sublayers(layer)
-    block = _kept_block(layer, sublayers, layers)
+    block = kept_block(layer, sublayers, layers)
     with _cores_blocked(layers, _keras3.attention_core, checkpoint_others=True, named=block):
         if block:  # its GELUs recomputed by the block's checkpoint, from their named inputs
             return _block_checkpointed(fn, layer, args, kwargs, sublayers)
@@ -149,31 +128,6 @@ def kept_arrays(structure):
         return kept(x) if floating else x
 
     return keras.tree.map_structure(name, structure)
-
-
-def _kept_block(layer, sublayers, attention):
-    """True where `layer`'s call runs as one checkpoint keeping only named values
-    (`_block_checkpointed`): not in shape inference nor inside a recomputed call; no weights
-    but its sublayers'; its sublayers its attention layers (with theirs), `Dense` layers
-    (unquantized, no LoRA), `LayerNormalization` and `Dropout` layers. Then every matrix
-    product of the call but the attention's output projection has a named input or output:
-    the recomputation multiplies by no other kernel."""
-    import keras
-
-    if _engine.in_shape_inference() or _running.inside_recomputed_call() or not attention:
-        return False
-    inside = {id(sub) for lyr in attention for sub in _keras3.sublayers(lyr)}
-    theirs = {id(v) for sub in sublayers if sub is not layer for v in sub.variables}
-    if any(id(v) not in theirs for v in layer.variables):
-        return False  # weights of its own: products of its own call, which nothing names
-    plain = (keras.layers.LayerNormalization, keras.layers.Dropout)
-    for sub in sublayers:
-        if sub is layer or id(sub) in inside or type(sub) in plain:
-            continue
-        if type(sub) is not keras.layers.Dense or sub.quantization_mode is not None \
-                or getattr(sub, "lora_enabled", False):
-            return False
-    return True
 
 
 def _block_checkpointed(fn, layer, args, kwargs, sublayers):

@@ -44,18 +44,28 @@ bert4keras's `pay_attention_to`.
 import contextlib
 from typing import Callable, NamedTuple
 
-from ..ops import _attention, _flash_tf, _lean
-from ..engine import TensorFlowEngine, _core
-from . import _jax
+from ..adapters import _keras3
+from ..ops import _attention, _flash_tf, _lean, _window_tf
+from ..engine import TensorFlowEngine, _core, _cuts_tf
+from . import _blocks, _jax
 from .._scoped import shadowed
 
 
 def full(adapter, fn, layer, args, kwargs):
-    """The whole call is recomputed; its attention cores run blocked (`_flash`)."""
-    layers = adapter.attention_layers(adapter.sublayers(layer))
+    """The whole call is recomputed; its attention cores follow the rule (`_flash`). A Keras 3
+    block of Keras's attention, `Dense`, `LayerNormalization` and `Dropout` layers whose batch
+    is more than one cut (`_blocks.cut_samples`, `recompute.batch_cut`) runs in cuts of its
+    batch (`recompute.engine._cuts_tf`), its `Dropout` layers drawing the whole batch's
+    numbers for each cut (`_window_tf`)."""
+    sublayers = adapter.sublayers(layer)
+    layers = adapter.attention_layers(sublayers)
+    samples = _blocks.cut_samples(layer, sublayers, layers, args, kwargs, "tensorflow") \
+        if adapter is _keras3 else None
     if layers:
         fn = _attention.with_blocked_cores(fn, lambda: _cores_recomputed(adapter, layers, "full"))
-    return _core.recomputed_call(adapter, fn, layer, args, kwargs)
+    if samples:
+        fn = _attention.with_blocked_cores(fn, lambda: _window_tf.windowed_dropouts(sublayers))
+    return _cuts_tf.recomputed_call(adapter, fn, layer, args, kwargs, samples)
 
 
 def attention(adapter, fn, layer, args, kwargs):

@@ -1,0 +1,204 @@
+"""TensorFlow's recomputation of a call in cuts of its batch (Keras 3; `recompute.batch_cut`).
+
+`recomputed_call(adapter, call, layer, args, kwargs, samples)` is `_core`'s recomputed call,
+run `samples` samples at a time in both passes where the batch (the first floating input's
+leading axis, known when traced) is larger (`CutRecomputation`):
+
+- forward pass, off the tapes: the call on each cut of the batch in turn -- the first cut,
+  then a `tf.while_loop` over the other whole cuts (one iteration at a time), then the rest
+  -- its outputs joined; it keeps the inputs only, as `_core` does. Each cut runs from the
+  state the call started from (`replay_state`), and the seed states the first cut assigned
+  are then written once, as one call writes them;
+- backward pass: the call again on each cut under a tape, from the same state, after the
+  incoming gradient; the gradients of the cut inputs joined, those of the weights and of
+  the inputs passed whole summed (in float32 where they are half precision).
+
+So a step holds one cut's working set of the call at a time, not the batch's. While a cut
+runs, a `_running.BatchWindow` is active: the dropouts inside draw the whole batch's random
+numbers for the cut's samples (`recompute.ops._window_tf`, which the policy puts in the
+call), and `_core.kept` keeps nothing (what it would keep is drawn again, the same). The
+tensors cut are those whose leading axis has the batch's length. Where the first cut adds a
+loss, assigns a variable other than a seed generator's state, or returns something that is
+not a floating tensor with the cut's leading axis, the call runs whole instead (`_core`'s
+`Recomputation`), as its value would depend on the cut.
+"""
+
+import tensorflow as tf
+
+from ..adapters import _tf
+from . import _core, _running
+
+SEED_STATE = "seed_generator_state"  # the name of a Keras `SeedGenerator`'s state variable
+HALF = (tf.float16, tf.bfloat16)
+
+
+def batch_of(args, kwargs):
+    """The leading axis of the first floating tensor of `(args, kwargs)`, where known when
+    traced, else None."""
+    first = next(iter(_core.float_tensors((args, kwargs))), None)
+    if first is None or first.shape.rank in (None, 0):
+        return None
+    return first.shape[0]
+
+
+def recomputed_call(adapter, call, layer, args, kwargs, samples=None):
+    """`call(layer, *args, **kwargs)` recomputed for the gradient (`_core.recomputed_call`),
+    run `samples` samples at a time where its batch is larger (the module's docstring)."""
+    batch = batch_of(args, kwargs)
+    if not samples or batch is None or batch <= samples:
+        return _core.recomputed_call(adapter, call, layer, args, kwargs)
+    return CutRecomputation(adapter, call, layer, args, kwargs, batch, samples).run()
+
+
+def _loop(count, body, state):
+    """`state` through `body(k, state)` for k in [0, count), one iteration at a time."""
+    if count == 0:
+        return state
+    _, state = tf.while_loop(lambda k, _: k < count, lambda k, s: (k + 1, body(k, s)),
+                             (tf.constant(0), state), parallel_iterations=1)
+    return state
+
+
+class CutRecomputation(_core.Recomputation):
+    """`_core.Recomputation` run on cuts of `samples` samples of a batch of `batch`."""
+
+    def __init__(self, adapter, call, layer, args, kwargs, batch, samples):
+        super().__init__(adapter, call, layer, args, kwargs)
+        self.batch, self.samples = batch, samples
+        self.whole, self.rest = divmod(batch, samples)
+
+    def _window(self, start, size):
+        return _running.BatchWindow(start, size, self.batch)
+
+    def _is_cut(self, x):
+        return x.shape.rank not in (None, 0) and x.shape[0] == self.batch
+
+    def _forward_cut(self, inputs, window, assigned=None, gates=()):
+        """The call on `window`'s samples from the starting state: its flat outputs and the
+        losses it added."""
+        ready = _core.after([_core.cut(x, window) for x in inputs], *gates)
+        with self.adapter.replay_state(self.layer, self.state, self.start,
+                                       assigned) as losses:
+            outputs = self._run_call(ready, None, window=window)
+        return outputs, losses
+
+    def _cuttable(self, outputs, losses, assigned):
+        flat = tf.nest.flatten(outputs)
+        return not losses and all(
+            _core._is_float_tensor(o) and o.shape.rank and o.shape[0] == self.samples
+            for o in flat) and all(
+            v.name == SEED_STATE for v, _ in assigned.values())
+
+    def forward(self, *inputs):
+        adapter = self.adapter
+        self.cutting = False
+        self.state = adapter.state_variables(self.layer)
+        keys = [id(adapter.tf_variable(v)) for v in self.state]
+        if any(key not in self.pre for key in keys):  # made by this call: not built yet
+            return super().forward(*inputs)
+        self.start = [self.pre[key] for key in keys]
+        assigned = {}
+        with _tf.pause_outer_tapes():
+            first, losses = self._forward_cut(inputs, self._window(0, self.samples), assigned)
+            if not self._cuttable(first, losses, assigned):
+                return super().forward(*inputs)
+            self.cutting = True
+            for variable, value in assigned.values():  # the seeds advance once, as one call's
+                variable.assign(value)
+            flat = tf.nest.flatten(first)
+            ready = _core.after(inputs, *flat)  # the other cuts after the first
+
+            def body(k, arrays):
+                window = self._window((k + 1) * self.samples, self.samples)
+                outs, _ = self._forward_cut(ready, window)
+                return [a.write(k, o) for a, o in zip(arrays, tf.nest.flatten(outs))]
+
+            parts = [[o] for o in flat]
+            if self.whole > 1:
+                arrays = _loop(self.whole - 1, body, [
+                    tf.TensorArray(o.dtype, size=self.whole - 1, element_shape=o.shape)
+                    for o in flat])
+                for part, a, o in zip(parts, arrays, flat):
+                    part.append(tf.reshape(a.stack(), [-1] + o.shape[1:].as_list()))
+            if self.rest:
+                window = self._window(self.whole * self.samples, self.rest)
+                last, _ = self._forward_cut(ready, window, gates=[p[-1] for p in parts])
+                for part, o in zip(parts, tf.nest.flatten(last)):
+                    part.append(o)
+        joined = []
+        for part, o in zip(parts, flat):
+            j = tf.concat(part, 0) if len(part) > 1 else part[0]
+            j.set_shape([self.batch] + o.shape[1:].as_list())
+            joined.append(j)
+        self.inputs, self.loss_slots, self.losses = inputs, [], []
+        self.outputs = tf.nest.pack_sequence_as(first, joined)
+        self.differentiable = list(range(len(joined)))
+        return joined, self.backward
+
+    def _cut_gradients(self, dys, variables, window, gates):
+        """The gradients of the inputs and `variables` on `window`'s samples."""
+        ready = _core.after([_core.cut(x, window) for x in self.inputs], *gates)
+        pieces = [None if d is None else _core.cut(d, window) for d in dys]
+        tape, recomputed, losses = self._recompute(ready, variables, gates[0], window)
+        targets, seeds = self._targets(recomputed, losses, pieces)
+        grads = tape.gradient(targets, list(ready) + variables, output_gradients=seeds)
+        return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                for g in grads]
+
+    def backward(self, *dys, variables=None):
+        if not self.cutting:
+            return super().backward(*dys, variables=variables)
+        variables = list(variables or [])
+        first_dy = next((d for d in dys if d is not None), None)
+        targets = list(self.inputs) + variables
+        n = len(self.inputs)
+        cut = [i for i, x in enumerate(targets) if i < n and self._is_cut(x)]
+        whole = [i for i in range(len(targets)) if i not in cut]
+        nones = set()
+
+        def shape(i, size):
+            x = targets[i]
+            return [size] + x.shape[1:].as_list() if i in cut else x.shape.as_list()
+
+        def dtype(i):
+            return targets[i].dtype.base_dtype
+
+        def summed(i):  # float32 for half precision
+            return tf.float32 if dtype(i) in HALF else dtype(i)
+
+        def gradients(window, gates):
+            grads = self._cut_gradients(dys, variables, window, gates)
+            nones.update(i for i, g in enumerate(grads) if g is None)
+            return [tf.zeros(shape(i, window.size), dtype(i)) if g is None else g
+                    for i, g in enumerate(grads)]
+
+        def body(k, state):
+            arrays, sums = state
+            grads = gradients(self._window(k * self.samples, self.samples), [first_dy])
+            return ([a.write(k, grads[i]) for a, i in zip(arrays, cut)],
+                    [s + tf.cast(grads[i], s.dtype) for s, i in zip(sums, whole)])
+
+        with _tf.ordered_stateful_ops() as order:
+            mark = _core.graph_mark()
+            arrays, sums = _loop(self.whole, body, (
+                [tf.TensorArray(dtype(i), size=self.whole, element_shape=shape(i, self.samples))
+                 for i in cut],
+                [tf.zeros(shape(i, None), summed(i)) for i in whole]))
+            parts = {i: [tf.reshape(a.stack(), [-1] + shape(i, None)[1:])]
+                     for a, i in zip(arrays, cut)}
+            totals = dict(zip(whole, sums))
+            if self.rest:
+                gates = [first_dy] + [p[0] for p in parts.values()] + sums
+                grads = gradients(self._window(self.whole * self.samples, self.rest), gates)
+                for i in cut:
+                    parts[i].append(grads[i])
+                for i in whole:
+                    totals[i] = totals[i] + tf.cast(grads[i], totals[i].dtype)
+            grads = [None if i in nones else
+                     tf.concat(parts[i], 0) if i in cut and len(parts[i]) > 1 else
+                     parts[i][0] if i in cut else tf.cast(totals[i], dtype(i))
+                     for i in range(len(targets))]
+            grads = [order.mark(g) for g in grads]
+            reads = _core.reads_since(mark)
+        grads = _core.after(grads, *reads)
+        return _core.after(grads[:n], *grads[n:]), grads[n:]

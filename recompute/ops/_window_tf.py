@@ -1,0 +1,79 @@
+"""Keras 3's dropout on TensorFlow inside a cut of the batch: the whole batch's random numbers,
+drawn for the cut's samples only.
+
+Where a recomputed call runs its batch in cuts (`recompute.engine._cuts_tf`), each cut is
+the call on some of the batch's samples, and each of its `Dropout` layers must drop what the
+layer drops for those samples in the uncut call. Keras draws `tf.random.stateless_uniform` of
+the input's shape (`keras.random.dropout`, through `tf.nn.experimental.stateless_dropout`):
+Philox numbers counted from the seed's counter in the tensor's flat order, 4 per step of
+the counter (2 in float64), on TensorFlow's kernels and in XLA alike. So the numbers of the
+samples `[start, start + size)` are those drawn from the counter advanced by `start`'s
+first element over 4 (`window_uniform`): no whole batch drawn in each cut.
+
+`windowed_dropouts(layers)` shadows, while active, the call of each plain Keras 3 `Dropout`
+among `layers` (the family's own class, no noise shape): inside a cut
+(`recompute.engine._running.batch_window()`) it draws so, and drops with
+`tf.nn.experimental.general_dropout` (TensorFlow's dropout with a given sampler, the
+formula of `stateless_dropout`); elsewhere it is the layer's call.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from ..engine import _running
+from .._scoped import shadowed
+
+INT32_SEED_MOD = 2**31 - 2  # Keras's `_cast_seed`: an int64 seed state floormod int32.max - 1
+
+
+def _per_step(dtype):
+    """How many numbers of `dtype` one Philox step gives (TensorFlow's `Uniform` kernels)."""
+    return 2 if dtype == tf.float64 else 4
+
+
+def window_uniform(seed, shape, dtype, window):
+    """`tf.random.stateless_uniform((window.batch,) + shape[1:], seed, dtype=dtype)`'s samples
+    `[window.start, window.start + shape[0])`, drawing only those. `seed`: int32 [2]; `shape`:
+    the cut's static shape; `window.start` may be a tensor."""
+    per_sample = int(np.prod(shape[1:]))
+    step = _per_step(dtype)
+    first = tf.cast(window.start, tf.int64) * per_sample
+    skip, lane = first // step, first % step
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+    low = counter[0] + tf.cast(skip, tf.uint64)
+    carried = tf.stack([low, counter[1] + tf.cast(low < counter[0], tf.uint64)])
+    count = int(shape[0]) * per_sample
+    numbers = tf.raw_ops.StatelessRandomUniformV2(
+        shape=[count + step - 1], key=key, counter=carried,
+        alg=tf.raw_ops.StatelessRandomGetAlg(), dtype=dtype)
+    return tf.reshape(tf.slice(numbers, [lane], [count]), shape)
+
+
+def plain_dropout(layer):
+    """Keras 3's own `Dropout` class, no noise shape, not shadowed already."""
+    import keras
+
+    return (type(layer) is keras.layers.Dropout and layer.noise_shape is None
+            and "call" not in vars(layer))
+
+
+def _windowed(layer, own_call):
+    def call(inputs, training=False):
+        window = _running.batch_window()
+        if window is None or not training or not 0 < layer.rate < 1:
+            return own_call(inputs, training=training)
+        seed = layer.seed_generator.next()
+        if seed.dtype != tf.int32:
+            seed = tf.cast(tf.math.floormod(seed, INT32_SEED_MOD), tf.int32)
+        numbers = window_uniform(seed, inputs.shape, inputs.dtype, window)
+        return tf.nn.experimental.general_dropout(
+            inputs, layer.rate, uniform_sampler=lambda shape, dtype: numbers)
+
+    return call
+
+
+def windowed_dropouts(layers):
+    """While active, the plain Keras 3 `Dropout` layers among `layers` draw a cut's numbers
+    inside a cut (the module's docstring); restored on exit."""
+    return shadowed((layer, "call", _windowed(layer, layer.call))
+                    for layer in layers if plain_dropout(layer))
