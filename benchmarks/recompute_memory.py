@@ -325,20 +325,27 @@ def run_paired_worker(cfg, model_name, modes, batch_sizes, steps, out_path, buil
 # Parent: spawn the workers, summarise.
 
 
+def _settings(core, batch_cut):
+    """The worker's options for the library's settings: the attention core, the cut."""
+    return ["--core", core] + ([] if batch_cut is None else ["--batch-cut", str(batch_cut)])
+
+
 def _spawn(cfg, model_name, mode, batch, steps, backend="tensorflow", malloc="default",
-           core="auto"):
+           core="auto", batch_cut=None):
     _progress(f"{model_name} mode={mode} batch={batch}: starting a fresh worker process")
-    return _run_worker(cfg, model_name, ["--modes", mode, "--batch-sizes", str(batch),
-                                         "--core", core], steps,
+    return _run_worker(cfg, model_name, ["--modes", mode, "--batch-sizes", str(batch)]
+                       + _settings(core, batch_cut), steps,
                        "0" if mode == "0" else "1", backend, malloc,
                        f"benchmark worker {model_name} mode={mode} batch={batch}")
 
 
-def _spawn_paired(cfg, model_name, modes, batch_sizes, steps, malloc="default", core="auto"):
+def _spawn_paired(cfg, model_name, modes, batch_sizes, steps, malloc="default", core="auto",
+                  batch_cut=None):
     _progress(f"{model_name}: modes {', '.join(modes)} at batch {', '.join(map(str, batch_sizes))} "
               f"in one fresh worker process, {steps} rounds")
     return _run_worker(cfg, model_name, ["--modes", ",".join(modes), "--paired", "--batch-sizes",
-                                         ",".join(map(str, batch_sizes)), "--core", core],
+                                         ",".join(map(str, batch_sizes))]
+                       + _settings(core, batch_cut),
                        steps, None, "tensorflow", malloc,
                        f"paired benchmark worker {model_name}")["runs"]
 
@@ -487,6 +494,11 @@ def parse_args(argv=None):
                         help="the attention core (`recompute.attention_core`) in every worker: "
                              "auto (default, the library's rule), blocked, or keras (the "
                              "layer's own)")
+    parser.add_argument("--batch-cut", type=harness.non_negative_int, default=None,
+                        metavar="SAMPLES",
+                        help="samples per cut where a recomputed Keras 3 block runs its batch "
+                             "in cuts under \"full\" (`recompute.batch_cut`; default: the "
+                             "library's rule; 0: whole batches)")
     harness.add_output_arguments(parser, TOOL, malloc=True)
     args = parser.parse_args(argv)
     harness.check_docs_page(parser, args.docs, TOOL)
@@ -533,6 +545,7 @@ def _main(argv=None):
         import recompute
 
         recompute.attention_core(args.core)  # read when a core is traced
+        recompute.batch_cut(args.batch_cut)  # read when a block is traced
     if args.worker and args.paired:
         run_paired_worker(cfg, args.model, args.modes, batch_sizes, args.steps, args.out)
         return 0
@@ -544,24 +557,26 @@ def _main(argv=None):
     start = time.perf_counter()
     if args.paired:
         runs = _spawn_paired(cfg, args.model, args.modes, batch_sizes, args.steps, args.malloc,
-                             args.core)
+                             args.core, args.batch_cut)
     else:
         # Interleaved (off, on at each batch size) so that a change in the load of
         # the machine during the run does not bias the time ratio.
         runs = [_spawn(cfg, args.model, mode, batch, args.steps, args.backend, args.malloc,
-                       args.core) for batch in batch_sizes for mode in args.modes]
+                       args.core, args.batch_cut) for batch in batch_sizes for mode in args.modes]
     runs.sort(key=lambda r: (args.modes.index(r["mode"]), r["batch"]))
     summary, ratios = summarize(runs, args.modes, batch_sizes)
     _progress(f"done in {time.perf_counter() - start:.0f} s wall")
     with harness.report_to_docs(args.docs, TOOL, argv):
         if args.core != "auto":
             print(f"attention core: {args.core} (recompute.attention_core({args.core!r}))")
+        if args.batch_cut is not None:
+            print(f"batch cut: {args.batch_cut} (recompute.batch_cut({args.batch_cut}))")
         print_report(cfg, runs, summary, ratios)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=dict(cfg, model=args.model, backend=args.backend, batch_sizes=batch_sizes,
                                        steps=args.steps, malloc=args.malloc, paired=args.paired,
-                                       core=args.core),
+                                       core=args.core, batch_cut=args.batch_cut),
                            runs=runs, summary=summary, ratios=ratios), f, indent=2)
         _progress(f"results saved to {args.json}")
     return 0

@@ -38,8 +38,9 @@ and a LayerNorm that keep only their input, and the `Dense` layers they feed, un
 `"attention"` on TensorFlow; under `"full"` on JAX a feed-forward pair of `Dense` layers whose
 gradient runs in row blocks); `recompute.engine` (the recomputation, behind one interface: on TensorFlow one
 `tf.custom_gradient`, forward, backward, unpack; on JAX a `jax.checkpoint` with the
-layer's state threaded through, or under `"full"` a block's batch run in cuts, whose size
-`engine._batch_cut`'s `batch_cut` sets; one tracker of the running calls for both);
+layer's state threaded through, or under `"full"` a block's batch run in cuts -- on
+TensorFlow too, `engine._cuts_tf` -- whose size `engine._batch_cut`'s `batch_cut` sets; one
+tracker of the running calls for both);
 `recompute.adapters` (the interface to
 a Keras family with its Keras 3 and tf_keras implementations, and the interface modules
 that read every private Keras or TensorFlow name, each listing them in its

@@ -17,7 +17,9 @@ the tapes' reach, backward under a fresh tape in the same call context; `kept` a
 `after`) and `_jax` (Keras 3's JAX backend: the call as a `jax.checkpoint`, the layer's
 state threaded through; with `offload`, its inputs kept in host memory; with `samples`,
 its batch run in cuts, `_by_samples`, of the size `_batch_cut` gives, while `_running`'s
-`BatchWindow` tells the random draws inside which samples they draw). Both track their
+`BatchWindow` tells the random draws inside which samples they draw); `_cuts_tf`
+(TensorFlow's recomputation in cuts of the batch, a `_core.Recomputation` whose passes run
+cut by cut, for Keras 3 blocks under `"full"`). Both track their
 running calls in one `_running.calls` (the one tracker: `inside_recomputed_call()`).
 They ask the Keras family through `recompute.adapters`.
 

@@ -1,6 +1,7 @@
 """`batch_cut(samples)`: how many samples one cut of the batch holds where a recomputed call
-runs its batch in cuts (on Keras 3's JAX backend, under `"full"`:
-`recompute.engine._jax._by_samples`), and `samples_per_cut`, the rule that reads it."""
+runs its batch in cuts (a Keras 3 block under `"full"`: on JAX
+`recompute.engine._jax._by_samples`, on TensorFlow `recompute.engine._cuts_tf`), and
+`samples_per_cut`, the rule that reads it."""
 
 from .._setting import Setting
 
@@ -11,20 +12,21 @@ _samples = [None]  # what `batch_cut` set: None (the rule), 0 (no cuts) or the s
 
 
 class batch_cut(Setting):
-    """Sets how many samples a recomputed call runs at a time, on JAX under `"full"`.
+    """Sets how many samples a recomputed call runs at a time under `"full"` (Keras 3).
 
-    On Keras 3's JAX backend a call recomputed under `policy="full"` that is a block of
-    Keras's attention, `Dense`, `LayerNormalization` and `Dropout` layers (keras-hub's
-    `TransformerEncoder` and `TransformerDecoder`, the standard Keras 3 block) runs its
+    A call recomputed under `policy="full"` that is a Keras 3 block of Keras's attention,
+    `Dense`, `LayerNormalization` and `Dropout` layers (keras-hub's `TransformerEncoder`
+    and `TransformerDecoder`, the standard Keras 3 block), on JAX or TensorFlow, runs its
     batch in cuts, in the forward pass and in the recomputation: the step then holds one
     cut's working set of a block, not the batch's, and what a sample adds is the block
     inputs that `"full"` keeps (docs/attention.md, "Cutting the batch"). Dropout draws
-    the whole batch's numbers and cuts them; the weights' gradients are summed over the
-    cuts. The values equal the uncut call's to float rounding. By default (`None`) a cut
-    holds about 4,096 rows (`CUT_ROWS`; 8 samples at seq 512); `0` runs whole batches. As
-    a statement it holds for the rest of the process; as a context manager, inside the
+    the whole batch's numbers for the cut's samples; the weights' gradients are summed
+    over the cuts. The values equal the uncut call's to float rounding. By default
+    (`None`) a cut holds about 4,096 rows on JAX (`CUT_ROWS`; 8 samples at seq 512) and
+    1,024 on TensorFlow (`TF_CUT_ROWS`; 2 samples); `0` runs whole batches. As a
+    statement it holds for the rest of the process; as a context manager, inside the
     block (restored on exit to what the entry found). It is read when a call is traced
-    (in `jax.jit`, `fit`: at the first step).
+    (in `jax.jit`, `tf.function`, `fit`: at the first step).
 
     ```python
     import recompute
@@ -33,9 +35,11 @@ class batch_cut(Setting):
         ...
     ```
 
-    Limits: TensorFlow has no cuts (the setting is accepted and has no effect there); a
-    call of other layers, one that adds a loss or whose dropout has a noise shape, runs
-    whole; the arrays whose leading axis has the batch's length are the ones cut.
+    Limits: Keras 3 only (tf_keras and bert4keras run whole batches); a call of other
+    layers, one that adds a loss or whose dropout has a noise shape, runs whole, and on
+    TensorFlow so does a call whose batch size is unknown when traced (`fit`'s retrace
+    for a last, partial batch) or whose layers are not built yet; the tensors whose
+    leading axis has the batch's length are the ones cut.
 
     Args:
         samples: an integer >= 0 (0: no cuts), or None for the default.

@@ -11,9 +11,11 @@ one iteration at a time), so that the [.., seq, seq] temporaries are one sample'
 whatever the batch.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from . import _flash
+from ..engine import _running
 from ..engine._core import after
 
 # Eight 0/1 bytes read as one 64-bit word: a product with _GATHER moves byte i's
@@ -142,7 +144,27 @@ ENGINE = _Engine()
 DRAW_ELEMENTS = 1 << 20  # random numbers per chunk of `stateless_keep_bits`: 4 MiB of float32
 
 
-def stateless_keep_bits(seed, rows_shape, keys, rate):
+def keras_seed(dropout):
+    """The seed Keras 3's TensorFlow dropout draws from `dropout` (a Keras `Dropout`): its
+    generator's next seed, as int32 (Keras's `_cast_seed`)."""
+    seed = dropout.seed_generator.next()
+    if seed.dtype != tf.int32:
+        seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
+    return seed
+
+
+def philox_at(seed, steps):
+    """`(key, counter, alg)` of `seed`'s stateless Philox draw, its counter advanced by
+    `steps` (a scalar tensor), the carry into the counter's high word included: the draw
+    from there is the seed's draw without its first `4 * steps` numbers of float32
+    (`stateless_keep_bits`)."""
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+    low = counter[0] + tf.cast(steps, tf.uint64)
+    carried = tf.stack([low, counter[1] + tf.cast(low < counter[0], tf.uint64)])
+    return key, carried, tf.raw_ops.StatelessRandomGetAlg()
+
+
+def stateless_keep_bits(seed, rows_shape, keys, rate, first_row=0):
     """The bits of `tf.random.stateless_uniform(rows_shape + [keys], seed) >= rate`
     (float32), drawn in chunks of rows: `pack` of that mask, without the whole
     uniform tensor.
@@ -160,24 +182,22 @@ def stateless_keep_bits(seed, rows_shape, keys, rate):
         rows_shape: a 1-D int32 tensor, the shape without the last axis.
         keys: the last axis's length (a Python int).
         rate: the dropout's rate (a Python float).
+        first_row: where the rows start in the seed's draw (a scalar tensor or int; its
+            `first_row * keys` a multiple of 4): the rows of a cut of the batch.
 
     Returns:
         uint8 bits of shape `rows_shape + [ceil(keys / 8)]`.
     """
-    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
-    alg = tf.raw_ops.StatelessRandomGetAlg()
     rows = tf.reduce_prod(rows_shape)
     chunk = max(4, (DRAW_ELEMENTS // keys) // 4 * 4)
     n = (rows + chunk - 1) // chunk
-    low, high = counter[0], counter[1]
+    first = tf.cast(first_row, tf.uint64) * tf.constant(keys, tf.uint64) // 4
 
     def step(i, array):
-        offset = tf.cast(i, tf.uint64) * tf.constant(chunk * keys // 4, tf.uint64)
-        new_low = low + offset
-        new_high = high + tf.cast(new_low < low, tf.uint64)  # the carry
+        offset = first + tf.cast(i, tf.uint64) * tf.constant(chunk * keys // 4, tf.uint64)
+        key, counter, alg = philox_at(seed, offset)
         uniform = tf.raw_ops.StatelessRandomUniformV2(
-            shape=[chunk, keys], key=key, counter=tf.stack([new_low, new_high]), alg=alg,
-            dtype=tf.float32)
+            shape=[chunk, keys], key=key, counter=counter, alg=alg, dtype=tf.float32)
         return i + 1, array.write(i, pack(uniform >= tf.constant(rate, tf.float32)))
 
     array = tf.TensorArray(tf.uint8, size=n, element_shape=[chunk, -(-keys // 8)])
@@ -193,8 +213,9 @@ def dropout_bits(dropout, batch_like, shape, dtype, rows):
     (`stateless_keep_bits`): without the whole [batch, heads, seq, seq] uniform draw (nor
     the ones, scaled copy, cast mask and product of `dropout(ones)`). `rows` is not used
     (the chunks are sized by `DRAW_ELEMENTS`). None for any other dropout (tf_keras's) and
-    other dtypes than float32: the caller draws it whole. `test_blocked_attention_core.py`
-    checks that the masks are the layer's own."""
+    other dtypes than float32: the caller draws it whole. Inside a cut of the batch
+    (`recompute.engine._running.batch_window()`), the cut's rows of the batch's draw.
+    `test_blocked_attention_core.py` checks that the masks are the layer's own."""
     import sys
 
     keras = sys.modules.get("keras")
@@ -202,12 +223,14 @@ def dropout_bits(dropout, batch_like, shape, dtype, rows):
             or dropout.noise_shape is not None or keras.backend.backend() != "tensorflow"
             or keras.backend.standardize_dtype(dtype) != "float32"):
         return None
-    # The seed Keras's TensorFlow dropout draws: the generator's next seed, as int32.
-    seed = dropout.seed_generator.next()
-    if seed.dtype != tf.int32:
-        seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
+    window = _running.batch_window()  # inside a cut: the cut's rows of the batch's draw
+    per_sample = int(np.prod(shape[:-1]))
+    if window is not None and (per_sample * shape[-1]) % 4:
+        return None  # a cut not on a step of the counter: the caller's `Dropout` draws it
+    first_row = 0 if window is None else tf.cast(window.start, tf.int64) * per_sample
     rows_shape = tf.concat([tf.shape(batch_like)[:1], shape[:-1]], 0)
-    return stateless_keep_bits(seed, rows_shape, shape[-1], dropout.rate)
+    return stateless_keep_bits(keras_seed(dropout), rows_shape, shape[-1], dropout.rate,
+                               first_row)
 
 
 def ones(batch_like, shape, dtype):

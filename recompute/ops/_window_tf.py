@@ -21,9 +21,8 @@ import numpy as np
 import tensorflow as tf
 
 from ..engine import _running
+from . import _flash_tf
 from .._scoped import shadowed
-
-INT32_SEED_MOD = 2**31 - 2  # Keras's `_cast_seed`: an int64 seed state floormod int32.max - 1
 
 
 def _per_step(dtype):
@@ -38,15 +37,11 @@ def window_uniform(seed, shape, dtype, window):
     per_sample = int(np.prod(shape[1:]))
     step = _per_step(dtype)
     first = tf.cast(window.start, tf.int64) * per_sample
-    skip, lane = first // step, first % step
-    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
-    low = counter[0] + tf.cast(skip, tf.uint64)
-    carried = tf.stack([low, counter[1] + tf.cast(low < counter[0], tf.uint64)])
+    key, counter, alg = _flash_tf.philox_at(seed, first // step)
     count = int(shape[0]) * per_sample
     numbers = tf.raw_ops.StatelessRandomUniformV2(
-        shape=[count + step - 1], key=key, counter=carried,
-        alg=tf.raw_ops.StatelessRandomGetAlg(), dtype=dtype)
-    return tf.reshape(tf.slice(numbers, [lane], [count]), shape)
+        shape=[count + step - 1], key=key, counter=counter, alg=alg, dtype=dtype)
+    return tf.reshape(tf.slice(numbers, [first % step], [count]), shape)
 
 
 def plain_dropout(layer):
@@ -62,10 +57,8 @@ def _windowed(layer, own_call):
         window = _running.batch_window()
         if window is None or not training or not 0 < layer.rate < 1:
             return own_call(inputs, training=training)
-        seed = layer.seed_generator.next()
-        if seed.dtype != tf.int32:
-            seed = tf.cast(tf.math.floormod(seed, INT32_SEED_MOD), tf.int32)
-        numbers = window_uniform(seed, inputs.shape, inputs.dtype, window)
+        numbers = window_uniform(_flash_tf.keras_seed(layer), inputs.shape, inputs.dtype,
+                                 window)
         return tf.nn.experimental.general_dropout(
             inputs, layer.rate, uniform_sampler=lambda shape, dtype: numbers)
 
