@@ -105,15 +105,21 @@ def unique(values):
     return out
 
 
+def replay_state(layer, state, start):
+    """Runs the recomputation on the start values of `state`, discarding its writes
+    (`replay_recording` without a record)."""
+    return replay_recording(layer, state, start, None)
+
+
 @contextlib.contextmanager
-def replay_state(layer, state, start, assigned=None):
+def replay_recording(layer, state, start, assigned):
     """Runs the recomputation on the start values of `state`, discarding its writes.
 
     Yields a list that holds, once the block exits, the tensors the
-    recomputation passed to `add_loss` (in call order). With `assigned` (a dict), it
-    also gets, on exit, `{id(variable): (variable, value)}` of each variable the block
-    assigned, with the last value assigned (`recompute.engine._cuts_tf` writes a cut's
-    seed states so).
+    recomputation passed to `add_loss` (in call order). With `assigned` (a dict; Keras 3's
+    own, not the adapters' interface), it also gets, on exit,
+    `{id(variable): (variable, value)}` of each variable the block assigned, with the last
+    value assigned (`recompute.engine._cuts_tf` writes a cut's seed states so).
 
     A `keras.StatelessScope` maps each state variable to the value it had when
     the forward call began: seed generators draw the same seeds again, moving

@@ -6,7 +6,7 @@ runs its batch in cuts (a Keras 3 block under `"full"`: on JAX
 from .._setting import Setting
 
 CUT_ROWS = 4096  # by default a cut holds about this many rows on JAX: 8 samples at seq 512
-TF_CUT_ROWS = 1024  # on TensorFlow: 2 samples at seq 512
+TF_CUT_ROWS = 1024  # on TensorFlow's CPU kernels: 2 samples at seq 512 (on a GPU, CUT_ROWS)
 
 _samples = [None]  # what `batch_cut` set: None (the rule), 0 (no cuts) or the samples
 
@@ -22,8 +22,9 @@ class batch_cut(Setting):
     inputs that `"full"` keeps (docs/attention.md, "Cutting the batch"). Dropout draws
     the whole batch's numbers for the cut's samples; the weights' gradients are summed
     over the cuts. The values equal the uncut call's to float rounding. By default
-    (`None`) a cut holds about 4,096 rows on JAX (`CUT_ROWS`; 8 samples at seq 512) and
-    1,024 on TensorFlow (`TF_CUT_ROWS`; 2 samples); `0` runs whole batches. As a
+    (`None`) a cut holds about 4,096 rows (`CUT_ROWS`; 8 samples at seq 512), and 1,024
+    on TensorFlow where it sees no GPU (`TF_CUT_ROWS`; 2 samples: its CPU kernels run
+    products of that size as fast); `0` runs whole batches. As a
     statement it holds for the rest of the process; as a context manager, inside the
     block (restored on exit to what the entry found). It is read when a call is traced
     (in `jax.jit`, `tf.function`, `fit`: at the first step).
@@ -61,6 +62,13 @@ def samples_per_cut(rows_per_sample, engine="jax"):
     cut (`batch_cut(0)`)."""
     samples = _samples[0]
     if samples is None:
-        rows = TF_CUT_ROWS if engine == "tensorflow" else CUT_ROWS
+        rows = TF_CUT_ROWS if engine == "tensorflow" and not _tensorflow_sees_a_gpu() \
+            else CUT_ROWS
         return max(1, rows // max(1, int(rows_per_sample)))
     return samples or None
+
+
+def _tensorflow_sees_a_gpu():
+    import tensorflow as tf
+
+    return bool(tf.config.list_logical_devices("GPU"))

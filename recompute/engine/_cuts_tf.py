@@ -7,8 +7,8 @@ leading axis, known when traced) is larger (`CutRecomputation`):
 - forward pass, off the tapes: the call on each cut of the batch in turn -- the first cut,
   then a `tf.while_loop` over the other whole cuts (one iteration at a time), then the rest
   -- its outputs joined; it keeps the inputs only, as `_core` does. Each cut runs from the
-  state the call started from (`replay_state`), and the seed states the first cut assigned
-  are then written once, as one call writes them;
+  state the call started from (`recompute.adapters._keras3.replay_recording`), and the
+  seed states the first cut assigned are then written once, as one call writes them;
 - backward pass: the call again on each cut under a tape, from the same state, after the
   incoming gradient; the gradients of the cut inputs joined, those of the weights and of
   the inputs passed whole summed (in float32 where they are half precision).
@@ -16,7 +16,9 @@ leading axis, known when traced) is larger (`CutRecomputation`):
 So a step holds one cut's working set of the call at a time, not the batch's. While a cut
 runs, a `_running.BatchWindow` is active: the dropouts inside draw the whole batch's random
 numbers for the cut's samples (`recompute.ops._window_tf`, which the policy puts in the
-call), and `_core.kept` keeps nothing (what it would keep is drawn again, the same). The
+call; the blocked attention core's bits, `recompute.ops._flash_tf.dropout_bits`), and
+`_core.kept` keeps nothing (what it would keep is drawn again, the same: the attention
+dropout's decision is drawn twice a step, in each pass, where whole batches draw it once). The
 tensors cut are those whose leading axis has the batch's length. Where the first cut adds a
 loss, assigns a variable other than a seed generator's state, or returns something that is
 not a floating tensor with the cut's leading axis, the call runs whole instead (`_core`'s
@@ -25,7 +27,7 @@ not a floating tensor with the cut's leading axis, the call runs whole instead (
 
 import tensorflow as tf
 
-from ..adapters import _tf
+from ..adapters import _keras3, _tf
 from . import _core, _running
 
 SEED_STATE = "seed_generator_state"  # the name of a Keras `SeedGenerator`'s state variable
@@ -77,8 +79,8 @@ class CutRecomputation(_core.Recomputation):
         """The call on `window`'s samples from the starting state: its flat outputs and the
         losses it added."""
         ready = _core.after([_core.cut(x, window) for x in inputs], *gates)
-        with self.adapter.replay_state(self.layer, self.state, self.start,
-                                       assigned) as losses:
+        with _keras3.replay_recording(self.layer, self.state, self.start,
+                                      assigned) as losses:
             outputs = self._run_call(ready, None, window=window)
         return outputs, losses
 

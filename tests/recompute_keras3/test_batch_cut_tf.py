@@ -13,9 +13,9 @@ import tensorflow as tf
 import recompute
 from recompute import recompute_grad, recompute_scope
 from recompute.engine import _cuts_tf, _running
-from recompute.engine._batch_cut import TF_CUT_ROWS, samples_per_cut
+from recompute.engine._batch_cut import CUT_ROWS, TF_CUT_ROWS, samples_per_cut
 from recompute.ops import _window_tf
-from tests.helpers.numerics import assert_all_close
+from tests.helpers.numerics import assert_all_close, max_rel_err
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +109,8 @@ def _cuts_seen(monkeypatch):
 @pytest.mark.parametrize("batch", [5, 6])
 def test_cuts_equal_recompute_off(monkeypatch, mode, batch):
     """Cuts of 2 samples (5: a first cut, a loop of one, a rest of 1; 6: a first cut and a
-    loop of two), with a boolean mask (cut too) and dropout: the loss and every gradient equal RECOMPUTE=0's,
+    loop of two), with a boolean mask (cut too) and dropout: the loss and every gradient
+    equal RECOMPUTE=0's,
     the seed states advance alike, and each block's forward pass ran its cuts."""
     model = _model()
     inputs = _inputs(batch)
@@ -138,6 +139,31 @@ def test_cuts_with_the_blocked_core(seq):
         loss1, grads1, state1 = _step(model, True, inputs, "function")
     assert abs(loss0 - loss1) <= 1e-5 * abs(loss0), (loss0, loss1)
     assert_all_close(grads0, grads1, [v.path for v in model.trainable_variables])
+    assert all(np.array_equal(a, b) for a, b in zip(state0, state1))
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_cuts_in_half_precision(monkeypatch, policy):
+    """Half precision (eager: every op as written), cuts of 2 of a batch of 5: the loss and
+    every gradient within half-precision rounding of RECOMPUTE=0's own half-precision
+    numbers (the weights' gradients are summed over the cuts in another order), the
+    dropouts the same (the seed states too), and the blocks computed in half precision."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        model = _model()
+        inputs = _inputs(5)
+        loss0, grads0, state0 = _step(model, False, inputs, "eager")
+        seen = _cuts_seen(monkeypatch)
+        with recompute.batch_cut(2):
+            loss1, grads1, state1 = _step(model, True, inputs, "eager")
+    finally:
+        keras.config.set_dtype_policy(previous)
+    assert model.layers[2].compute_dtype == policy.split("_")[1]
+    assert seen == [2, 2, 1] * 2, seen
+    assert abs(loss0 - loss1) <= 1e-2 * abs(loss0), (loss0, loss1)
+    for name, a, b in zip([v.path for v in model.trainable_variables], grads0, grads1):
+        assert max_rel_err(a, b) < 2e-2, (name, max_rel_err(a, b))
     assert all(np.array_equal(a, b) for a, b in zip(state0, state1))
 
 
@@ -204,9 +230,11 @@ def test_window_uniform_is_the_whole_draw_cut(dtype, jit):
 
 
 def test_the_rule_on_tensorflow():
-    """By default a cut holds about `TF_CUT_ROWS` rows on TensorFlow (2 samples at seq 512);
-    `batch_cut` sets it for both engines."""
-    assert samples_per_cut(512, "tensorflow") == TF_CUT_ROWS // 512 == 2
+    """By default a cut holds about `TF_CUT_ROWS` rows on TensorFlow where it sees no GPU (2
+    samples at seq 512), `CUT_ROWS` where it sees one (8); `batch_cut` sets it for both
+    engines."""
+    rows = CUT_ROWS if tf.config.list_logical_devices("GPU") else TF_CUT_ROWS
+    assert samples_per_cut(512, "tensorflow") == rows // 512 == (8 if rows == CUT_ROWS else 2)
     assert samples_per_cut(10**6, "tensorflow") == 1
     with recompute.batch_cut(3):
         assert samples_per_cut(512, "tensorflow") == 3
