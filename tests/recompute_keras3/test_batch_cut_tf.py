@@ -110,8 +110,8 @@ def _cuts_seen(monkeypatch):
 def test_cuts_equal_recompute_off(monkeypatch, mode, batch):
     """Cuts of 2 samples (5: a first cut, a loop of one, a rest of 1; 6: a first cut and a
     loop of two), with a boolean mask (cut too) and dropout: the loss and every gradient
-    equal RECOMPUTE=0's,
-    the seed states advance alike, and each block's forward pass ran its cuts."""
+    equal RECOMPUTE=0's, the seed states advance alike, and each block's forward pass ran
+    its cuts."""
     model = _model()
     inputs = _inputs(batch)
     loss0, grads0, state0 = _step(model, False, inputs, mode)
