@@ -3,6 +3,8 @@
     python -m benchmarks.recompute_memory            # lean Keras 3 block, 12 x 768, seq 512 (slow)
     python -m benchmarks.recompute_memory --model standard      # keras.layers.MultiHeadAttention
     python -m benchmarks.recompute_memory --model standard --paired   # time ratios in one process
+    python -m benchmarks.recompute_memory --model standard --modes 0,full --paired --batch-cut 0
+                                                     # "full" with whole batches (no cuts)
     TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.recompute_memory --model bert4keras
     python -m benchmarks.recompute_memory --quick    # tiny shape, for CI
     python -m benchmarks.recompute_memory --layers 4 --seq 256 --json out.json
