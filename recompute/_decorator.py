@@ -144,9 +144,10 @@ def recompute_grad(call=None, *, policy="full", offload=False):
             and 32, more at 2 and 4 (`benchmarks.gpu_plan --offload` shows a model's
             plan). On a CPU, host memory is the
             device's: nothing to offload to, the same gradients. TensorFlow has no host offload: True raises
-            there (docs/recompute.md, "Host offload"). On JAX under `"full"` a block of
+            there (docs/recompute.md, "Host offload"). Under `"full"` a Keras 3 block of
             Keras's attention, `Dense`, `LayerNormalization` and `Dropout` layers also
-            runs its batch in cuts, with or without offload (`recompute.batch_cut`).
+            runs its batch in cuts, on JAX with or without offload, and on TensorFlow
+            (`recompute.batch_cut`).
 
     Returns:
         The decorated method (a decorator if `call` is omitted).

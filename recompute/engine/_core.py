@@ -401,21 +401,22 @@ class Recomputation:
         self.created[id(variable)] = variable.read_value()
         return variable
 
-    def _run_call(self, inputs, seed, replay=False, gate=None, window=None):
+    def _run_call(self, inputs, seed, replay=False, gate=None, window=None, running=None):
         """The call on `inputs` (its floating-point inputs); with `gate` (the recomputation:
         the incoming gradient), its other tensor inputs -- a padding mask, token ids -- wait
         for `gate` too (`after`): what the call computes from them alone (a mask broadcast to
         [batch, heads, seq, seq]) would otherwise run in the forward pass and wait there.
         With `window` (a `_running.BatchWindow`: `recompute.engine._cuts_tf`), `inputs` are
         the window's samples, the other tensors of the batch's length are cut to them, the
-        random draws inside draw the window's numbers, and `kept` keeps nothing."""
+        random draws inside draw the window's numbers, and `kept` keeps in `running` (the
+        cut's `_RunningCall`; None: nothing is kept)."""
         others = [v for v in self.flat if gate is not None and _is_other_tensor(v)]
         gated = {id(v): w for v, w in zip(others, after(others, gate) if others else [])}
         new_flat = [inputs[self.slot_of[id(v)]] if id(v) in self.slot_of
                     else cut(gated.get(id(v), v), window) for v in self.flat]
         call_args, call_kwargs = tf.nest.pack_sequence_as(self.structure, new_flat)
         if window is not None:
-            with _running.calls.entered(_running.RunningCall(self.layer)), \
+            with _running.calls.entered(running or _running.RunningCall(self.layer)), \
                     _running.windows.entered(window):
                 return self.call(self.layer, *call_args, **call_kwargs)
         with _running.calls.entered(self.running.replay() if replay else self.running):
@@ -474,10 +475,10 @@ class Recomputation:
         # The block below recomputes once this block's gradients are all done (see `after`).
         return after(grads[:n], *grads[n:]), grads[n:]
 
-    def _recompute(self, ready, variables, first_dy, window=None):
+    def _recompute(self, ready, variables, first_dy, window=None, running=None):
         """The call run again on `ready` under a tape watching it and `variables`: the tape,
-        the call's outputs and the losses it added. With `window`, on its samples
-        (`_run_call`)."""
+        the call's outputs and the losses it added. With `window`, on its samples, what its
+        forward pass kept replayed from `running` (`_run_call`)."""
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(ready)
             tape.watch(variables)
@@ -488,9 +489,8 @@ class Recomputation:
                 # The legacy seed is a forward-pass tensor too: gated like the state.
                 seed = after([self.legacy_seed], first_dy)[0] if self.legacy is not None else None
                 recomputed = self._run_call(ready, seed, replay=True, gate=first_dy,
-                                            window=window)
-        if window is None:
-            self.running.check_replayed()
+                                            window=window, running=running)
+        (self.running if window is None else running).check_replayed()
         if len(recomputed_losses) != len(self.losses):
             raise RuntimeError(
                 f"recompute_grad: layer '{self.layer.name}' added {len(self.losses)} "

@@ -16,9 +16,10 @@ leading axis, known when traced) is larger (`CutRecomputation`):
 So a step holds one cut's working set of the call at a time, not the batch's. While a cut
 runs, a `_running.BatchWindow` is active: the dropouts inside draw the whole batch's random
 numbers for the cut's samples (`recompute.ops._window_tf`, which the policy puts in the
-call; the blocked attention core's bits, `recompute.ops._flash_tf.dropout_bits`), and
-`_core.kept` keeps nothing (what it would keep is drawn again, the same: the attention
-dropout's decision is drawn twice a step, in each pass, where whole batches draw it once). The
+call; the blocked attention core's bits, `recompute.ops._flash_tf.dropout_bits`). What a
+cut's forward pass keeps for its recomputation (`_core.kept`: the attention dropout's
+decision, as bits) is kept by cut -- a `tf.TensorArray` over the whole cuts, written by the
+forward loop and read by the backward one -- and replayed there. The
 tensors cut are those whose leading axis has the batch's length. Where the first cut adds a
 loss, assigns a variable other than a seed generator's state, or returns something that is
 not a floating tensor with the cut's leading axis, the call runs whole instead (`_core`'s
@@ -75,14 +76,18 @@ class CutRecomputation(_core.Recomputation):
     def _is_cut(self, x):
         return x.shape.rank not in (None, 0) and x.shape[0] == self.batch
 
-    def _forward_cut(self, inputs, window, assigned=None, gates=()):
-        """The call on `window`'s samples from the starting state: its flat outputs and the
-        losses it added."""
+    def _forward_cut(self, inputs, window, assigned=None, gates=(), running=None):
+        """The call on `window`'s samples from the starting state: its outputs and the
+        losses it added; what it keeps (`_core.kept`) in `running`."""
         ready = _core.after([_core.cut(x, window) for x in inputs], *gates)
         with _keras3.replay_recording(self.layer, self.state, self.start,
                                       assigned) as losses:
-            outputs = self._run_call(ready, None, window=window)
+            outputs = self._run_call(ready, None, window=window, running=running)
         return outputs, losses
+
+    def _kept(self):
+        """A `_core._RunningCall` of the layer: what a cut keeps, or replays."""
+        return _core._RunningCall(self.layer)
 
     def _cuttable(self, outputs, losses, assigned):
         flat = tf.nest.flatten(outputs)
@@ -99,9 +104,10 @@ class CutRecomputation(_core.Recomputation):
         if any(key not in self.pre for key in keys):  # made by this call: not built yet
             return super().forward(*inputs)
         self.start = [self.pre[key] for key in keys]
-        assigned = {}
+        assigned, kept = {}, self._kept()
         with _tf.pause_outer_tapes():
-            first, losses = self._forward_cut(inputs, self._window(0, self.samples), assigned)
+            first, losses = self._forward_cut(inputs, self._window(0, self.samples), assigned,
+                                              running=kept)
             if not self._cuttable(first, losses, assigned):
                 return super().forward(*inputs)
             self.cutting = True
@@ -109,22 +115,32 @@ class CutRecomputation(_core.Recomputation):
                 variable.assign(value)
             flat = tf.nest.flatten(first)
             ready = _core.after(inputs, *flat)  # the other cuts after the first
+            # what each whole cut keeps, by cut: the first cut's at 0, the loop's after it
+            self.none_kept = [v is None for v in kept.values]
+            self.kept = [tf.TensorArray(v.dtype, size=self.whole).write(0, v)
+                         for v in kept.values if v is not None]
 
-            def body(k, arrays):
+            def body(k, state):
+                arrays, kept_arrays = state
                 window = self._window((k + 1) * self.samples, self.samples)
-                outs, _ = self._forward_cut(ready, window)
-                return [a.write(k, o) for a, o in zip(arrays, tf.nest.flatten(outs))]
+                kept = self._kept()
+                outs, _ = self._forward_cut(ready, window, running=kept)
+                values = [v for v in kept.values if v is not None]
+                return ([a.write(k, o) for a, o in zip(arrays, tf.nest.flatten(outs))],
+                        [a.write(k + 1, v) for a, v in zip(kept_arrays, values)])
 
             parts = [[o] for o in flat]
             if self.whole > 1:
-                arrays = _loop(self.whole - 1, body, [
-                    tf.TensorArray(o.dtype, size=self.whole - 1, element_shape=o.shape)
-                    for o in flat])
+                arrays, self.kept = _loop(self.whole - 1, body, (
+                    [tf.TensorArray(o.dtype, size=self.whole - 1, element_shape=o.shape)
+                     for o in flat], self.kept))
                 for part, a, o in zip(parts, arrays, flat):
                     part.append(tf.reshape(a.stack(), [-1] + o.shape[1:].as_list()))
             if self.rest:
                 window = self._window(self.whole * self.samples, self.rest)
-                last, _ = self._forward_cut(ready, window, gates=[p[-1] for p in parts])
+                self.rest_kept = self._kept()
+                last, _ = self._forward_cut(ready, window, gates=[p[-1] for p in parts],
+                                            running=self.rest_kept)
                 for part, o in zip(parts, tf.nest.flatten(last)):
                     part.append(o)
         joined = []
@@ -137,11 +153,13 @@ class CutRecomputation(_core.Recomputation):
         self.differentiable = list(range(len(joined)))
         return joined, self.backward
 
-    def _cut_gradients(self, dys, variables, window, gates):
-        """The gradients of the inputs and `variables` on `window`'s samples."""
+    def _cut_gradients(self, dys, variables, window, gates, kept):
+        """The gradients of the inputs and `variables` on `window`'s samples, what the cut's
+        forward pass kept replayed from `kept`."""
         ready = _core.after([_core.cut(x, window) for x in self.inputs], *gates)
         pieces = [None if d is None else _core.cut(d, window) for d in dys]
-        tape, recomputed, losses = self._recompute(ready, variables, gates[0], window)
+        tape, recomputed, losses = self._recompute(ready, variables, gates[0], window,
+                                                   kept.replay())
         targets, seeds = self._targets(recomputed, losses, pieces)
         grads = tape.gradient(targets, list(ready) + variables, output_gradients=seeds)
         return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
@@ -168,15 +186,17 @@ class CutRecomputation(_core.Recomputation):
         def summed(i):  # float32 for half precision
             return tf.float32 if dtype(i) in HALF else dtype(i)
 
-        def gradients(window, gates):
-            grads = self._cut_gradients(dys, variables, window, gates)
+        def gradients(window, gates, kept):
+            grads = self._cut_gradients(dys, variables, window, gates, kept)
             nones.update(i for i, g in enumerate(grads) if g is None)
             return [tf.zeros(shape(i, window.size), dtype(i)) if g is None else g
                     for i, g in enumerate(grads)]
 
         def body(k, state):
             arrays, sums = state
-            grads = gradients(self._window(k * self.samples, self.samples), [first_dy])
+            kept, values = self._kept(), iter([a.read(k) for a in self.kept])
+            kept.values = [None if none else next(values) for none in self.none_kept]
+            grads = gradients(self._window(k * self.samples, self.samples), [first_dy], kept)
             return ([a.write(k, grads[i]) for a, i in zip(arrays, cut)],
                     [s + tf.cast(grads[i], s.dtype) for s, i in zip(sums, whole)])
 
@@ -191,7 +211,8 @@ class CutRecomputation(_core.Recomputation):
             totals = dict(zip(whole, sums))
             if self.rest:
                 gates = [first_dy] + [p[0] for p in parts.values()] + sums
-                grads = gradients(self._window(self.whole * self.samples, self.rest), gates)
+                grads = gradients(self._window(self.whole * self.samples, self.rest), gates,
+                                  self.rest_kept)
                 for i in cut:
                     parts[i].append(grads[i])
                 for i in whole:

@@ -15,12 +15,16 @@ among `layers` (the family's own class, no noise shape): inside a cut
 (`recompute.engine._running.batch_window()`) it draws so, and drops with
 `tf.nn.experimental.general_dropout` (TensorFlow's dropout with a given sampler, the
 formula of `stateless_dropout`); elsewhere it is the layer's call.
+
+`decided_once(layers)` shadows the dropout of Keras's own attention core under `"full"`:
+its decision drawn once a step, in the forward pass, as bits kept for the recomputation
+(`recompute.engine._core.kept`), where Keras's dropout would draw it again there.
 """
 
 import numpy as np
 import tensorflow as tf
 
-from ..engine import _running
+from ..engine import _core, _running
 from . import _flash_tf
 from .._scoped import shadowed
 
@@ -70,3 +74,37 @@ def windowed_dropouts(layers):
     inside a cut (the module's docstring); restored on exit."""
     return shadowed((layer, "call", _windowed(layer, layer.call))
                     for layer in layers if plain_dropout(layer))
+
+
+def _decided_once(layer, own_call):
+    def call(inputs, training=False):
+        if (not training or not 0 < layer.rate < 1 or not isinstance(inputs, tf.Tensor)
+                or inputs.dtype != tf.float32 or None in inputs.shape[1:]):
+            return own_call(inputs, training=training)
+
+        def decide():
+            return _flash_tf.dropout_bits(layer, inputs, inputs.shape[1:].as_list(),
+                                          "float32", None)
+
+        bits = _core.kept(decide)
+        keep = _flash_tf.ENGINE.unpack(bits, inputs.shape[-1])
+        scale = tf.constant(1 / (1 - layer.rate), inputs.dtype)
+        return tf.where(keep, inputs * scale, tf.zeros([], inputs.dtype))
+
+    call.decided_once = True
+    return call
+
+
+def decided_once(layers):
+    """While active, each plain Keras 3 `Dropout` among `layers` (Keras's own attention core's,
+    under `"full"`) keeps its decision in float32 training as bits across the passes of the
+    recomputation (`recompute.engine._core.kept`): drawn once a step, in the forward pass
+    (`_flash_tf.dropout_bits`, its own numbers in chunks), and applied from the bits in both,
+    `where(keep, x * scale, 0)` as TensorFlow's dropout; elsewhere the layer's call. Restored
+    on exit. A call shadowed already by `windowed_dropouts` is the one run elsewhere (the
+    bits are drawn for the cut's rows anyway)."""
+    import keras
+
+    return shadowed((layer, "call", _decided_once(layer, layer.call)) for layer in layers
+                    if type(layer) is keras.layers.Dropout and layer.noise_shape is None
+                    and not getattr(vars(layer).get("call"), "decided_once", False))

@@ -44,7 +44,7 @@ bert4keras's `pay_attention_to`.
 import contextlib
 from typing import Callable, NamedTuple
 
-from ..adapters import _keras3
+from ..adapters import _keras3, _mha_private
 from ..ops import _attention, _flash_tf, _lean, _window_tf
 from ..engine import TensorFlowEngine, _core, _cuts_tf
 from . import _blocks, _jax
@@ -131,6 +131,9 @@ def _class_core(adapter, core, policy):
                                            policy)
         if blocked is not None:
             return blocked
+        if policy == "full":  # Keras's core inside the call: its decision drawn once a step
+            with _window_tf.decided_once([_mha_private.own_dropout(layer)]):
+                return recompute_core(adapter, core, layer, args, kwargs, keep_scores)
         return recompute_core(adapter, core, layer, args, kwargs, keep_scores)
 
     return recomputed

@@ -14,7 +14,7 @@ import recompute
 from recompute import recompute_grad, recompute_scope
 from recompute.engine import _cuts_tf, _running
 from recompute.engine._batch_cut import CUT_ROWS, TF_CUT_ROWS, samples_per_cut
-from recompute.ops import _window_tf
+from recompute.ops import _flash_tf, _window_tf
 from tests.helpers.numerics import assert_all_close, max_rel_err
 
 
@@ -124,6 +124,26 @@ def test_cuts_equal_recompute_off(monkeypatch, mode, batch):
     assert abs(loss0 - loss1) <= 1e-5 * abs(loss0), (loss0, loss1)
     assert_all_close(grads0, grads1, [v.path for v in model.trainable_variables])
     assert all(np.array_equal(a, b) for a, b in zip(state0, state1))
+
+
+@pytest.mark.parametrize("cut", [2, 0])
+def test_the_attention_dropout_is_drawn_once_a_step(monkeypatch, cut):
+    """Under "full", Keras's own core (seq 8): its dropout's decision is drawn in the forward
+    pass only, as bits kept for the recomputation -- by cut where the batch is cut (eager:
+    each of the 3 cuts of each block once), else once a block -- and the values are
+    RECOMPUTE=0's."""
+    model = _model()
+    inputs = _inputs(5)
+    loss0, grads0, _ = _step(model, False, inputs, "eager")
+    draws = []
+    original = _flash_tf.stateless_keep_bits
+    monkeypatch.setattr(_flash_tf, "stateless_keep_bits",
+                        lambda *a: draws.append(a[1]) or original(*a))
+    with recompute.batch_cut(cut):
+        loss1, grads1, _ = _step(model, True, inputs, "eager")
+    assert len(draws) == (3 if cut else 1) * 2, draws
+    assert abs(loss0 - loss1) <= 1e-5 * abs(loss0), (loss0, loss1)
+    assert_all_close(grads0, grads1)
 
 
 @pytest.mark.parametrize("seq", [8, 7])
