@@ -28,9 +28,10 @@ class _RunningCall(_running.RunningCall):
     """A recomputed call of `layer` while it runs (`recomputed_call`), and what its
     forward pass keeps for its recomputation (`kept`)."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, cut=False):
         super().__init__(layer)
         self.values, self.replaying, self.next = [], False, 0
+        self.cut = cut  # a cut's of a call run in cuts of its batch (`kept`'s `in_cuts`)
 
     def replay(self):
         self.replaying, self.next = True, 0
@@ -51,7 +52,7 @@ class _RunningCall(_running.RunningCall):
                 "when recomputed; `call` must run the same code each time.")
 
 
-def kept(compute):
+def kept(compute, in_cuts=True):
     """`compute()` (tensors, or None), computed once per training step.
 
     Inside a recomputed call, the forward pass computes it and keeps the result
@@ -60,9 +61,11 @@ def kept(compute):
     it is simply `compute()`. For what is cheap to keep and costly or
     impossible to recompute: an attention dropout's decision, kept as bits
     (`_attention`), 1 bit per entry against a float random draw per entry.
+    Inside a cut of a call run in cuts of its batch (`_cuts_tf`), kept by cut, or
+    with `in_cuts=False` computed in each pass (what would weigh more kept than drawn).
     """
     call = _running.innermost(_RunningCall)
-    if call is None:
+    if call is None or (call.cut and not in_cuts):
         return compute()
     if call.replaying:
         return call.take()

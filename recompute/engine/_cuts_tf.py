@@ -17,9 +17,10 @@ So a step holds one cut's working set of the call at a time, not the batch's. Wh
 runs, a `_running.BatchWindow` is active: the dropouts inside draw the whole batch's random
 numbers for the cut's samples (`recompute.ops._window_tf`, which the policy puts in the
 call; the blocked attention core's bits, `recompute.ops._flash_tf.dropout_bits`). What a
-cut's forward pass keeps for its recomputation (`_core.kept`: the attention dropout's
-decision, as bits) is kept by cut -- a `tf.TensorArray` over the whole cuts, written by the
-forward loop and read by the backward one -- and replayed there. The
+cut's forward pass keeps for its recomputation (`_core.kept`: the decision of Keras's own
+attention core's dropout, as bits) is kept by cut -- a `tf.TensorArray` over the whole cuts,
+written by the forward loop and read by the backward one -- and replayed there; what is kept
+with `in_cuts=False` (the FlashAttention-2 core's bits) is drawn again in each pass. The
 tensors cut are those whose leading axis has the batch's length. Where the first cut adds a
 loss, assigns a variable other than a seed generator's state, or returns something that is
 not a floating tensor with the cut's leading axis, the call runs whole instead (`_core`'s
@@ -87,7 +88,7 @@ class CutRecomputation(_core.Recomputation):
 
     def _kept(self):
         """A `_core._RunningCall` of the layer: what a cut keeps, or replays."""
-        return _core._RunningCall(self.layer)
+        return _core._RunningCall(self.layer, cut=True)
 
     def _cuttable(self, outputs, losses, assigned):
         flat = tf.nest.flatten(outputs)
