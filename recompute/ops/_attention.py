@@ -139,7 +139,7 @@ def keras_blocked(engine, core, layer, args, kwargs, scores_asked, policy=None):
         return engine.pack(dropped != 0)
 
     # in a cut of the batch drawn in each pass: kept by cut it weighed more than drawn
-    # (seq 2048, 4 blocks: 143.8 against 80.9 MiB per sample; docs/attention.md)
+    # (seq 2048, 4 blocks: 143.8 against 80.9-95.3 MiB per sample; docs/attention.md)
     bits = _core.kept(decide, in_cuts=False)
     output = engine.attention(logits, query, key, value, mask, bits, rate, rows,
                               _flash.key_block(keys))
