@@ -131,7 +131,7 @@ def _class_core(adapter, core, policy):
                                            policy)
         if blocked is not None:
             return blocked
-        if policy == "full":  # Keras's core inside the call: its decision drawn once a step
+        if policy == "full" and adapter is _keras3:  # Keras's core: its decision drawn once
             with _window_tf.decided_once([_mha_private.own_dropout(layer)]):
                 return recompute_core(adapter, core, layer, args, kwargs, keep_scores)
         return recompute_core(adapter, core, layer, args, kwargs, keep_scores)
