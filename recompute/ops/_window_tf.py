@@ -82,9 +82,12 @@ def _decided_once(layer, own_call):
                 or inputs.dtype != tf.float32 or None in inputs.shape[1:]):
             return own_call(inputs, training=training)
 
-        def decide():
-            return _flash_tf.dropout_bits(layer, inputs, inputs.shape[1:].as_list(),
+        def decide():  # in chunks; else (a cut not on a step of the counter) the layer's own
+            bits = _flash_tf.dropout_bits(layer, inputs, inputs.shape[1:].as_list(),
                                           "float32", None)
+            if bits is None:
+                bits = _flash_tf.pack(own_call(tf.ones_like(inputs), training=True) != 0)
+            return bits
 
         bits = _core.kept(decide)
         keep = _flash_tf.ENGINE.unpack(bits, inputs.shape[-1])

@@ -146,16 +146,16 @@ def test_the_attention_dropout_is_drawn_once_a_step(monkeypatch, cut):
     assert_all_close(grads0, grads1)
 
 
-@pytest.mark.parametrize("seq", [8, 7])
-def test_cuts_with_the_blocked_core(seq):
-    """The FlashAttention-2 core in cuts (`attention_core("blocked")`): its dropout's bits
-    drawn for the cut's rows of the batch's draw (seq 8: 128 numbers a sample, on a step of
-    the counter), or by the windowed `Dropout` (seq 7: 98, not on a step); the loss and
-    every gradient RECOMPUTE=0's."""
+@pytest.mark.parametrize("core,seq", [("blocked", 8), ("blocked", 7), ("auto", 7)])
+def test_cuts_with_either_core(core, seq):
+    """The FlashAttention-2 core in cuts (`attention_core("blocked")`), and Keras's (the
+    rule's here) with its decision kept: the dropout's bits drawn for the cut's rows of the
+    batch's draw (seq 8: 128 numbers a sample, on a step of the counter), or by the windowed
+    `Dropout` (seq 7: 98, not on a step); the loss and every gradient RECOMPUTE=0's."""
     model = _model(seq=seq)
     inputs = _inputs(5, seq)
     loss0, grads0, state0 = _step(model, False, inputs, "function")
-    with recompute.batch_cut(2), recompute.attention_core("blocked"):
+    with recompute.batch_cut(2), recompute.attention_core(core):
         loss1, grads1, state1 = _step(model, True, inputs, "function")
     assert abs(loss0 - loss1) <= 1e-5 * abs(loss0), (loss0, loss1)
     assert_all_close(grads0, grads1, [v.path for v in model.trainable_variables])
