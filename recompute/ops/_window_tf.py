@@ -89,7 +89,9 @@ def _decided_once(layer, own_call):
                 bits = _flash_tf.pack(own_call(tf.ones_like(inputs), training=True) != 0)
             return bits
 
-        bits = _core.kept(decide)
+        # unpacked once the input exists: else an executor unpacks every block's bits at once,
+        # early (whole batches, BERT-base: 128.8 against 96.8 MiB per sample)
+        bits = _core.after([_core.kept(decide)], inputs)[0]
         keep = _flash_tf.ENGINE.unpack(bits, inputs.shape[-1])
         scale = tf.constant(1 / (1 - layer.rate), inputs.dtype)
         return tf.where(keep, inputs * scale, tf.zeros([], inputs.dtype))
