@@ -31,8 +31,8 @@ import tensorflow as tf
 
 from ..adapters import _keras3, _tf
 from . import _core, _running
+from ._jax import SEED_STATE  # the name of a Keras `SeedGenerator`'s state variable
 
-SEED_STATE = "seed_generator_state"  # the name of a Keras `SeedGenerator`'s state variable
 HALF = (tf.float16, tf.bfloat16)
 
 

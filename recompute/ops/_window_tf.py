@@ -10,8 +10,9 @@ the counter (2 in float64), on TensorFlow's kernels and in XLA alike. So the num
 samples `[start, start + size)` are those drawn from the counter advanced by `start`'s
 first element over 4 (`window_uniform`): no whole batch drawn in each cut.
 
-`windowed_dropouts(layers)` shadows, while active, the call of each plain Keras 3 `Dropout`
-among `layers` (the family's own class, no noise shape): inside a cut
+`windowed_dropouts(layers)` shadows, while active, the call of each plain `Dropout` among
+`layers` (`_lean.plain_dropout`: the family's own class, no noise shape; the cuts run on
+Keras 3 only): inside a cut
 (`recompute.engine._running.batch_window()`) it draws so, and drops with
 `tf.nn.experimental.general_dropout` (TensorFlow's dropout with a given sampler, the
 formula of `stateless_dropout`); elsewhere it is the layer's call.
@@ -25,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..engine import _core, _running
-from . import _flash_tf
+from . import _flash_tf, _lean
 from .._scoped import shadowed
 
 
@@ -48,14 +49,6 @@ def window_uniform(seed, shape, dtype, window):
     return tf.reshape(tf.slice(numbers, [first % step], [count]), shape)
 
 
-def plain_dropout(layer):
-    """Keras 3's own `Dropout` class, no noise shape, not shadowed already."""
-    import keras
-
-    return (type(layer) is keras.layers.Dropout and layer.noise_shape is None
-            and "call" not in vars(layer))
-
-
 def _windowed(layer, own_call):
     def call(inputs, training=False):
         window = _running.batch_window()
@@ -70,10 +63,10 @@ def _windowed(layer, own_call):
 
 
 def windowed_dropouts(layers):
-    """While active, the plain Keras 3 `Dropout` layers among `layers` draw a cut's numbers
+    """While active, the plain `Dropout` layers among `layers` draw a cut's numbers
     inside a cut (the module's docstring); restored on exit."""
     return shadowed((layer, "call", _windowed(layer, layer.call))
-                    for layer in layers if plain_dropout(layer))
+                    for layer in layers if _lean.plain_dropout(layer))
 
 
 def _decided_once(layer, own_call):
