@@ -23,6 +23,10 @@ from ..engine._core import after
 # so nothing carries). Each row of keys is packed on its own, for blocks of rows;
 # bit i is unpacked by a shift.
 _GATHER = 0x0102040810204080
+# Unpacking: a byte times _SPREAD is 8 copies of it, one per byte of the word; _SELECT
+# keeps bit i of byte i (little-endian: byte i is entry i).
+_SPREAD = 0x0101010101010101
+_SELECT = 0x8040201008040201
 
 
 def pack(mask):
@@ -97,15 +101,26 @@ class _Engine(_flash.Engine):
         return tf.cast(value, like.dtype)
 
     def unpack(self, bits, keys):
-        # (shifts, not a bitcast: XLA refuses to bitcast uint64 to uint8 inside the loop)
         bits = tf.convert_to_tensor(bits)
-        shifts = tf.constant(list(range(8)), tf.uint8)
-        flags = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits[..., None], shifts),
-                                       tf.ones([], tf.uint8))
-        flags = tf.not_equal(flags, tf.zeros([], tf.uint8))
-        flags = tf.reshape(flags, tf.concat([tf.shape(bits)[:-1], [-1]], 0))
-        width = bits.shape[-1]
-        flags.set_shape(bits.shape[:-1].concatenate([None if width is None else 8 * width]))
+        if bits.shape.is_fully_defined():
+            # Each byte copied to the 8 bytes of a word, byte i keeping its bit i: four
+            # passes over a byte per 8 entries, where shifting a broadcast byte by 0..7
+            # passes over every entry three times (x4-5 the CPU time of the unpacking).
+            # (XLA refuses the bitcast where a dimension is only bounded.)
+            words = tf.bitwise.bitwise_and(
+                tf.cast(tf.reshape(bits, [-1]), tf.uint64) * tf.constant(_SPREAD, tf.uint64),
+                tf.constant(_SELECT, tf.uint64))
+            flags = tf.reshape(tf.not_equal(tf.bitcast(words, tf.uint8), tf.zeros([], tf.uint8)),
+                               bits.shape[:-1].concatenate([8 * bits.shape[-1]]))
+        else:
+            # (shifts, not a bitcast: XLA refuses to bitcast uint64 to uint8 inside the loop)
+            shifts = tf.constant(list(range(8)), tf.uint8)
+            flags = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits[..., None], shifts),
+                                           tf.ones([], tf.uint8))
+            flags = tf.not_equal(flags, tf.zeros([], tf.uint8))
+            flags = tf.reshape(flags, tf.concat([tf.shape(bits)[:-1], [-1]], 0))
+            width = bits.shape[-1]
+            flags.set_shape(bits.shape[:-1].concatenate([None if width is None else 8 * width]))
         return flags if isinstance(keys, int) and keys % 8 == 0 else flags[..., :keys]
 
     def drop(self, x, keep, rate):
