@@ -39,6 +39,8 @@ from ..ops import _flash, _flash_tf
 
 SCORES_EINSUM = "bjhd,bkhd->bhjk"  # queries x keys, as bert4keras writes it
 P_EINSUM = "bhjk,bkhd->bjhd"  # probabilities x values, as bert4keras writes it
+_ONE_ENTRY_RATE = 1e-6  # from this rate, 1 / (1 - rate) is above 1 in float32 (the core's
+# dtypes: float32 and float64; not half precision)
 
 
 def lean_applies(layer, inputs, kwargs, policy=None):
@@ -111,7 +113,11 @@ def _decision(layer, qw, kw, dropout):
     shape = tf.stack([tf.shape(qw)[2], tf.shape(qw)[1], tf.shape(kw)[1]])
     ones = _flash_tf.ones(qw, shape, qw.dtype)
     dropped = dropout(rate)(ones)
-    ran = tf.reduce_any(tf.not_equal(dropped, ones))
+    # In training every entry is 0 or 1 / (1 - rate), never 1 (for rates from
+    # `_ONE_ENTRY_RATE`; below it, a scale that rounds to 1 is possible): one entry says
+    # whether the dropout ran, where comparing every entry is one more pass over them.
+    seen = dropped[:1, :1, :1, :1] if rate >= _ONE_ENTRY_RATE else dropped
+    ran = tf.reduce_any(tf.not_equal(seen, tf.ones([], dropped.dtype)))
     return _flash_tf.pack(tf.not_equal(dropped, tf.zeros([], dropped.dtype))), \
         tf.where(ran, tf.constant(rate, tf.float32), 0.0)
 

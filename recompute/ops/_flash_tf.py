@@ -314,7 +314,21 @@ def _sample(x, i):
         return x
     if x.shape[0] is None:  # (an axis of 1 known only when run broadcasts too)
         i = tf.minimum(i, tf.shape(x)[0] - 1)
-    return tf.gather(x, tf.reshape(i, [1]))
+    return rows_at(x, i, 1)
+
+
+def rows_at(x, start, size):
+    """`x[start:start + size]` (axis 0; `size` a Python int) as one `tf.slice` of static
+    size: on TensorFlow's kernels a view of `x`'s memory where `tf.gather` copies it (a
+    slice of axis 0 aliases its input); under XLA a dynamic slice."""
+    rest = x.shape[1:]
+    sizes = [size] + (rest.as_list() if rest.is_fully_defined()
+                      else tf.unstack(tf.shape(x)[1:], num=rest.rank))
+    begin = tf.concat([tf.reshape(tf.cast(start, tf.int32), [1]),
+                       tf.zeros([rest.rank], tf.int32)], 0)
+    y = tf.slice(x, begin, tf.stack(sizes) if not rest.is_fully_defined() else sizes)
+    y.set_shape(tf.TensorShape([size]).concatenate(rest))
+    return y
 
 
 def _output_shape(query, value):

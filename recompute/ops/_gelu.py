@@ -202,7 +202,8 @@ def _in_row_chunks(h, dy, kernel, gelu_and_grad, matmul):
     h3, dy3 = tf.reshape(h, [-1, rows, units]), tf.reshape(dy, [-1, rows, out])  # (no copies)
 
     def body(d_kernel, i):
-        h_c, dy_c = tf.gather(h3, i), tf.gather(dy3, i)
+        # (views of h and dy on TensorFlow's kernels, not copies)
+        h_c, dy_c = (tf.reshape(_flash_tf.rows_at(t, i, 1), t.shape[1:]) for t in (h3, dy3))
         g, grad = gelu_and_grad(h_c)
         d_kernel = d_kernel + tf.matmul(g, dy_c, transpose_a=True)
         return d_kernel, (grad(matmul(dy_c, kernel, transpose_b=True)),)

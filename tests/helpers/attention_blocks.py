@@ -171,11 +171,20 @@ def check_mask_kept_as_bits(graph, seq=SEQ):
     assert not masks, masks
     assert any(t.dtype == tf.uint8 and t.shape.rank == 4 and t.shape[-1] == -(-seq // 8)
                for t in read), [t.name for t in read]
-    unpacks = [op for op in graph.get_operations() if op.type == "RightShift"
-               and op.outputs[0].dtype == tf.uint8]
+    unpacks = [op for op in graph.get_operations() if _unpacks(op)]
     waiting = [op.name for op in unpacks
                if any(name.startswith("gradient_tape/") for name in ancestors(op))]
     assert waiting and len(waiting) < len(unpacks), (waiting, [op.name for op in unpacks])
+
+
+def _unpacks(op):
+    """Whether `op` unpacks bits (`recompute.ops._flash_tf`'s unpacking): words of 8 bytes
+    read as bytes, or (shapes not fully known) a byte shifted."""
+    import tensorflow as tf
+
+    if op.type == "Bitcast":
+        return op.inputs[0].dtype == tf.uint64 and op.outputs[0].dtype == tf.uint8
+    return op.type == "RightShift" and op.outputs[0].dtype == tf.uint8
 
 
 def _is_input(t):
