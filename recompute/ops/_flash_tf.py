@@ -20,8 +20,7 @@ from ..engine._core import after
 
 # Eight 0/1 bytes read as one 64-bit word: a product with _GATHER moves byte i's
 # bit to bit i of the top byte (the partial products are distinct powers of 2,
-# so nothing carries). Each row of keys is packed on its own, for blocks of rows;
-# bit i is unpacked by a shift.
+# so nothing carries). Each row of keys is packed on its own, for blocks of rows.
 _GATHER = 0x0102040810204080
 # Unpacking: a byte times _SPREAD is 8 copies of it, one per byte of the word; _SELECT
 # keeps bit i of byte i (little-endian: byte i is entry i).

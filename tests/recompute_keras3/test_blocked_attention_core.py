@@ -153,6 +153,50 @@ def test_bits_round_trip(engine):
         np.testing.assert_array_equal(np.asarray(e.engine.ENGINE.unpack(bits, keys)), keep)
 
 
+
+@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
+def test_tf_unpacking_by_words_and_by_shifts(mode):
+    """TensorFlow's unpacking: by words (`_SPREAD`, `_SELECT` and a bitcast) where the bits'
+    shape is known when traced, by shifts where it is not (XLA refuses the bitcast of a
+    bounded dimension); the same flags either way, in eager mode, `tf.function` and XLA.
+    And `rows_at`, the loops' rows read as one slice: `x[start:start + size]`."""
+    import tensorflow as tf
+
+    from recompute.ops import _flash_tf
+
+    engine = _flash_tf.ENGINE
+    for keys in (8, 9, 24):
+        keep = np.random.default_rng(keys).random((2, 3, 5, keys)) > 0.3
+        bits = _flash_tf.pack(keep)
+        for signature in (tf.TensorSpec(bits.shape, tf.uint8),
+                          tf.TensorSpec([None, 3, None, bits.shape[-1]], tf.uint8)):
+            def unpack(b, keys=keys):
+                return engine.unpack(b, keys)
+
+            if mode == "eager":
+                flags = unpack(bits)
+            else:
+                fn = tf.function(unpack, input_signature=[signature], jit_compile=mode == "jit")
+                flags = fn(bits)
+                ops = {op.type for op in fn.get_concrete_function().graph.get_operations()}
+                assert ("Bitcast" in ops) == signature.shape.is_fully_defined(), ops
+                assert ("RightShift" in ops) != signature.shape.is_fully_defined(), ops
+            np.testing.assert_array_equal(flags.numpy(), keep)
+
+    x = tf.reshape(tf.range(4 * 3 * 2, dtype=tf.float32), [4, 3, 2])
+
+    def rows(x, start):
+        return _flash_tf.rows_at(x, start, 2)
+
+    if mode != "eager":
+        rows = tf.function(rows, input_signature=[tf.TensorSpec([None, 3, None]),
+                                                   tf.TensorSpec([], tf.int32)],
+                           jit_compile=mode == "jit")
+    for start in (0, 1, 2):
+        y = rows(x, tf.constant(start))
+        np.testing.assert_array_equal(y.numpy(), x.numpy()[start:start + 2])
+
+
 def test_block_rows_default_and_override():
     assert _flash.block_rows(512, 512) == 128
     assert _flash.block_rows(2048, 2048) == 128  # key blocks of 512 beyond 1024 keys
