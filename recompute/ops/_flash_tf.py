@@ -321,11 +321,11 @@ def rows_at(x, start, size):
     size: on TensorFlow's kernels a view of `x`'s memory where `tf.gather` copies it (a
     slice of axis 0 aliases its input); under XLA a dynamic slice."""
     rest = x.shape[1:]
-    sizes = [size] + (rest.as_list() if rest.is_fully_defined()
-                      else tf.unstack(tf.shape(x)[1:], num=rest.rank))
+    sizes = ([size] + rest.as_list() if rest.is_fully_defined()
+             else tf.concat([[size], tf.shape(x)[1:]], 0))
     begin = tf.concat([tf.reshape(tf.cast(start, tf.int32), [1]),
                        tf.zeros([rest.rank], tf.int32)], 0)
-    y = tf.slice(x, begin, tf.stack(sizes) if not rest.is_fully_defined() else sizes)
+    y = tf.slice(x, begin, sizes)
     y.set_shape(tf.TensorShape([size]).concatenate(rest))
     return y
 
