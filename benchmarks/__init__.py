@@ -11,7 +11,9 @@ saves the figures):
   process (`--paired`: every configuration in one process, a step of each in
   turn, for time ratios under one load). `--backend jax`: the standard
   encoder on Keras 3's JAX backend, measured by JAX's saved residuals and
-  XLA's compiled temp buffer.
+  XLA's compiled temp buffer. `--held`: what the step holds at its peak,
+  from TensorFlow's allocation log, by the op that made each tensor
+  (`held`).
 - `python -m benchmarks.peer`: the same BERT-base classifier through the
   project (keras-hub's `BertBackbone` or the standard Keras 3 block, every
   policy, on the Keras backend at hand) and, where torch and transformers
@@ -88,5 +90,6 @@ Shared modules (not tools): `harness` (fresh worker processes, peak RSS,
 allocator statistics, free ports, argument types, least squares, progress
 lines), `encoder` (the transformer encoder of the two `recompute_*`
 benchmarks and its shape options) and `allreduce` (`AllReduceCounter`, which
-the tests use too).
+the tests use too) and `held` (TensorFlow's allocation log read back: what a step
+holds at its peak, for `recompute_memory --held`).
 """

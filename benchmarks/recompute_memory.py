@@ -6,6 +6,8 @@
     python -m benchmarks.recompute_memory --model standard --modes 0,full --paired --batch-cut 0
                                                      # "full" with whole batches (no cuts)
     TF_KERAS=1 TF_USE_LEGACY_KERAS=1 python -m benchmarks.recompute_memory --model bert4keras
+    python -m benchmarks.recompute_memory --model standard --modes attention --held
+                                                     # what the step holds at its peak, by op
     python -m benchmarks.recompute_memory --quick    # tiny shape, for CI
     python -m benchmarks.recompute_memory --layers 4 --seq 256 --json out.json
     python -m benchmarks.recompute_memory --backend jax --layers 8   # Keras 3 on JAX, standard block
@@ -53,6 +55,11 @@ such as gradients and optimizer temporaries cancel). The parent prints a table
 and, per mode, the ratios to mode 0: per-sample memory 0/mode, CPU time per
 step mode/0. Progress goes to stderr; `--json PATH` saves the results;
 `--docs PAGE` writes the report into a docs/ page.
+
+`--held` (TensorFlow, fresh processes) also prints what each configuration's last
+measured step holds at its peak, from TensorFlow's allocation log: the tensors made in
+the step, grouped by the op that made them, and which groups grow per sample
+(`benchmarks.held`). Logging slows the steps: take times from a run without it.
 """
 
 import json
@@ -60,7 +67,7 @@ import os
 import sys
 import time
 
-from . import encoder, harness
+from . import encoder, harness, held
 from .harness import MiB
 
 FULL = dict(layers=12, hidden=768, heads=12, ffn=3072, seq=512, vocab=30522,
@@ -186,13 +193,15 @@ def _jax_worker(cfg, policy, batch, steps):
 
 
 def run_worker(cfg, model_name, mode, batch, steps, out_path, backend="tensorflow",
-               build=None, progress=None):
+               build=None, progress=None, held_log=None):
     """One configuration in this (worker) process; writes its result to `out_path`.
 
     `build(cfg, model_name, mode)` gives (step, parameter count, batches) as
     `_model` does (default `_model`); `progress` prints the progress lines
     (default this tool's): `benchmarks.lm_memory` measures keras-hub models
-    with them (TensorFlow backend)."""
+    with them (TensorFlow backend). `held_log`: the file the worker's allocation log goes
+    to (`--held`, `held.capture`): its last measured step is marked and read back
+    (`held.read`) into the result's `held`."""
     import recompute
 
     build, say = build or _model, progress or _progress
@@ -225,10 +234,16 @@ def run_worker(cfg, model_name, mode, batch, steps, out_path, backend="tensorflo
     # before it. It varies from step to step by a few percent (the executor's
     # op order and the allocator's reuse of free chunks vary): the median is
     # reported, every step's value is in the JSON.
-    measured = [harness.allocator_step(lambda: step(b)) for b in batches[2:]]
+    measured = []
+    for i, b in enumerate(batches[2:]):
+        if held_log and i == steps - 1:
+            held.mark()
+        measured.append(harness.allocator_step(lambda: step(b)))
     result = _result(model_name, mode, batch, n_params, measured,
                      recompute=os.environ.get(recompute.ENV_VAR, ""),
                      recompute_enabled=recompute.is_enabled())
+    if held_log:
+        result["held"] = held.read(held_log)
     say(f"{tag}: {_measured_text(result)}")
     harness.write_result(out_path, result)
 
@@ -333,12 +348,14 @@ def _settings(core, batch_cut):
 
 
 def _spawn(cfg, model_name, mode, batch, steps, backend="tensorflow", malloc="default",
-           core="auto", batch_cut=None):
-    _progress(f"{model_name} mode={mode} batch={batch}: starting a fresh worker process")
+           core="auto", batch_cut=None, log_held=False):
+    _progress(f"{model_name} mode={mode} batch={batch}: starting a fresh worker process"
+              + (" (logging every allocation: slower)" if log_held else ""))
     return _run_worker(cfg, model_name, ["--modes", mode, "--batch-sizes", str(batch)]
-                       + _settings(core, batch_cut), steps,
+                       + _settings(core, batch_cut) + (["--held"] if log_held else []), steps,
                        "0" if mode == "0" else "1", backend, malloc,
-                       f"benchmark worker {model_name} mode={mode} batch={batch}")
+                       f"benchmark worker {model_name} mode={mode} batch={batch}",
+                       held.ENV if log_held else None)
 
 
 def _spawn_paired(cfg, model_name, modes, batch_sizes, steps, malloc="default", core="auto",
@@ -352,12 +369,13 @@ def _spawn_paired(cfg, model_name, modes, batch_sizes, steps, malloc="default", 
                        f"paired benchmark worker {model_name}")["runs"]
 
 
-def _run_worker(cfg, model_name, configuration, steps, recompute, backend, malloc, what):
+def _run_worker(cfg, model_name, configuration, steps, recompute, backend, malloc, what,
+                extra_env=None):
     """Runs one worker for `configuration` (its command-line options) with this run's
     model, shape and steps, `RECOMPUTE=recompute` (None: unset), the allocator
-    statistics, `--malloc` and, for bert4keras, tf_keras; returns its result."""
+    statistics, `--malloc`, `extra_env` and, for bert4keras, tf_keras; returns its result."""
     env = dict(harness.allocator_env(), RECOMPUTE=recompute, KERAS_BACKEND=backend,
-               **harness.malloc_env(malloc))
+               **harness.malloc_env(malloc), **(extra_env or {}))
     if model_name == "bert4keras":
         env.update(TF_KERAS="1", TF_USE_LEGACY_KERAS="1")
     runs = harness.run_workers(
@@ -501,9 +519,18 @@ def parse_args(argv=None):
                         help="samples per cut where a recomputed Keras 3 block runs its batch "
                              "in cuts under \"full\" (`recompute.batch_cut`; default: the "
                              "library's rule; 0: whole batches)")
+    parser.add_argument("--held", action="store_true",
+                        help="also print what the last measured step holds at its peak, from "
+                             "TensorFlow's allocation log, grouped by the op that made each "
+                             "tensor, with each group's MiB per sample (benchmarks.held; "
+                             "TensorFlow, fresh processes; the steps run slower)")
     harness.add_output_arguments(parser, TOOL, malloc=True)
     args = parser.parse_args(argv)
     harness.check_docs_page(parser, args.docs, TOOL)
+    if args.held and (args.paired or args.backend == "jax"):
+        parser.error("--held reads TensorFlow's allocation log in fresh processes: it takes "
+                     "--backend tensorflow without --paired; got "
+                     + ("--paired" if args.paired else "--backend jax"))
 
     if args.model is None:
         args.model = "standard" if args.backend == "jax" else "lean"
@@ -543,6 +570,8 @@ def _main(argv=None):
     args = parse_args(argv)
     cfg = encoder.shape_config(args)
     batch_sizes = sorted(args.batch_sizes)
+    if args.worker and args.held:
+        held.capture(args.out + ".log")  # before TensorFlow is imported
     if args.worker:
         import recompute
 
@@ -553,7 +582,7 @@ def _main(argv=None):
         return 0
     if args.worker:
         run_worker(cfg, args.model, args.modes[0], args.batch_sizes[0], args.steps, args.out,
-                   args.backend)
+                   args.backend, held_log=args.out + ".log" if args.held else None)
         return 0
 
     start = time.perf_counter()
@@ -564,7 +593,8 @@ def _main(argv=None):
         # Interleaved (off, on at each batch size) so that a change in the load of
         # the machine during the run does not bias the time ratio.
         runs = [_spawn(cfg, args.model, mode, batch, args.steps, args.backend, args.malloc,
-                       args.core, args.batch_cut) for batch in batch_sizes for mode in args.modes]
+                       args.core, args.batch_cut, args.held)
+                for batch in batch_sizes for mode in args.modes]
     runs.sort(key=lambda r: (args.modes.index(r["mode"]), r["batch"]))
     summary, ratios = summarize(runs, args.modes, batch_sizes)
     _progress(f"done in {time.perf_counter() - start:.0f} s wall")
@@ -574,11 +604,14 @@ def _main(argv=None):
         if args.batch_cut is not None:
             print(f"batch cut: {args.batch_cut} (recompute.batch_cut({args.batch_cut}))")
         print_report(cfg, runs, summary, ratios)
+        if args.held:
+            held.print_report({m: {r["batch"]: r["held"] for r in runs if r["mode"] == m}
+                               for m in args.modes}, batch_sizes, sys.stdout)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=dict(cfg, model=args.model, backend=args.backend, batch_sizes=batch_sizes,
                                        steps=args.steps, malloc=args.malloc, paired=args.paired,
-                                       core=args.core, batch_cut=args.batch_cut),
+                                       core=args.core, batch_cut=args.batch_cut, held=args.held),
                            runs=runs, summary=summary, ratios=ratios), f, indent=2)
         _progress(f"results saved to {args.json}")
     return 0

@@ -89,3 +89,36 @@ def test_paired_refuses_jax():
     assert out.returncode == 2
     assert "--paired measures TensorFlow's allocator and steps: it takes --backend tensorflow" \
         in out.stderr
+
+
+def test_quick_benchmark_held(tmp_path):
+    """`--held`: what the last measured step holds at its peak, from TensorFlow's allocation
+    log. Under "attention" each block keeps its GELU's input (the first feed-forward
+    product, [seq, ffn] floats per sample): that group grows by exactly that per sample."""
+    out_json = tmp_path / "held.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.recompute_memory", "--quick", "--model", "standard",
+         "--modes", "attention", "--layers", "2", "--batch-sizes", "2,4", "--steps", "1",
+         "--held", "--json", str(out_json)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "held at the peak of the last measured step" in out.stdout
+    assert "MemoryLogTensorAllocation" not in out.stderr  # the log went to its file
+    result = json.loads(out_json.read_text())
+    runs = {r["batch"]: r["held"] for r in result["runs"]}
+    for held in runs.values():
+        assert held["peak_bytes"] == sum(size for size, _ in held["groups"].values())
+    from benchmarks.held import per_sample
+
+    growth = per_sample(runs[2], runs[4], (2, 4))
+    ffn_in = [g for g in growth if "ffn_in" in g and g.endswith("MatMul")]
+    assert len(ffn_in) == 1, growth
+    assert growth[ffn_in[0]] == 2 * 128 * 1024 * 4  # 2 blocks x seq x ffn x float32
+    assert runs[4]["groups"][ffn_in[0]][1] == 2  # one tensor per block
+
+
+def test_held_refuses_paired():
+    out = run_module("benchmarks.recompute_memory", "--held", "--paired")
+    assert out.returncode == 2
+    assert "--held reads TensorFlow's allocation log in fresh processes" in out.stderr

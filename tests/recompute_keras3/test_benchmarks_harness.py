@@ -220,3 +220,33 @@ def test_malloc_env_refuses_an_unknown_choice():
     with pytest.raises(ValueError, match=r"`malloc` must be one of default, hugepages, tf-bfc\. "
                                          r"Received: malloc='jemalloc'"):
         harness.malloc_env("jemalloc")
+
+
+def test_held_peak_replays_the_marked_step():
+    """`benchmarks.held.peak`: only the tensors allocated after the last mark, alive
+    together at their largest, grouped by their op's name with digits as `#`."""
+    from benchmarks import held
+
+    def alloc(op, size, i):
+        return (f'I0 log_memory.cc:34] __LOG_MEMORY__ MemoryLogTensorAllocation {{ goo.gle/x '
+                f'step_id: 3 kernel_name: "{op}" tensor {{ dtype: DT_FLOAT shape {{ dim {{ size: 2 }} }} '
+                f'allocation_description {{ requested_bytes: {size} allocated_bytes: {size} '
+                f'allocator_name: "cpu" allocation_id: {i} has_single_reference: true ptr: 1 }} }} }}')
+
+    def free(i):
+        return (f'I0 log_memory.cc:34] __LOG_MEMORY__ MemoryLogTensorDeallocation {{ goo.gle/x '
+                f'allocation_id: {i} allocator_name: "cpu" }}')
+
+    lines = [alloc("before/MatMul", 10_000, 1), held.MARK, free(1),
+             alloc("block_1/ffn/MatMul", 100, 2), alloc("block_2/ffn/MatMul", 100, 3),
+             alloc("tmp", 50, 4), free(4), alloc("grad", 30, 5), free(2), free(3),
+             alloc("late", 200, 6)]
+    result = held.peak(lines)
+    assert result["peak_bytes"] == 250  # 100 + 100 + 50, not 230 (after tmp) nor 200 (late)
+    assert result["groups"] == {"block_#/ffn/MatMul": [200, 2], "tmp": [50, 1]}
+    assert held.per_sample(dict(groups={"a": [100, 1]}), dict(groups={"a": [500, 1], "b": [40, 1]}),
+                           (2, 6)) == {"a": 100.0, "b": 10.0}
+    with pytest.raises(ValueError, match="no line"):
+        held.peak(lines[2:])
+    with pytest.raises(ValueError, match="no tensor allocated after its mark"):
+        held.peak([alloc("x", 1, 1), held.MARK])
