@@ -200,7 +200,7 @@ def _in_row_chunks(h, dy, kernel, gelu_and_grad, matmul):
     whole batch."""
     rows = chunk_rows(h.shape.as_list())
     units, out = h.shape[-1], kernel.shape[-1]
-    if rows is None:
+    if rows is None or rows == h.shape[:-1].num_elements():  # (one chunk: no loop)
         g, grad = gelu_and_grad(h)
         return grad(matmul(dy, kernel, transpose_b=True)), kernel_gradient(g, dy, kernel)
     h3, dy3 = tf.reshape(h, [-1, rows, units]), tf.reshape(dy, [-1, rows, out])  # (no copies)
