@@ -164,8 +164,8 @@ def gelu_matmul(h, kernel, gelu_and_grad, forward, matmul=matmul_last):
 
 # About this many elements of `h` per chunk of `gelu_matmul`'s gradient: 1024 rows at FFN
 # 3072 (12 MiB of float32 per [rows, ffn] temporary). Chunks of 2^20 cost about 2.5% of a
-# BERT-base step's CPU time in the loop (docs/attention.md, "The feed-forward gradient's
-# chunks"); the temporaries of one chunk do not grow with the batch either way.
+# BERT-base step's CPU time in the loop (docs/attention.md, "CPU time on TensorFlow: the
+# step's work on one thread, ..."); one chunk's temporaries do not grow with the batch.
 CHUNK_ELEMENTS = 1 << 22
 
 
