@@ -93,8 +93,10 @@ def test_paired_refuses_jax():
 
 def test_quick_benchmark_held(tmp_path):
     """`--held`: what the last measured step holds at its peak, from TensorFlow's allocation
-    log. Under "attention" each block keeps its GELU's input (the first feed-forward
-    product, [seq, ffn] floats per sample): that group grows by exactly that per sample."""
+    log. Its peak is the groups' sum, reads as the allocator's figure for the same step (the
+    log counts tensors only, made in the step: within a quarter at this shape, as is the
+    slope), and under "attention" a block's GELU input (the first feed-forward product,
+    which the policy keeps) is held there."""
     out_json = tmp_path / "held.json"
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.recompute_memory", "--quick", "--model", "standard",
@@ -106,16 +108,19 @@ def test_quick_benchmark_held(tmp_path):
     assert "held at the peak of the last measured step" in out.stdout
     assert "MemoryLogTensorAllocation" not in out.stderr  # the log went to its file
     result = json.loads(out_json.read_text())
-    runs = {r["batch"]: r["held"] for r in result["runs"]}
-    for held in runs.values():
+    runs = {r["batch"]: r for r in result["runs"]}
+    for run in runs.values():
+        held = run["held"]
         assert held["peak_bytes"] == sum(size for size, _ in held["groups"].values())
-    from benchmarks.held import per_sample
-
-    growth = per_sample(runs[2], runs[4], (2, 4))
-    ffn_in = [g for g in growth if "ffn_in" in g and g.endswith("MatMul")]
-    assert len(ffn_in) == 1, growth
-    assert growth[ffn_in[0]] == 2 * 128 * 1024 * 4  # 2 blocks x seq x ffn x float32
-    assert runs[4]["groups"][ffn_in[0]][1] == 2  # one tensor per block
+        assert abs(held["peak_bytes"] - run["activation_bytes"]) <= 0.25 * run["activation_bytes"]
+        kept = [g for g in held["groups"] if "ffn_in" in g and g.endswith("MatMul")]
+        assert len(kept) == 1 and held["groups"][kept[0]][1] >= 1, held["groups"]
+        # each such tensor is one block's [batch, seq, ffn] floats
+        size, count = held["groups"][kept[0]]
+        assert size == count * run["batch"] * 128 * 1024 * 4
+    slope = (runs[4]["held"]["peak_bytes"] - runs[2]["held"]["peak_bytes"]) / 2
+    allocator = result["summary"]["attention"]["per_sample_bytes"]
+    assert abs(slope - allocator) <= 0.25 * allocator
 
 
 def test_held_refuses_paired():
