@@ -16,7 +16,11 @@ sizes: which tensors make the per-sample figure.
 What it counts: tensors made in the step, by their allocated bytes. Not counted: what
 was alive before the step (weights, optimizer slots), allocations that are not tensors
 (an op's scratch space), the allocator's rounding; so the peak reads a little below the
-allocator's figure at the same step. Logging every allocation slows the step several
+allocator's figure at the same step. Nor is a tensor made before the step and freed in
+it subtracted, as the allocator's figure (its peak less what was in use before the step)
+does: where a step makes a tensor anew in place of one of those (tf_keras's optimizer
+updates, which read every weight into a new tensor), the log can put its peak there and
+read above the allocator. Logging every allocation slows the step several
 times: take CPU times from a run without `--held`. Figures: docs/attention.md.
 """
 
