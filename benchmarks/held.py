@@ -64,16 +64,16 @@ def group_of(op_name):
 
 def peak(lines):
     """`dict(peak_bytes=..., groups={group: [bytes, tensors]})`: the tensors allocated after
-    the last `MARK` line of `lines` (TensorFlow's allocation log) and alive together at
-    their largest, their bytes and count per `group_of` their op. Raises ValueError where
-    `lines` has no `MARK` or no allocation after it."""
-    lines = list(lines)
-    starts = [i for i, line in enumerate(lines) if MARK in line]
-    if not starts:
-        raise ValueError(f"the allocation log has no line {MARK!r}: was the step marked?")
-    live, now, top, at_top = {}, 0, 0, {}
-    for line in lines[starts[-1] + 1:]:
-        if "MemoryLogTensorAllocation" in line:
+    the last `MARK` line of `lines` (TensorFlow's allocation log, read once, line by line)
+    and alive together at their largest, their bytes and count per `group_of` their op.
+    Raises ValueError where `lines` has no `MARK` or no allocation after it."""
+    marked, live, now, top, at_top = False, {}, 0, 0, {}
+    for line in lines:
+        if MARK in line:  # a later mark starts the replay again
+            marked, live, now, top, at_top = True, {}, 0, 0, {}
+        elif not marked:
+            continue
+        elif "MemoryLogTensorAllocation" in line:
             m = _ALLOCATION.search(line)
             if m is None or int(m.group(3)) in live:
                 continue
@@ -85,6 +85,8 @@ def peak(lines):
             m = _RELEASE.search(line)
             if m is not None and int(m.group(1)) in live:
                 now -= live.pop(int(m.group(1)))[0]
+    if not marked:
+        raise ValueError(f"the allocation log has no line {MARK!r}: was the step marked?")
     if not at_top:
         raise ValueError("the allocation log has no tensor allocated after its mark: was it "
                          f"captured with {' '.join(f'{k}={v}' for k, v in ENV.items())}?")

@@ -570,8 +570,9 @@ def _main(argv=None):
     args = parse_args(argv)
     cfg = encoder.shape_config(args)
     batch_sizes = sorted(args.batch_sizes)
-    if args.worker and args.held:
-        held.capture(args.out + ".log")  # before TensorFlow is imported
+    held_log = args.out + ".log" if args.worker and args.held else None
+    if held_log:
+        held.capture(held_log)  # before TensorFlow is imported
     if args.worker:
         import recompute
 
@@ -582,7 +583,7 @@ def _main(argv=None):
         return 0
     if args.worker:
         run_worker(cfg, args.model, args.modes[0], args.batch_sizes[0], args.steps, args.out,
-                   args.backend, held_log=args.out + ".log" if args.held else None)
+                   args.backend, held_log=held_log)
         return 0
 
     start = time.perf_counter()

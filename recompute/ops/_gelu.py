@@ -178,8 +178,9 @@ def chunk_rows(shape):
     """The rows (of `h` flattened to rank 2) of one chunk of `gelu_matmul`'s gradient for an
     `h` of static shape `shape` ([batch, seq, units] or any rank >= 2): about
     `CHUNK_ELEMENTS` elements, whole sequences or a divisor of one, so that every chunk is
-    whole (the same shape: XLA compiles it); None (one chunk, the whole) where the
-    lengths are not known or no divisor near that size exists."""
+    whole (the same shape: XLA compiles it); None (one chunk, the whole: no loop) where the
+    lengths are not known, no divisor near that size exists, or one chunk would hold every
+    row."""
     units, seq = shape[-1], (shape[-2] if len(shape) > 2 else None)
     if units is None or seq is None:
         return None
@@ -188,7 +189,10 @@ def chunk_rows(shape):
         batch = 1
         for d in shape[:-2]:
             batch = None if d is None or batch is None else batch * d
-        return seq * (1 if batch is None else _divisor(batch, target // seq))
+        if batch is None:
+            return seq
+        samples = _divisor(batch, target // seq)
+        return None if samples == batch else seq * samples
     rows = _divisor(seq, target)
     return rows if rows * 8 >= target else None
 
@@ -200,7 +204,7 @@ def _in_row_chunks(h, dy, kernel, gelu_and_grad, matmul):
     whole batch."""
     rows = chunk_rows(h.shape.as_list())
     units, out = h.shape[-1], kernel.shape[-1]
-    if rows is None or rows == h.shape[:-1].num_elements():  # (one chunk: no loop)
+    if rows is None:
         g, grad = gelu_and_grad(h)
         return grad(matmul(dy, kernel, transpose_b=True)), kernel_gradient(g, dy, kernel)
     h3, dy3 = tf.reshape(h, [-1, rows, units]), tf.reshape(dy, [-1, rows, out])  # (no copies)

@@ -153,7 +153,6 @@ def test_bits_round_trip(engine):
         np.testing.assert_array_equal(np.asarray(e.engine.ENGINE.unpack(bits, keys)), keep)
 
 
-
 @pytest.mark.parametrize("mode", ["eager", "function", "jit"])
 def test_tf_unpacking_by_words_and_by_shifts(mode):
     """TensorFlow's unpacking: by words (`_SPREAD`, `_SELECT` and a bitcast) where the bits'
