@@ -67,6 +67,11 @@ autograph_convert = tf.__internal__.autograph.tf_convert
 autograph_status = tf.__internal__.autograph.control_status_ctx
 
 
+def sees_a_gpu():
+    """Whether TensorFlow sees a GPU in this process (its logical devices)."""
+    return bool(tf.config.list_logical_devices("GPU"))
+
+
 def in_xla_context():
     """Whether the graph being built (or one it is nested in) is compiled by XLA
     (`tf.function(jit_compile=True)`, Keras's `jit_compile=True`)."""

@@ -62,13 +62,13 @@ def samples_per_cut(rows_per_sample, engine="jax"):
     cut (`batch_cut(0)`)."""
     samples = _samples[0]
     if samples is None:
-        rows = TF_CUT_ROWS if engine == "tensorflow" and not _tensorflow_sees_a_gpu() \
+        rows = TF_CUT_ROWS if engine == "tensorflow" and not _tf_sees_a_gpu() \
             else CUT_ROWS
         return max(1, rows // max(1, int(rows_per_sample)))
     return samples or None
 
 
-def _tensorflow_sees_a_gpu():
-    import tensorflow as tf
+def _tf_sees_a_gpu():
+    from ..adapters import _tf  # (imports TensorFlow: only where its engine runs)
 
-    return bool(tf.config.list_logical_devices("GPU"))
+    return _tf.sees_a_gpu()

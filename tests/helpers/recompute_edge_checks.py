@@ -397,4 +397,39 @@ def test_recomputation_reads_a_mask_once_the_gradient_arrives(K):
         assert any(name.startswith("gradient_tape/") for name in ancestors(op)), op.name
 
 
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_the_recomputation_gate_is_a_view_outside_xla(jit_compile):
+    """`recompute.engine.after` (the gate every recomputation waits on) makes each tensor
+    depend on the gates through its data. Where TensorFlow sees no GPU and XLA does not
+    compile the graph it is a slice of the whole tensor whose start is computed from the
+    gates (TensorFlow's kernel hands on the buffer: no copy), for floats, integers and
+    booleans alike; under `jit_compile` a sum with a zero computed from them. Either way
+    the values are the tensors', and the gate is among the gated tensor's ancestors."""
+    from recompute.adapters import _tf
+    from recompute.engine import after
+    from tests.helpers.attention_blocks import ancestors
+
+    x = tf.random.stateless_normal([2, 3, 4], seed=[1, 2])
+    n = tf.constant([[1, 2], [3, 4]])
+    b = tf.constant([True, False])
+    gate = tf.constant([0.5, -1.0])
+
+    @tf.function(jit_compile=jit_compile)
+    def gated(x, n, b, gate):
+        return after([x, n, b], gate)
+
+    for want, got in zip((x, n, b), gated(x, n, b, gate)):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    view = not (jit_compile or _tf.sees_a_gpu())
+    graph = gated.get_concrete_function(x, n, b, gate).graph
+    gate_op = graph.inputs[3].op.name
+    for out, dtype in zip(graph.outputs, (tf.float32, tf.int32, tf.bool)):
+        op = out.op
+        while op.type == "Identity":
+            op = op.inputs[0].op
+        expected = "Slice" if view else ("LogicalOr" if dtype == tf.bool else "AddV2")
+        assert op.type == expected, (dtype, op.type)
+        assert gate_op in ancestors(op), (dtype, op.name)
+
 __all__ = [name for name in dir() if name.startswith("test_")]  # what the suites import
