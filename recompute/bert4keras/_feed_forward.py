@@ -13,8 +13,7 @@ recomputation on it keeps only the GELU's input:
   the two dense layers as tf_keras's `Dense` does, with `gelu(h) @ kernel`
   under one gradient (`_gelu_matmul`: `recompute.ops._gelu.gelu_matmul`, which
   the Keras families' "attention" uses too) that recomputes `gelu(h)` for the
-  kernel's gradient instead of keeping it, its erf shared with the GELU's
-  gradient (`with_erf`);
+  kernel's gradient instead of keeping it;
 - every recomputation waits for the incoming gradient (`recompute.engine.after`): a
   graph executor runs an op as soon as its inputs exist, so ops that read
   only forward tensors would run in the forward pass and keep their outputs;
@@ -81,36 +80,19 @@ def dense_inputs_remade(layer, inputs):
         yield
 
 
-def gelu_grad(x, dy, parts=None):
+def gelu_grad(x, dy):
     """The gradient of `0.5 * x * (1 + erf(x / sqrt(2)))` at `x` times `dy`:
-    TensorFlow's autodiff of it, op for op, with the forward values recomputed
-    (`parts`: `(x / sqrt(2), 1 + erf(x / sqrt(2)), 0.5 * x)` where the caller has
-    them, `with_erf`).
+    TensorFlow's autodiff of it, op for op, with the forward values recomputed.
 
     Pass `x` gated on the gradient (`after([x], dy)`): ops that read only
     forward tensors would otherwise run in the forward pass and their outputs
     wait in memory for the backward pass, which is what recomputing saves."""
     root2 = tf.constant(math.sqrt(2.0), x.dtype)
-    if parts is None:
-        t = x / root2
-        one_plus_erf, half_x = 1.0 + tf.math.erf(t), 0.5 * x
-    else:
-        t, one_plus_erf, half_x = parts
-    d_half_x = dy * one_plus_erf
-    d_erf = half_x * dy
+    t = x / root2
+    d_half_x = dy * (1.0 + tf.math.erf(t))
+    d_erf = (0.5 * x) * dy
     d_t = d_erf * tf.constant(2.0 / math.sqrt(math.pi), x.dtype) * tf.exp(-tf.square(t))
     return 0.5 * d_half_x + d_t / root2
-
-
-def with_erf(h):
-    """`(gelu_erf(h), its gradient)` for bert4keras's `gelu_erf`, the two sharing one
-    pass of `x / sqrt(2)`, erf, `1 + erf` and `0.5 x`: `gelu_erf`'s ops, in its order
-    (`0.5 * x * (1.0 + erf(x / sqrt(2)))`), and `gelu_grad`'s; `gelu_matmul`'s
-    `gelu_and_grad` (`recompute.ops._gelu`) for `lean_call`, which runs only where the
-    layer's GELU is `gelu_erf` (`lean_applies`)."""
-    t = h / tf.constant(math.sqrt(2.0), h.dtype)
-    one_plus_erf, half_x = 1.0 + tf.math.erf(t), 0.5 * h
-    return half_x * one_plus_erf, lambda dy: gelu_grad(h, dy, (t, one_plus_erf, half_x))
 
 
 def is_gelu_erf(fn):
@@ -144,7 +126,8 @@ def _gelu_matmul(h, kernel, gelu, product=None):
         forward = lambda k: _matmul_last(gelu(h), k)  # noqa: E731
     else:
         forward = lambda k: tf.identity(product)  # noqa: E731
-    return _gelu.gelu_matmul(h, kernel, with_erf, forward, matmul=_matmul_last)
+    return _gelu.gelu_matmul(h, kernel, lambda x: (gelu(x), lambda d: gelu_grad(x, d)), forward,
+                             matmul=_matmul_last)
 
 
 def lean_call(layer, inputs, keep_product=False):

@@ -26,7 +26,8 @@ They ask the Keras family through `recompute.adapters`.
 What a TensorFlow recomputation offers the code it runs (the ops, the integrations):
 `kept(compute)` (computed once per step, kept through the recomputation: dropout
 decisions), `after(tensors, *gates)` (tensors gated on the incoming gradient, so that a
-recomputation does not run early), `check_recomputable` and `float_tensors` (the check a
+recomputation does not run early: where TensorFlow sees no GPU and XLA does not compile, a
+view of each, no copy), `check_recomputable` and `float_tensors` (the check a
 call makes before it is recomputed).
 """
 
