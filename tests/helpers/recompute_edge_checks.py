@@ -397,7 +397,6 @@ def test_recomputation_reads_a_mask_once_the_gradient_arrives(K):
         assert any(name.startswith("gradient_tape/") for name in ancestors(op)), op.name
 
 
-
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_the_recomputation_gate_is_a_view_outside_xla(jit_compile):
     """`recompute.engine.after` (the gate every recomputation waits on) makes each tensor
@@ -431,5 +430,6 @@ def test_the_recomputation_gate_is_a_view_outside_xla(jit_compile):
         expected = "Slice" if view else ("LogicalOr" if dtype == tf.bool else "AddV2")
         assert op.type == expected, (dtype, op.type)
         assert gate_op in ancestors(op), (dtype, op.name)
+
 
 __all__ = [name for name in dir() if name.startswith("test_")]  # what the suites import

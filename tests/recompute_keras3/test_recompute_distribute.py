@@ -86,9 +86,10 @@ def test_input_gradients_wait_for_weight_gradients():
             graph = tf.function(grads).get_concrete_function(x).graph
         dx, dkernel = graph.outputs[:2]
         producer = dkernel.op
-        # The function's and the tape's wrappers, and (recomputed) the `+ 0` that makes
-        # the gradient wait for the recomputation's weight reads (`_core.reads_since`).
-        while producer.type in ("Identity", "AddV2"):
+        # The function's and the tape's wrappers, and (recomputed) the gate that makes the
+        # gradient wait for the recomputation's weight reads (`_core.reads_since`): a whole
+        # `Slice` where TensorFlow sees no GPU, else `+ 0` (`_core.after`).
+        while producer.type in ("Identity", "AddV2", "Slice"):
             producer = producer.inputs[0].op
         assert producer.type == "MatMul"
         assert (producer in ancestors(dx)) == on
