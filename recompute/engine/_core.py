@@ -122,6 +122,11 @@ def _warn_legacy_rng(layer):
     )
 
 
+def _numeric(t):
+    """Whether `after` gates `t` through its data (not a string, variant or resource)."""
+    return t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex or t.dtype == tf.bool
+
+
 def after(tensors, *gates):
     """`tensors`, made to depend on `gates` so that graph executors wait for them.
 
@@ -168,8 +173,7 @@ def after(tensors, *gates):
     def gated(x):
         if isinstance(x, tf.IndexedSlices):
             return tf.IndexedSlices(gated(x.values), x.indices, x.dense_shape)
-        numeric = x.dtype == tf.bool or x.dtype.is_floating or x.dtype.is_integer \
-            or x.dtype.is_complex
+        numeric = _numeric(x)
         if origin is not None and numeric and x.shape.rank:  # a view: no copy
             rank = x.shape.rank
             y = tf.slice(x, tf.fill([rank], origin), tf.fill([rank], -1))
@@ -214,13 +218,10 @@ def reads_since(mark):
     if mark is None:
         return []
 
-    def numeric(t):  # what `after` can gate on (not a string, variant or resource)
-        return t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex or t.dtype == tf.bool
-
     found = []
     for op in tf.compat.v1.get_default_graph().get_operations()[mark:]:
         if any(t.dtype == tf.resource for t in op.inputs):
-            out = next((t for t in op.outputs if numeric(t)), None)
+            out = next((t for t in op.outputs if _numeric(t)), None)
             if out is not None:
                 found.append(out)
     return found
