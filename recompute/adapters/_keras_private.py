@@ -35,6 +35,8 @@ _SEED_GENERATOR = "keras.src.random.seed_generator"
 MODULE_PREFIX = "keras.src."  # the modules Keras 3's classes are defined in
 GELU = ("keras.src.activations.activations", "gelu")  # (module, name) of the exact GELU
 DENSE = ("keras.src.layers.core.dense", "Dense")  # (module, name) of `keras.layers.Dense`
+# (module, name) of `keras.layers.EinsumDense`
+EINSUM_DENSE = ("keras.src.layers.core.einsum_dense", "EinsumDense")
 # (module, name) of `keras.layers.LayerNormalization`
 LAYER_NORMALIZATION = ("keras.src.layers.normalization.layer_normalization",
                        "LayerNormalization")
@@ -56,6 +58,7 @@ PRIVATE_NAMES = (
     + owned_by(("keras.src.utils.jax_utils",), "is_in_jax_tracing_scope")
     + owned_by((GELU[0],), GELU[1])
     + owned_by((DENSE[0],), DENSE[1])
+    + owned_by((EINSUM_DENSE[0],), EINSUM_DENSE[1])
     + owned_by((LAYER_NORMALIZATION[0],), LAYER_NORMALIZATION[1])
     + owned_by((DROPOUT[0],), DROPOUT[1])
 )

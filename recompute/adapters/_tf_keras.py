@@ -47,6 +47,8 @@ _CALL_CONTEXT = "tf_keras.src.engine.base_layer_utils.CallContext"
 _AUTOCAST = "tf_keras.src.mixed_precision.autocast_variable"
 GELU = ("tf_keras.src.activations", "gelu")  # (module, name) of the exact GELU (`recompute.ops._gelu`)
 DENSE = ("tf_keras.src.layers.core.dense", "Dense")  # (module, name) of `tf_keras.layers.Dense`
+# (module, name) of `tf_keras.layers.EinsumDense`
+EINSUM_DENSE = ("tf_keras.src.layers.core.einsum_dense", "EinsumDense")
 # (module, name) of `tf_keras.layers.LayerNormalization`
 LAYER_NORMALIZATION = ("tf_keras.src.layers.normalization.layer_normalization",
                        "LayerNormalization")
@@ -67,6 +69,7 @@ PRIVATE_NAMES = (
                "RNG_LEGACY_STATEFUL", "RNG_STATELESS", "make_seed_for_stateless_op")
     + owned_by((GELU[0],), GELU[1])
     + owned_by((DENSE[0],), DENSE[1])
+    + owned_by((EINSUM_DENSE[0],), EINSUM_DENSE[1])
     + owned_by((LAYER_NORMALIZATION[0],), LAYER_NORMALIZATION[1])
     + owned_by((DROPOUT[0],), DROPOUT[1])
 )

@@ -129,7 +129,12 @@ def plain_dense(layer):
 class _Made:
     """The outputs of the lean GELUs and LayerNorms of one block's call, each with the
     product a `Dense` fed by it computes under a gradient that makes the output again
-    (`fused(kernel, forward)`: `forward(kernel)`, the layer's own product, as its value)."""
+    (`fused(kernel, forward)`: `forward(kernel)`, the layer's own product, as its value).
+
+    A lean LayerNorm's output also carries its `remake(gate)` as an attribute
+    (`_REMADE`), beyond the block's call: a later block's `Dense` or `EinsumDense` layers
+    fed it (the next block's query, key and value projections, fed the previous block's
+    output) make it again from the LayerNorm's kept input, found by `remake_of`."""
 
     def __init__(self):
         self.outputs = {}  # id(output) -> (output, fused)
@@ -142,13 +147,36 @@ class _Made:
     def add_remade(self, output, remake):
         """`add` for an output that `remake(gate)` makes again: the `Dense` fed it computes
         its product under `matmul_recomputing_input`, not keeping it."""
+        if getattr(output, "dtype", None) in _gelu.FLOATS:
+            _mark_remade(output, remake)
         return self.add(output, lambda kernel, forward: matmul_recomputing_input(
             output, kernel, remake, forward))
 
     def fused_of(self, x):
-        """The `fused` of a recorded output `x`, else None."""
+        """The `fused` of a recorded output `x`, or of one an earlier block's lean LayerNorm
+        made (`remake_of`), else None."""
         found = self.outputs.get(id(x))
-        return found[1] if found is not None and found[0] is x else None
+        if found is not None and found[0] is x:
+            return found[1]
+        remake = remake_of(x)
+        if remake is None:
+            return None
+        return lambda kernel, forward: matmul_recomputing_input(x, kernel, remake, forward)
+
+
+_REMADE = "__recompute_remade__"  # on a lean LayerNorm's output: its `remake(gate)`
+
+
+def _mark_remade(output, remake):
+    try:
+        setattr(output, _REMADE, remake)
+    except AttributeError:  # (a tensor type without attributes: the next layers keep it)
+        pass
+
+
+def remake_of(x):
+    """The `remake(gate)` of a lean LayerNorm's output `x` (any block's), else None."""
+    return getattr(x, _REMADE, None) if isinstance(x, tf.Tensor) else None
 
 
 def _gelu_activation(made):
@@ -184,6 +212,96 @@ def _dense_call(layer, own_call, made, product, rest):
         if fused is None:
             return own_call(inputs, *args, **kwargs)
         return rest(layer, fused(tf.convert_to_tensor(layer.kernel), product(inputs)))
+
+    setattr(lean, _MARK, True)
+    return lean
+
+
+def einsum_gradient_equations(equation):
+    """`(input's, kernel's)`: the equations of `tf.einsum` that give the input's and the
+    kernel's gradients of `einsum(equation, x, kernel)` from the output's `dy` (`"Y,K->X"`,
+    `"X,Y->K"`); None where they are not that simple (an ellipsis, a letter twice in one
+    operand, a letter of one operand in neither the other nor the output)."""
+    if not isinstance(equation, str) or "..." in equation or equation.count("->") != 1:
+        return None
+    operands, y = equation.replace(" ", "").split("->")
+    if operands.count(",") != 1:
+        return None
+    x, k = operands.split(",")
+    if not all(len(set(t)) == len(t) and t.isalpha() for t in (x, k, y)):
+        return None
+    if not set(x) <= set(k) | set(y) or not set(k) <= set(x) | set(y) \
+            or not set(y) <= set(x) | set(k):
+        return None
+    return f"{y},{k}->{x}", f"{x},{y}->{k}"
+
+
+def einsum_recomputing_input(x, kernel, equations, remake, forward):
+    """`forward(kernel)` -- an `EinsumDense`'s product `einsum(equation, x, kernel)` as the
+    layer computes it -- under a gradient that keeps the kernel and not `x`:
+    `remake(gate)` makes `x` again once `gate` (the incoming gradient) exists, for the
+    kernel's gradient. `equations`: `einsum_gradient_equations(equation)`."""
+    input_equation, kernel_equation = equations
+
+    @tf.custom_gradient
+    def product(x, kernel):
+        def gradient(dy):
+            d_kernel = tf.einsum(kernel_equation, remake(dy), dy)
+            return tf.einsum(input_equation, dy, kernel), d_kernel
+
+        return forward(kernel), gradient
+
+    return product(x, kernel)
+
+
+def _keras3_einsum(layer, x):
+    """`keras.layers.EinsumDense`'s product of `x`, as a function of the kernel."""
+    from keras import ops
+
+    return lambda kernel: ops.einsum(layer.equation, x, kernel)
+
+
+def _tf_keras_einsum(layer, x):
+    """`tf_keras.layers.EinsumDense`'s product of `x`, as a function of the kernel."""
+    return lambda kernel: tf.einsum(layer.equation, x, kernel)
+
+
+def _tf_keras_einsum_rest(layer, y):
+    """The rest of `tf_keras.layers.EinsumDense.call` after its product `y`."""
+    if layer.bias is not None:
+        y += layer.bias
+    return layer.activation(y) if layer.activation is not None else y
+
+
+# The plain `EinsumDense` of each family, (module, name): (its product, the rest of its call)
+_EINSUM_DENSES = {
+    _keras_private.EINSUM_DENSE: (_keras3_einsum, _keras3_rest),
+    _tf_keras.EINSUM_DENSE: (_tf_keras_einsum, _tf_keras_einsum_rest),
+}
+
+
+def plain_einsum_dense(layer):
+    """`(product, rest)` of `_EINSUM_DENSES` for a plain float `EinsumDense` (as
+    `plain_dense`) whose equation has simple gradients (`einsum_gradient_equations`),
+    else None."""
+    cls = type(layer)
+    found = _EINSUM_DENSES.get((cls.__module__, cls.__name__))
+    if found is None or "call" in vars(layer) or getattr(layer, "quantization_mode", None) \
+            or getattr(layer, "lora_enabled", False) or layer.compute_dtype != layer.dtype \
+            or einsum_gradient_equations(getattr(layer, "equation", None)) is None:
+        return None
+    return found
+
+
+def _einsum_dense_call(layer, own_call, product, rest):
+    def lean(inputs, *args, **kwargs):
+        remake = remake_of(inputs)
+        if remake is None or args or set(kwargs) - {"training"}:
+            return own_call(inputs, *args, **kwargs)
+        equations = einsum_gradient_equations(layer.equation)
+        y = einsum_recomputing_input(inputs, tf.convert_to_tensor(layer.kernel), equations,
+                                     remake, product(layer, inputs))
+        return rest(layer, y)
 
     setattr(lean, _MARK, True)
     return lean
@@ -267,11 +385,14 @@ def lean_layers(layers, tf_variable):
     `tf.Variable` behind one of the family's weights."""
     made = _Made()
     denses = ((layer, plain_dense(layer)) for layer in layers)
+    einsums = ((layer, plain_einsum_dense(layer)) for layer in layers)
     norms = (layer for layer in layers if _layer_norm.plain_norm(layer))
     with _gelu.kept_input(layers, _gelu_activation(made)), shadowed(
             [(layer, "call", _norm_call(layer, layer.call, made, tf_variable)) for layer in norms]
             + [(layer, "call", _dense_call(layer, layer.call, made, *found))
                for layer, found in denses if found is not None]
+            + [(layer, "call", _einsum_dense_call(layer, layer.call, *found))
+               for layer, found in einsums if found is not None]
             + [(layer, "call", dropout_call(layer, layer.call))
                for layer in _block_dropouts(layers)]):
         try:

@@ -337,16 +337,18 @@ def test_attention_policy_keeps_only_the_gelu_input(K):
 
 def test_attention_policy_layer_norms_keep_their_input(K):
     """Under "attention" the backward pass reads no per-sample tensor computed inside a
-    block's LayerNormalization but its output, where the next block keeps it
-    (`recompute.ops._layer_norm`, `_lean`: the gradient from the input alone); without
-    recomputation it reads the normalization's intermediates."""
+    block's LayerNormalization, its output included (`recompute.ops._layer_norm`, `_lean`:
+    the gradient from the input alone; the first block's output, the second block's input,
+    made again from the LayerNorm's kept input for the query, key and value projections'
+    kernels); without recomputation it reads the normalization's intermediates and its
+    outputs."""
 
     def inside(graph):  # per-sample tensors (rank >= 2)
         return {t.op.type for t in forward_tensors_read_by_backward(graph)
                 if "layer_normalization" in t.op.name and t.shape.rank and t.shape.rank >= 2}
 
     assert inside(run(K, None, False, "function")[3]) - {"IdentityN"}
-    assert inside(run(K, "attention", True, "function")[3]) <= {"IdentityN"}
+    assert inside(run(K, "attention", True, "function")[3]) == set()
 
 
 @pytest.mark.parametrize("center,scale,axis", [(True, True, -1), (False, True, -1),
@@ -391,6 +393,62 @@ def test_layer_norm_keeping_input_matches_the_layer(K, center, scale, axis, mode
             assert_all_close(expected, got, names)
         assert "call" not in vars(layer)  # restored
     assert (len(calls) > 0) == (axis == -1)
+
+
+@pytest.mark.parametrize("equation,bias,shape", [("abc,cde->abde", "de", (HEADS, WIDTH // HEADS)),
+                                                 ("abc,cd->abd", "d", (WIDTH,)),
+                                                 ("abc,cd->abd", None, (WIDTH,)),
+                                                 ("...b,bc->...c", "c", (WIDTH,))])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_einsum_dense_remaking_its_input_matches_the_layer(K, equation, bias, shape, mode,
+                                                          monkeypatch):
+    """`recompute.ops._lean.lean_layers` on a LayerNormalization feeding an `EinsumDense`
+    (a block's output feeding the next block's query, key and value projections): the
+    projection makes the LayerNorm's output again for its kernel's gradient
+    (`_lean.einsum_recomputing_input`); its output and every gradient equal the layers' own
+    to float rounding. An equation with an ellipsis runs as written."""
+    from recompute.adapters import _keras3, _tf_keras
+    from recompute.ops import _lean
+    from tests.helpers.numerics import assert_all_close
+
+    tf_variable = _tf_keras.tf_variable if K.__name__ == "tf_keras" else _keras3.tf_variable
+    calls = []
+    real = _lean.einsum_recomputing_input
+    monkeypatch.setattr(_lean, "einsum_recomputing_input",
+                        lambda *a: calls.append(1) or real(*a))
+    norm = K.layers.LayerNormalization()
+    dense = K.layers.EinsumDense(equation, output_shape=(SEQ,) + shape, bias_axes=bias)
+    x = tf.random.stateless_normal([BATCH, SEQ, WIDTH], seed=(7, 8)) * 2 + 1
+    dense(norm(x))
+    weights = [norm.gamma, norm.beta] + list(dense.trainable_weights)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = dense(norm(x))
+            loss = tf.reduce_sum(tf.sin(y))
+        return [y] + tape.gradient(loss, [x] + weights)
+
+    traced = (lambda: tf.function(step)) if mode == "function" else (lambda: step)
+    expected = to_numpy(traced()(x))
+    with _lean.lean_layers([norm, dense], tf_variable):
+        got = to_numpy(traced()(x))
+    assert_all_close(expected, got, ["y", "x"] + [w.name for w in weights])
+    assert bool(calls) == ("..." not in equation)
+    assert "call" not in vars(dense)  # restored
+
+
+def test_einsum_gradient_equations():
+    """The input's and the kernel's gradient equations of an `EinsumDense`, or None where they
+    are not two plain einsums."""
+    from recompute.ops._lean import einsum_gradient_equations as equations
+
+    assert equations("abc,cde->abde") == ("abde,cde->abc", "abc,abde->cde")
+    assert equations("abcd,cde->abe") == ("abe,cde->abcd", "abcd,abe->cde")
+    assert equations("ab,bc->ac") == ("ac,bc->ab", "ab,ac->bc")
+    for refused in ("...b,bc->...c", "abc,cd->ad", "ab,bcd->ac", "aab,bc->ac", "ab->ab",
+                    "ab,bc,cd->ad", "ab,bc", None):
+        assert equations(refused) is None, refused
 
 
 def test_attention_policy_recomputation_draws_no_random_numbers(K):
