@@ -19,7 +19,10 @@
   row blocks (`fused`, `feed_forward`).
 - `_lean`: `lean_layers`, the block's layers under `"attention"` on TensorFlow: the GELUs
   and LayerNorms above, the `Dense` layers they feed, which make their input again for
-  the kernel's gradient (`matmul_recomputing_input`, bert4keras's `FeedForward` too), and
+  the kernel's gradient (`matmul_recomputing_input`, bert4keras's `FeedForward` too), the
+  `Dense` and `EinsumDense` layers of a later block fed a LayerNorm's output (the next
+  block's query, key and value projections fed the block's output), which make it again
+  from the LayerNorm's kept input (`remake_of`, `einsum_recomputing_input`), and
   the block's own `Dropout` layers, which keep their decision as bits (`dropout_call`);
   `remaking_input`, for a `Dense` fed a tensor another layer makes again (bert4keras's
   attention fed by a LayerNormalization unit).

@@ -14,6 +14,14 @@
   as `_gelu.gelu_matmul` over the GELU's input, one gradient through the GELU and
   the product that shares one `erfc` pass between the GELU's output and its
   derivative (`_gelu.with_erfc`);
+- each plain `Dense` or `EinsumDense` (`plain_einsum_dense`: the family's own class, as
+  `plain_dense`, an equation whose gradients are two plain einsums) fed the output of a
+  lean LayerNorm of an *earlier* block's call -- a block's output feeding the next block's
+  query, key and value projections -- makes it again for its kernel's gradient from the
+  LayerNorm's kept input (`remake_of`: the output carries its `remake`;
+  `einsum_recomputing_input`), so the block's input is not kept a second time (1.5 MiB
+  per sample per block at BERT-base, seq 512; each projection makes it again: the
+  LayerNorm's elementwise pass, three times a block);
 - each plain `Dropout` (`plain_dropout`: the family's own class, no noise shape, a rate
   between 0 and 1) of the block itself (not an attention layer's: the attention core
   keeps its own as bits) keeps its decision as bits, 1 per entry, where autodiff keeps
@@ -24,7 +32,10 @@ In a post-LayerNorm block (`x -> attention -> + x -> LayerNorm -> y -> Dense +
 GELU -> h, g -> Dense -> + y -> LayerNorm`) this keeps, of the feed-forward, the
 first LayerNorm's input and the GELU's input `h`, where TensorFlow's autodiff
 keeps the LayerNorm's input and its scaled inverse deviation, `y`, four GELU
-tensors and `g` (docs/attention.md, "What `"attention"` keeps on TensorFlow").
+tensors and `g` (docs/attention.md, "What `"attention"` keeps on TensorFlow"); of the
+attention, `q`, `k`, `v` and the core's output, not the block's input `x` where an
+earlier block's lean LayerNorm made it (docs/attention.md, "The block's input made
+again").
 The forward values are the layers' own; the gradients equal autodiff's to float
 rounding (the statistics computed again, the sums in another order), which is
 `"attention"`'s promise (`"full"` leaves every layer as written).
@@ -65,8 +76,20 @@ def matmul_recomputing_input(x, kernel, recompute, forward):
 
 def remade_after(call, x):
     """`remake(gate)` for `matmul_recomputing_input`: `call(x)` made again once `gate` (the
-    incoming gradient) exists (`after`), not in the forward pass."""
-    return lambda gate: call(after([x], gate)[0])
+    incoming gradient) exists (`after`), not in the forward pass. Made once per graph the
+    gradients are built in (eagerly: once), for every product fed it (a block's output
+    feeds the next block's query, key and value projections): the first product's
+    gradient gates it, the others read it."""
+    made = {}
+
+    def remake(gate):
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        key = id(graph)
+        if key not in made or made[key][0] is not graph:
+            made[key] = (graph, call(after([x], gate)[0]))
+        return made[key][1]
+
+    return remake
 
 
 def _keras3_product(x):

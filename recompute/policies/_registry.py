@@ -26,7 +26,8 @@ picks one.
   on TensorFlow, `jax.checkpoint` on JAX): one [seq, ffn] tensor per GELU
   instead of four; on TensorFlow LayerNorms keep only their input too, and the
   `Dense` a GELU or a LayerNorm feeds computes its product under a gradient that
-  makes that input again (`_lean.lean_layers`); on JAX the block is one checkpoint
+  makes that input again, as do the next block's query, key and value projections
+  fed the block's output (`_lean.lean_layers`); on JAX the block is one checkpoint
   that keeps named values (`_jax`).
 
 Under both, Keras's own cores run as the blocked attention core

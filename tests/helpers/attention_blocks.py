@@ -402,40 +402,49 @@ def test_layer_norm_keeping_input_matches_the_layer(K, center, scale, axis, mode
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_einsum_dense_remaking_its_input_matches_the_layer(K, equation, bias, shape, mode,
                                                           monkeypatch):
-    """`recompute.ops._lean.lean_layers` on a LayerNormalization feeding an `EinsumDense`
-    (a block's output feeding the next block's query, key and value projections): the
+    """`recompute.ops._lean.lean_layers` on a LayerNormalization feeding two `EinsumDense`
+    layers (a block's output feeding the next block's query and key projections): each
     projection makes the LayerNorm's output again for its kernel's gradient
-    (`_lean.einsum_recomputing_input`); its output and every gradient equal the layers' own
-    to float rounding. An equation with an ellipsis runs as written."""
+    (`_lean.einsum_recomputing_input`), the two sharing one remade output (the norm runs
+    once more, for both gradients); the outputs and every gradient equal the
+    layers' own to float rounding. An equation with an ellipsis runs as written."""
     from recompute.adapters import _keras3, _tf_keras
     from recompute.ops import _lean
     from tests.helpers.numerics import assert_all_close
 
     tf_variable = _tf_keras.tf_variable if K.__name__ == "tf_keras" else _keras3.tf_variable
-    calls = []
+    calls, norms = [], []
     real = _lean.einsum_recomputing_input
     monkeypatch.setattr(_lean, "einsum_recomputing_input",
                         lambda *a: calls.append(1) or real(*a))
+    remade_after = _lean.remade_after
+    monkeypatch.setattr(_lean, "remade_after", lambda call, x: remade_after(
+        lambda v: norms.append(1) or call(v), x))
     norm = K.layers.LayerNormalization()
-    dense = K.layers.EinsumDense(equation, output_shape=(SEQ,) + shape, bias_axes=bias)
+    denses = [K.layers.EinsumDense(equation, output_shape=(SEQ,) + shape, bias_axes=bias)
+              for _ in range(2)]
     x = tf.random.stateless_normal([BATCH, SEQ, WIDTH], seed=(7, 8)) * 2 + 1
-    dense(norm(x))
-    weights = [norm.gamma, norm.beta] + list(dense.trainable_weights)
+    for dense in denses:
+        dense(norm(x))
+    weights = [norm.gamma, norm.beta] + [w for d in denses for w in d.trainable_weights]
 
     def step(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
-            y = dense(norm(x))
-            loss = tf.reduce_sum(tf.sin(y))
-        return [y] + tape.gradient(loss, [x] + weights)
+            n = norm(x)
+            ys = [dense(n) for dense in denses]
+            loss = tf.reduce_sum(tf.sin(ys[0]) * tf.cos(ys[1]))
+        return ys + tape.gradient(loss, [x] + weights)
 
     traced = (lambda: tf.function(step)) if mode == "function" else (lambda: step)
     expected = to_numpy(traced()(x))
-    with _lean.lean_layers([norm, dense], tf_variable):
+    with _lean.lean_layers([norm] + denses, tf_variable):
         got = to_numpy(traced()(x))
-    assert_all_close(expected, got, ["y", "x"] + [w.name for w in weights])
-    assert bool(calls) == ("..." not in equation)
-    assert "call" not in vars(dense)  # restored
+    assert_all_close(expected, got, ["y0", "y1", "x"] + [w.name for w in weights])
+    remade = "..." not in equation
+    assert len(calls) == (2 if remade else 0)
+    assert len(norms) == (1 if remade else 0)  # made again once
+    assert all("call" not in vars(dense) for dense in denses)  # restored
 
 
 def test_einsum_gradient_equations():
