@@ -4,7 +4,8 @@ TensorFlow has no public API for these things recomputation needs:
 - pausing every active `GradientTape` on this thread while an eager forward
   pass runs (so the tapes do not keep the block's activations alive) -- the
   same call `tf.recompute_grad` makes internally;
-- telling that a `tf.while_loop` body is being built (`in_while_loop_body`);
+- telling that a `tf.while_loop` body is being built (`in_while_loop_body`), or a body or
+  a `tf.cond` branch (`in_control_flow_body`);
 - asking whether any tape is recording at all (so that a call outside training
   costs nothing);
 - asking whether a forward-mode accumulator (`tf.autodiff.ForwardAccumulator`)
@@ -47,7 +48,8 @@ PRIVATE_NAMES = (
     + owned_by(("tensorflow.python.eager.record",), "stop_recording", "could_possibly_record")
     + owned_by(("tensorflow.python.eager.context",), "executing_eagerly")
     + owned_by(("tensorflow.python.framework.ops",), "get_default_graph")
-    + owned_by(("tensorflow.python.ops.control_flow_util_v2",), "WhileBodyFuncGraph")
+    + owned_by(("tensorflow.python.ops.control_flow_util_v2",), "WhileBodyFuncGraph",
+               "CondBranchFuncGraph")
     + owned_by(("tensorflow.python.framework.auto_control_deps",),
                "AutomaticControlDependencies", "AutomaticControlDependencies.mark_as_return")
     # set by `tf.function` on the graphs it builds (read with a default: False)
@@ -113,6 +115,22 @@ def in_while_loop_body():
     graph = ops.get_default_graph()
     while graph is not None:
         if isinstance(graph, control_flow_util_v2.WhileBodyFuncGraph):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def in_control_flow_body():
+    """True while a `tf.while_loop` body or a `tf.cond` branch is being built (at any depth
+    of nested graphs): graphs whose gradient graphs cannot capture a variable that their
+    forward pass did not read."""
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import control_flow_util_v2
+
+    bodies = (control_flow_util_v2.WhileBodyFuncGraph, control_flow_util_v2.CondBranchFuncGraph)
+    graph = ops.get_default_graph()
+    while graph is not None:
+        if isinstance(graph, bodies):
             return True
         graph = getattr(graph, "outer_graph", None)
     return False

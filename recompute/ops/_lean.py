@@ -49,7 +49,7 @@ import contextlib
 
 import tensorflow as tf
 
-from ..adapters import _keras_private, _mha_private, _tf_keras
+from ..adapters import _keras_private, _mha_private, _tf, _tf_keras
 from ..engine._core import after
 from .._scoped import shadowed
 from . import _flash_tf, _gelu, _layer_norm
@@ -223,6 +223,9 @@ def _norm_call(layer, own_call, made, tf_variable):
         if args or kwargs or not _layer_norm.applies(layer, inputs):
             return own_call(inputs, *args, **kwargs)
         y = _layer_norm.keeping_input(layer, own_call, inputs, tf_variable)
+        if _tf.in_control_flow_body():
+            return y  # (made again, it would read gamma and beta in a gradient of a
+            #          `tf.cond` branch or loop body, which cannot capture them: kept)
         return made.add_remade(y, remade_after(own_call, inputs))
 
     setattr(lean, _MARK, True)
@@ -232,7 +235,7 @@ def _norm_call(layer, own_call, made, tf_variable):
 def _dense_call(layer, own_call, made, product, rest):
     def lean(inputs, *args, **kwargs):
         fused = made.fused_of(inputs)
-        if fused is None:
+        if fused is None or inputs.dtype != layer.kernel.dtype:
             return own_call(inputs, *args, **kwargs)
         return rest(layer, fused(tf.convert_to_tensor(layer.kernel), product(inputs)))
 
@@ -319,8 +322,9 @@ def plain_einsum_dense(layer):
 def _einsum_dense_call(layer, own_call, product, rest):
     def lean(inputs, *args, **kwargs):
         remake = remake_of(inputs)
-        if remake is None or args or set(kwargs) - {"training"}:
-            return own_call(inputs, *args, **kwargs)
+        if remake is None or args or set(kwargs) - {"training"} \
+                or inputs.dtype != layer.kernel.dtype:
+            return own_call(inputs, *args, **kwargs)  # (mixed dtypes: the layer promotes)
         equations = einsum_gradient_equations(layer.equation)
         y = einsum_recomputing_input(inputs, tf.convert_to_tensor(layer.kernel), equations,
                                      remake, product(layer, inputs))

@@ -447,6 +447,70 @@ def test_einsum_dense_remaking_its_input_matches_the_layer(K, equation, bias, sh
     assert all("call" not in vars(dense) for dense in denses)  # restored
 
 
+@pytest.mark.parametrize("flow", ["while", "cond"])
+@pytest.mark.parametrize("kind", ["EinsumDense", "Dense"])
+def test_lean_layers_in_control_flow_match_the_layers(K, flow, kind):
+    """A LayerNorm feeding a projection inside a `tf.while_loop` body or a `tf.cond` branch
+    under `recompute.ops._lean.lean_layers`: the gradient of a branch or body cannot capture
+    the LayerNorm's weights where the forward pass did not read them, so the projection keeps
+    its input there (`recompute.adapters._tf.in_control_flow_body`); every gradient equals
+    the layers' own. (It raised in the gradient before.)"""
+    from recompute.adapters import _keras3, _tf_keras
+    from recompute.ops import _lean
+    from tests.helpers.numerics import assert_all_close
+
+    tf_variable = _tf_keras.tf_variable if K.__name__ == "tf_keras" else _keras3.tf_variable
+    norm = K.layers.LayerNormalization()
+    proj = (K.layers.EinsumDense("abc,cd->abd", (SEQ, WIDTH)) if kind == "EinsumDense"
+            else K.layers.Dense(WIDTH))
+    x = tf.random.stateless_normal([BATCH, SEQ, WIDTH], seed=(9, 10))
+    proj(norm(x))
+    weights = [norm.gamma, norm.beta] + list(proj.trainable_weights)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            if flow == "while":
+                _, h = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, proj(norm(h))),
+                                     (tf.constant(0), x))
+            else:
+                h = tf.cond(tf.reduce_sum(x) > -1e9, lambda: proj(norm(x)), lambda: x)
+            loss = tf.reduce_sum(tf.sin(h))
+        return tape.gradient(loss, [x] + weights)
+
+    expected = to_numpy(tf.function(step)(x))
+    with _lean.lean_layers([norm, proj], tf_variable):
+        got = to_numpy(tf.function(step)(x))
+    assert_all_close(expected, got, ["x"] + [w.name for w in weights])
+
+
+def test_einsum_dense_of_another_dtype_runs_as_written(K):
+    """An `EinsumDense` whose kernel's dtype is not its input's (the layer promotes) runs as
+    written under `recompute.ops._lean.lean_layers`, fed a lean LayerNorm's output."""
+    from recompute.adapters import _keras3
+    from recompute.ops import _lean
+
+    if K.__name__ == "tf_keras":
+        pytest.skip("tf_keras's EinsumDense does not promote: it refuses mixed dtypes itself")
+    tf_variable = _keras3.tf_variable
+    norm = K.layers.LayerNormalization(dtype="float64")
+    proj = K.layers.EinsumDense("abc,cd->abd", (SEQ, WIDTH), autocast=False)
+    x = tf.cast(tf.random.stateless_normal([BATCH, SEQ, WIDTH], seed=(11, 12)), tf.float64)
+    proj(norm(x))
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.sin(tf.cast(proj(norm(x)), tf.float64)))
+        return tape.gradient(loss, [x] + proj.trainable_weights)
+
+    expected = to_numpy(tf.function(step)(x))
+    with _lean.lean_layers([norm, proj], tf_variable):
+        got = to_numpy(tf.function(step)(x))
+    for a, b in zip(expected, got):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_einsum_gradient_equations():
     """The input's and the kernel's gradient equations of an `EinsumDense`, or None where they
     are not two plain einsums."""
