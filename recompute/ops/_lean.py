@@ -21,7 +21,9 @@
   LayerNorm's kept input (`remake_of`: the output carries its `remake`;
   `einsum_recomputing_input`), so the block's input is not kept a second time (1.5 MiB
   per sample per block at BERT-base, seq 512; made again once for the three projections,
-  `remade_after`: the LayerNorm's elementwise pass, once a block);
+  `remade_after`: the LayerNorm's elementwise pass, once a block). Not inside a `tf.cond`
+  branch or a loop body (`_tf.in_control_flow_body`), whose gradient cannot read the
+  LayerNorm's weights anew, nor for a projection whose kernel's dtype is not its input's;
 - each plain `Dropout` (`plain_dropout`: the family's own class, no noise shape, a rate
   between 0 and 1) of the block itself (not an attention layer's: the attention core
   keeps its own as bits) keeps its decision as bits, 1 per entry, where autodiff keeps
