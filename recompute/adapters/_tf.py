@@ -104,36 +104,34 @@ def tape_is_active():
     return record.could_possibly_record()
 
 
+def _building_inside(*kinds):
+    """True while a graph of one of the `control_flow_util_v2` classes named by `kinds` is
+    being built: the default graph or any graph it is nested in."""
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import control_flow_util_v2
+
+    classes = tuple(getattr(control_flow_util_v2, kind) for kind in kinds)
+    graph = ops.get_default_graph()
+    while graph is not None:
+        if isinstance(graph, classes):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
 def in_while_loop_body():
     """True while a `tf.while_loop` body is being built (at any depth of nested graphs).
 
     Keras runs an RNN cell (`unroll=False`) in such a body inside `tf.function`.
     """
-    from tensorflow.python.framework import ops
-    from tensorflow.python.ops import control_flow_util_v2
-
-    graph = ops.get_default_graph()
-    while graph is not None:
-        if isinstance(graph, control_flow_util_v2.WhileBodyFuncGraph):
-            return True
-        graph = getattr(graph, "outer_graph", None)
-    return False
+    return _building_inside("WhileBodyFuncGraph")
 
 
 def in_control_flow_body():
     """True while a `tf.while_loop` body or a `tf.cond` branch is being built (at any depth
     of nested graphs): graphs whose gradient graphs cannot capture a variable that their
     forward pass did not read."""
-    from tensorflow.python.framework import ops
-    from tensorflow.python.ops import control_flow_util_v2
-
-    bodies = (control_flow_util_v2.WhileBodyFuncGraph, control_flow_util_v2.CondBranchFuncGraph)
-    graph = ops.get_default_graph()
-    while graph is not None:
-        if isinstance(graph, bodies):
-            return True
-        graph = getattr(graph, "outer_graph", None)
-    return False
+    return _building_inside("WhileBodyFuncGraph", "CondBranchFuncGraph")
 
 
 def forward_accumulator_watches(tensors):

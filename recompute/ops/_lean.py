@@ -82,14 +82,13 @@ def remade_after(call, x):
     gradients are built in (eagerly: once), for every product fed it (a block's output
     feeds the next block's query, key and value projections): the first product's
     gradient gates it, the others read it."""
-    made = {}
+    made = {}  # graph (None: eager) -> x made again there
 
     def remake(gate):
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        key = id(graph)
-        if key not in made or made[key][0] is not graph:
-            made[key] = (graph, call(after([x], gate)[0]))
-        return made[key][1]
+        if graph not in made:
+            made[graph] = call(after([x], gate)[0])
+        return made[graph]
 
     return remake
 
@@ -140,15 +139,21 @@ _DENSES = {
 }
 
 
-def plain_dense(layer):
-    """`(product, rest)` of `_DENSES` for a plain float `Dense` (the family's own class, not
-    quantized, no LoRA, no autocast, no `call` of the instance's own), else None."""
+def _plain(layer, classes):
+    """`classes[(module, name)]` of `layer`'s class where `layer` is plain: the family's own
+    class, not quantized, no LoRA, no autocast, no `call` of the instance's own; else None."""
     cls = type(layer)
-    found = _DENSES.get((cls.__module__, cls.__name__))
+    found = classes.get((cls.__module__, cls.__name__))
     if found is None or "call" in vars(layer) or getattr(layer, "quantization_mode", None) \
             or getattr(layer, "lora_enabled", False) or layer.compute_dtype != layer.dtype:
         return None
     return found
+
+
+def plain_dense(layer):
+    """`(product, rest)` of `_DENSES` for a plain float `Dense` (the family's own class, not
+    quantized, no LoRA, no autocast, no `call` of the instance's own), else None."""
+    return _plain(layer, _DENSES)
 
 
 class _Made:
@@ -173,9 +178,8 @@ class _Made:
         """`add` for an output that `remake(gate)` makes again: the `Dense` fed it computes
         its product under `matmul_recomputing_input`, not keeping it."""
         if getattr(output, "dtype", None) in _gelu.FLOATS:
-            _mark_remade(output, remake)
-        return self.add(output, lambda kernel, forward: matmul_recomputing_input(
-            output, kernel, remake, forward))
+            setattr(output, _REMADE, remake)
+        return self.add(output, _remaking(output, remake))
 
     def fused_of(self, x):
         """The `fused` of a recorded output `x`, or of one an earlier block's lean LayerNorm
@@ -184,19 +188,15 @@ class _Made:
         if found is not None and found[0] is x:
             return found[1]
         remake = remake_of(x)
-        if remake is None:
-            return None
-        return lambda kernel, forward: matmul_recomputing_input(x, kernel, remake, forward)
+        return None if remake is None else _remaking(x, remake)
 
 
 _REMADE = "__recompute_remade__"  # on a lean LayerNorm's output: its `remake(gate)`
 
 
-def _mark_remade(output, remake):
-    try:
-        setattr(output, _REMADE, remake)
-    except AttributeError:  # (a tensor type without attributes: the next layers keep it)
-        pass
+def _remaking(x, remake):
+    """The `fused(kernel, forward)` of a `Dense` fed `x`, which `remake(gate)` makes again."""
+    return lambda kernel, forward: matmul_recomputing_input(x, kernel, remake, forward)
 
 
 def remake_of(x):
@@ -312,22 +312,20 @@ def plain_einsum_dense(layer):
     """`(product, rest)` of `_EINSUM_DENSES` for a plain float `EinsumDense` (as
     `plain_dense`) whose equation has simple gradients (`einsum_gradient_equations`),
     else None."""
-    cls = type(layer)
-    found = _EINSUM_DENSES.get((cls.__module__, cls.__name__))
-    if found is None or "call" in vars(layer) or getattr(layer, "quantization_mode", None) \
-            or getattr(layer, "lora_enabled", False) or layer.compute_dtype != layer.dtype \
-            or einsum_gradient_equations(getattr(layer, "equation", None)) is None:
+    found = _plain(layer, _EINSUM_DENSES)
+    if found is None or einsum_gradient_equations(layer.equation) is None:
         return None
     return found
 
 
 def _einsum_dense_call(layer, own_call, product, rest):
+    equations = einsum_gradient_equations(layer.equation)
+
     def lean(inputs, *args, **kwargs):
         remake = remake_of(inputs)
         if remake is None or args or set(kwargs) - {"training"} \
                 or inputs.dtype != layer.kernel.dtype:
             return own_call(inputs, *args, **kwargs)  # (mixed dtypes: the layer promotes)
-        equations = einsum_gradient_equations(layer.equation)
         y = einsum_recomputing_input(inputs, tf.convert_to_tensor(layer.kernel), equations,
                                      remake, product(layer, inputs))
         return rest(layer, y)

@@ -484,46 +484,6 @@ def test_lean_layers_in_control_flow_match_the_layers(K, flow, kind):
     assert_all_close(expected, got, ["x"] + [w.name for w in weights])
 
 
-def test_einsum_dense_of_another_dtype_runs_as_written(K):
-    """An `EinsumDense` whose kernel's dtype is not its input's (the layer promotes) runs as
-    written under `recompute.ops._lean.lean_layers`, fed a lean LayerNorm's output."""
-    from recompute.adapters import _keras3
-    from recompute.ops import _lean
-
-    if K.__name__ == "tf_keras":
-        pytest.skip("tf_keras's EinsumDense does not promote: it refuses mixed dtypes itself")
-    tf_variable = _keras3.tf_variable
-    norm = K.layers.LayerNormalization(dtype="float64")
-    proj = K.layers.EinsumDense("abc,cd->abd", (SEQ, WIDTH), autocast=False)
-    x = tf.cast(tf.random.stateless_normal([BATCH, SEQ, WIDTH], seed=(11, 12)), tf.float64)
-    proj(norm(x))
-
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(tf.sin(tf.cast(proj(norm(x)), tf.float64)))
-        return tape.gradient(loss, [x] + proj.trainable_weights)
-
-    expected = to_numpy(tf.function(step)(x))
-    with _lean.lean_layers([norm, proj], tf_variable):
-        got = to_numpy(tf.function(step)(x))
-    for a, b in zip(expected, got):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
-
-
-def test_einsum_gradient_equations():
-    """The input's and the kernel's gradient equations of an `EinsumDense`, or None where they
-    are not two plain einsums."""
-    from recompute.ops._lean import einsum_gradient_equations as equations
-
-    assert equations("abc,cde->abde") == ("abde,cde->abc", "abc,abde->cde")
-    assert equations("abcd,cde->abe") == ("abe,cde->abcd", "abcd,abe->cde")
-    assert equations("ab,bc->ac") == ("ac,bc->ab", "ab,ac->bc")
-    for refused in ("...b,bc->...c", "abc,cd->ad", "ab,bcd->ac", "aab,bc->ac", "ab->ab",
-                    "ab,bc,cd->ad", "ab,bc", None):
-        assert equations(refused) is None, refused
-
-
 def test_attention_policy_recomputation_draws_no_random_numbers(K):
     """Under "attention" the backward pass draws no random numbers (the dropout's
     decision is kept as bits) and reads one uint8 tensor of bits per core; under
