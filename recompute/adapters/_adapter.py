@@ -53,8 +53,23 @@ class Adapter(Protocol):
         """Runs the recomputation from `start` (the values `state` had before the call),
         writing nothing back; yields the list of losses the recomputation adds."""
 
+    def replay_recording(self, layer: Any, state: Sequence[Any], start: Sequence[Any],
+                         assigned: Optional[dict]) -> ContextManager[list]:
+        """`replay_state`; on exit `assigned` (unless None) also gets `{id(variable):
+        (variable, value)}` of the variables the call assigned, with the values it left."""
+
+    def random_states(self, layer: Any) -> Sequence[Any]:
+        """The random generators' states among `state_variables(layer)`: what a cut of the
+        batch may assign (`recompute.engine._cuts_tf`)."""
+
     def copy_output_mask(self, source: Any, target: Any) -> None:
         """Gives `target` the Keras mask `source` carries, if any."""
+
+    def output_mask(self, tensor: Any) -> Any:
+        """The Keras mask `tensor` carries, or None."""
+
+    def set_output_mask(self, tensor: Any, mask: Any) -> None:
+        """Gives `tensor` the Keras mask `mask` (nothing where it is None)."""
 
     def track_losses(self, layers: Sequence[Any]) -> Callable[[], list]:
         """Starts tracking `add_loss`; the returned function gives (list, index) slots."""

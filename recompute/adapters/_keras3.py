@@ -95,6 +95,15 @@ def state_variables(layer):
     return unique(found)
 
 
+SEED_STATE = "seed_generator_state"  # the name of a Keras `SeedGenerator`'s state variable
+
+
+def random_states(layer):
+    """The states of the seed generators `layer`'s call draws from (the global one's
+    included), among `state_variables`."""
+    return [v for v in state_variables(layer) if v.name == SEED_STATE]
+
+
 def unique(values):
     """`values` (an iterable) without repeats, by identity, in their order."""
     out, seen = [], set()
@@ -116,8 +125,8 @@ def replay_recording(layer, state, start, assigned):
     """Runs the recomputation on the start values of `state`, discarding its writes.
 
     Yields a list that holds, once the block exits, the tensors the
-    recomputation passed to `add_loss` (in call order). With `assigned` (a dict; Keras 3's
-    own, not the adapters' interface), it also gets, on exit,
+    recomputation passed to `add_loss` (in call order). With `assigned` (a dict), it also
+    gets, on exit,
     `{id(variable): (variable, value)}` of each variable the block assigned, with the last
     value assigned (`recompute.engine._cuts_tf` writes a cut's seed states so).
 
@@ -252,10 +261,19 @@ def copy_output_mask(source, target):
     A call that sets its outputs' masks itself (a functional model does) would
     otherwise lose them: the tensors `recompute_grad` returns are new ones.
     """
-    mask = _private.keras_mask(source)
+    set_output_mask(target, output_mask(source))
+
+
+def output_mask(tensor):
+    """The Keras mask attached to `tensor`, or None (both families: `_keras_mask`)."""
+    return _private.keras_mask(tensor)
+
+
+def set_output_mask(tensor, mask):
+    """Attaches `mask` (unless None) to `tensor` as its Keras mask (both families)."""
     if mask is not None:
         try:
-            _private.set_keras_mask(target, mask)
+            _private.set_keras_mask(tensor, mask)
         except AttributeError:  # tensors that take no attributes carry no mask
             pass
 

@@ -23,6 +23,10 @@ TensorFlow has no public API for these things recomputation needs:
   AutoGraph status of the caller (`autograph_convert`, `autograph_status`:
   `tf.__internal__`).
 
+Next to them, with public raw ops only, how TensorFlow's Philox kernels count their
+numbers (`philox_advanced`, `uniform_window`): the draws of a cut of the batch, both
+Keras families' (`recompute.ops._window_tf`, `recompute.adapters._tf_keras`).
+
 `PRIVATE_NAMES` lists each of them as `(attribute, owners)`: an attribute (a dotted
 path for an attribute of an attribute) that each owner -- a module, or a class (an
 instance of it where the test builds one), by its import path -- must have, in the
@@ -252,3 +256,40 @@ def gpu_memory_limit():
         if device.device_type == "GPU":
             return int(device.memory_limit)
     return None
+
+
+# ------------------------------------------- TensorFlow's Philox numbers, counted
+
+def numbers_per_step(dtype):
+    """How many numbers of `dtype` one Philox step gives (TensorFlow's `Uniform` kernels)."""
+    return 2 if dtype == tf.float64 else 4
+
+
+def philox_advanced(key, counter, steps):
+    """`(key, counter)` of a Philox draw (uint64 [1], uint64 [2]), its counter advanced by
+    `steps` (a scalar tensor), the carry into the counter's high word included: the draw
+    from there is the first's without its first `steps` steps of numbers."""
+    low = counter[0] + tf.cast(steps, tf.uint64)
+    return key, tf.stack([low, counter[1] + tf.cast(low < counter[0], tf.uint64)])
+
+
+def uniform_window(key, counter, shape, dtype, window, alg=None):
+    """The uniform numbers of `dtype` that Philox `(key, counter)` gives a draw of
+    `(window.batch,) + shape[1:]`, samples `[window.start, window.start + shape[0])` only,
+    drawing only those (`StatelessRandomUniformV2` of `alg`, by default the one
+    `tf.random.stateless_uniform` selects: element `i` is the `i % step`-th number
+    of the step at `counter + i // step`, `numbers_per_step`; on TensorFlow's kernels and in
+    XLA alike). `shape`: the cut's static shape; `window.start` may be a tensor.
+    `tf.random.stateless_uniform` draws from the seed's `StatelessRandomGetKeyCounter`, a
+    `tf.random.Generator` (Philox) from its state `[counter, counter, key]`."""
+    import numpy as np
+
+    per_sample = int(np.prod(shape[1:]))
+    step = numbers_per_step(dtype)
+    first = tf.cast(window.start, tf.int64) * per_sample
+    key, counter = philox_advanced(key, counter, first // step)
+    count = int(shape[0]) * per_sample
+    numbers = tf.raw_ops.StatelessRandomUniformV2(
+        shape=[count + step - 1], key=key, counter=counter,
+        alg=tf.raw_ops.StatelessRandomGetAlg() if alg is None else alg, dtype=dtype)
+    return tf.reshape(tf.slice(numbers, [first % step], [count]), shape)

@@ -33,11 +33,13 @@ create the layer once in `__init__`/`build`.
 import contextlib
 import threading
 
+import numpy as np
 import tensorflow as tf
 
 from . import _mha_private, _tf
 from .._scoped import ThreadStack
-from ._keras3 import copy_output_mask  # noqa: F401  (tf_keras keeps masks in the same attribute)
+from ._keras3 import copy_output_mask, output_mask, set_output_mask  # noqa: F401  (tf_keras keeps
+# masks in the same attribute)
 from ._keras3 import unique
 from ._names import owned_by
 
@@ -53,6 +55,9 @@ EINSUM_DENSE = ("tf_keras.src.layers.core.einsum_dense", "EinsumDense")
 LAYER_NORMALIZATION = ("tf_keras.src.layers.normalization.layer_normalization",
                        "LayerNormalization")
 DROPOUT = ("tf_keras.src.layers.regularization.dropout", "Dropout")  # (module, name) of `tf_keras.layers.Dropout`
+# `tf.random.Algorithm`'s PHILOX and AUTO_SELECT (Philox where TensorFlow's kernels run): a
+# `tf.random.Generator` state [counter, counter, key]
+_PHILOX_STATES = (1, 3)
 
 PRIVATE_NAMES = (
     owned_by((_LAYER,), "_flatten_layers", "_losses", "_eager_losses", "_callable_losses",
@@ -66,7 +71,8 @@ PRIVATE_NAMES = (
     + owned_by(("tf_keras.src.backend",), "is_tf_random_generator_enabled")
     # `_generator` is made by `_maybe_init` (stateful); read with a default
     + owned_by((_RANDOM_GENERATOR,), "_rng_type", "_maybe_init", "_generator",
-               "RNG_LEGACY_STATEFUL", "RNG_STATELESS", "make_seed_for_stateless_op")
+               "RNG_LEGACY_STATEFUL", "RNG_STATELESS", "RNG_STATEFUL",
+               "make_seed_for_stateless_op")
     + owned_by((GELU[0],), GELU[1])
     + owned_by((DENSE[0],), DENSE[1])
     + owned_by((EINSUM_DENSE[0],), EINSUM_DENSE[1])
@@ -141,8 +147,20 @@ def capture_call_state(layer):
     return reenter
 
 
-@contextlib.contextmanager
+def random_states(layer):
+    """The states of the `tf.random.Generator`s of `layer`'s `RandomGenerator`s (made
+    already), among `state_variables`."""
+    return unique(tf_variable(gen._generator.state) for _, gen in _generators(sublayers(layer))
+                  if getattr(gen, "_generator", None) is not None)
+
+
 def replay_state(layer, state, start):
+    """`replay_recording` without a record."""
+    return replay_recording(layer, state, start, None)
+
+
+@contextlib.contextmanager
+def replay_recording(layer, state, start, assigned):
     """Runs the recomputation on the start values of `state`, then puts back the end values.
 
     tf_keras has no stateless scope, so the variables are assigned: the values
@@ -151,7 +169,10 @@ def replay_state(layer, state, start):
     values), and the end values written back. The caller orders these ops (see
     `_tf.ordered_stateful_ops`). `add_loss`/`add_metric` bookkeeping done by the
     recomputation is undone; the block yields a list that holds, once it
-    exits, the loss tensors the recomputation added (in call order).
+    exits, the loss tensors the recomputation added (in call order). With `assigned` (a
+    dict), it also gets, on exit, `{id(variable): (variable, value)}` of every variable of
+    `state` with the value the call left in it (`recompute.engine._cuts_tf`: whether a cut
+    wrote only random states, and what to write once).
 
     Under `tf.distribute` (replica context, in the backward pass), the state
     read and written is this replica's copy (`_tf.replica_local`): a plain
@@ -160,9 +181,9 @@ def replay_state(layer, state, start):
     Assignments the recomputed call itself makes go through the distributed
     variable, aggregated as in the forward pass.
     """
-    state = [_tf.replica_local(v) for v in state]
-    end = [v.read_value() for v in state]
-    for v, value in zip(state, start):
+    local = [_tf.replica_local(v) for v in state]
+    end = [v.read_value() for v in local]
+    for v, value in zip(local, start):
         v.assign(value)
     layers = sublayers(layer)
     restore_python = _save_python_state(layers)
@@ -173,7 +194,9 @@ def replay_state(layer, state, start):
         losses.extend(lst[i] for lst, i in added())
     finally:
         restore_python()
-    for v, value in zip(state, end):
+    if assigned is not None:
+        assigned.update((id(v), (v, local_v.read_value())) for v, local_v in zip(state, local))
+    for v, value in zip(local, end):
         v.assign(value)
 
 
@@ -241,6 +264,7 @@ class _LegacyReplay:
 
 
 _replays = ThreadStack()  # the active `_LegacyReplay`s of this thread
+_windows = ThreadStack()  # the windows of the cuts of a batch running in this thread
 _redirect_lock = threading.Lock()
 _redirect_users = 0
 _REDIRECTED = ("dropout", "random_uniform", "random_normal", "truncated_normal")
@@ -264,10 +288,58 @@ def _draw_legacy_seed():
     return tf.random.uniform([2], minval=-(2**31), maxval=2**31 - 1, dtype=tf.int64)
 
 
-def _redirecting(original):
+def _window_numbers(gen, replay, shape, dtype, window):
+    """The uniform numbers `gen` (a `RandomGenerator`) would draw for a whole batch of
+    `(window.batch,) + shape[1:]`, the window's samples only (`_tf.uniform_window`), or None
+    where they cannot be told: from the replay's next seed (legacy draws), the generator's
+    fixed seed (stateless), or its `tf.random.Generator`'s state (Philox), read and advanced
+    as the whole draw advances it (`RngReadAndSkip`)."""
+    if gen._rng_type == gen.RNG_LEGACY_STATEFUL and replay is not None:
+        seed = replay.next_seed()
+    elif gen._rng_type == gen.RNG_STATELESS:
+        seed = gen.make_seed_for_stateless_op()
+    elif gen._rng_type == gen.RNG_STATEFUL and gen._generator.algorithm in _PHILOX_STATES:
+        alg = gen._generator.algorithm
+        total = window.batch * int(np.prod(shape[1:]))
+        old = tf.raw_ops.RngReadAndSkip(resource=gen._generator.state.handle,
+                                        alg=tf.constant(alg, tf.int32),
+                                        delta=tf.constant(total, tf.uint64))
+        old = tf.bitcast(old, tf.uint64)
+        return _tf.uniform_window(old[2:], old[:2], shape, dtype, window,
+                                  alg=alg if alg == _PHILOX_STATES[0] else None)
+    else:
+        return None
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+    return _tf.uniform_window(key, counter, shape, dtype, window)
+
+
+def _window_dropout(gen, replay, window, inputs, rate, noise_shape=None):
+    """`gen.dropout(inputs, rate)` inside a cut of the batch, as the whole batch's for the
+    cut's samples (`tf.nn.experimental.general_dropout`, `stateless_dropout`'s formula, on
+    `_window_numbers`), or None where it cannot be so (a noise shape, an input that is not
+    the cut's samples)."""
+    inputs = tf.convert_to_tensor(inputs)
+    shape = inputs.shape
+    if (noise_shape is not None or shape.rank in (None, 0) or None in shape
+            or shape[0] != window.size):
+        return None
+    numbers = _window_numbers(gen, replay, shape.as_list(), inputs.dtype, window)
+    if numbers is None:
+        return None
+    return tf.nn.experimental.general_dropout(
+        inputs, rate, uniform_sampler=lambda shape, dtype: numbers)
+
+
+def _redirecting(name, original):
     def method(self, *args, **kwargs):
-        replay = _active_replay()
+        replay, window = _active_replay(), _windows.top()
         self._maybe_init()
+        if window is not None:  # inside a cut: the whole batch's numbers, or counted
+            drawn = _window_dropout(self, replay, window, *args, **kwargs) \
+                if name == "dropout" else None
+            if drawn is not None:
+                return drawn
+            window.unwindowed += 1
         if replay is None or self._rng_type != self.RNG_LEGACY_STATEFUL:
             return original(self, *args, **kwargs)
         # For this draw only, a stateless generator seeded by the replay.
@@ -285,6 +357,30 @@ def _redirecting(original):
 
 
 @contextlib.contextmanager
+def _redirected():
+    """tf_keras's `RandomGenerator` draws redirected (`_redirecting`) while at least one
+    thread is inside this context; they act only in threads inside a legacy replay or a
+    window."""
+    global _redirect_users
+    from tf_keras.src.backend import RandomGenerator
+
+    with _redirect_lock:
+        if _redirect_users == 0:
+            for name in _REDIRECTED:
+                _saved_methods[name] = RandomGenerator.__dict__[name]
+                setattr(RandomGenerator, name, _redirecting(name, _saved_methods[name]))
+        _redirect_users += 1
+    try:
+        yield
+    finally:
+        with _redirect_lock:
+            _redirect_users -= 1
+            if _redirect_users == 0:
+                for name in _REDIRECTED:
+                    setattr(RandomGenerator, name, _saved_methods.pop(name))
+
+
+@contextlib.contextmanager
 def _replay_legacy_rng(seed):
     """Makes every legacy-RNG draw of tf_keras in this thread a stateless function of `seed`.
 
@@ -293,25 +389,24 @@ def _replay_legacy_rng(seed):
     least one decorated call is inside this context (in any thread), acts only
     in threads that are inside it, and is removed when the last one leaves.
     """
-    global _redirect_users
-    from tf_keras.src.backend import RandomGenerator
-
     replay = _LegacyReplay(seed)
-    with _redirect_lock:
-        if _redirect_users == 0:
-            for name in _REDIRECTED:
-                _saved_methods[name] = RandomGenerator.__dict__[name]
-                setattr(RandomGenerator, name, _redirecting(_saved_methods[name]))
-        _redirect_users += 1
-    try:
-        with _replays.entered(replay):
-            yield replay
-    finally:
-        with _redirect_lock:
-            _redirect_users -= 1
-            if _redirect_users == 0:
-                for name in _REDIRECTED:
-                    setattr(RandomGenerator, name, _saved_methods.pop(name))
+    with _redirected(), _replays.entered(replay):
+        yield replay
+
+
+@contextlib.contextmanager
+def windowed_draws(window):
+    """While active (in this thread), inside a cut of a batch run by samples
+    (`window`: a `recompute.engine._running.BatchWindow`, or None: nothing changes), each
+    draw of a tf_keras `RandomGenerator` is the whole batch's for the cut's samples: a
+    dropout of the cut's samples without a noise shape draws `_window_numbers` (legacy draws
+    from the enclosing replay's seed); any other draw runs as written and adds one to
+    `window.unwindowed` (the cut then runs whole: `recompute.engine._cuts_tf`)."""
+    if window is None:
+        yield
+        return
+    with _redirected(), _windows.entered(window):
+        yield
 
 
 class _LegacyRng:

@@ -12,7 +12,7 @@ from ..adapters import _backends
 from .. import _config
 from .. import engine
 from ..ops import _lean
-from ..policies import _registry
+from ..policies import _blocks, _registry
 from . import _attention, _feed_forward
 from ..engine import after
 from .._decorator import recompute_grad
@@ -324,7 +324,10 @@ def _recomputed_blocks(apply_main_layers, keras):
     layers inside are the same objects under the same names (bert4keras's
     weight loading finds them in `model.layers`), the padding mask reaches
     them as before, and the marked layers inside run plainly within the
-    block's recomputation (the outermost decorated call is the unit).
+    block's recomputation (the outermost decorated call is the unit). Each
+    sample of a block is computed from that sample alone: declared so
+    (`recompute.policies._blocks.declare_per_sample`), its recomputation runs
+    its batch in cuts (`recompute.batch_cut`).
     """
 
     @functools.wraps(apply_main_layers)
@@ -349,6 +352,7 @@ def _recomputed_blocks(apply_main_layers, keras):
         outputs = apply_main_layers(self, block_input, index)
         block = keras.models.Model(block_input, outputs, name=self.prefixed(f"Transformer-{index}"))
         block.call = recompute_grad(block.call)
+        _blocks.declare_per_sample(block)  # its recomputation may run by cuts of the batch
         return block(inputs)
 
     return wrapper

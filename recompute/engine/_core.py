@@ -10,6 +10,7 @@ behind (moving statistics, seeds, metrics and `add_loss` are updated once, by
 the forward pass). Turning recomputation on changes only memory and time.
 """
 
+import contextlib
 import inspect
 import types
 import warnings
@@ -437,10 +438,12 @@ class Recomputation:
                     else cut(gated.get(id(v), v), window) for v in self.flat]
         call_args, call_kwargs = tf.nest.pack_sequence_as(self.structure, new_flat)
         if window is not None:
-            with _running.calls.entered(running or _running.RunningCall(self.layer)), \
-                    _running.windows.entered(window):
-                return self.call(self.layer, *call_args, **call_kwargs)
-        with _running.calls.entered(self.running.replay() if replay else self.running):
+            call = running or _running.RunningCall(self.layer)
+        else:
+            call = self.running.replay() if replay else self.running
+        with _running.calls.entered(call), \
+                (_running.windows.entered(window) if window is not None
+                 else contextlib.nullcontext()):
             if self.legacy is None:
                 return self.call(self.layer, *call_args, **call_kwargs)
             with self.legacy.replay(seed) as replayed:

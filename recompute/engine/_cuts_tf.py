@@ -29,9 +29,8 @@ not a floating tensor with the cut's leading axis, the call runs whole instead (
 
 import tensorflow as tf
 
-from ..adapters import _keras3, _tf
+from ..adapters import _tf
 from . import _core, _running
-from ._jax import SEED_STATE  # the name of a Keras `SeedGenerator`'s state variable
 
 HALF = (tf.float16, tf.bfloat16)
 
@@ -52,6 +51,11 @@ def recomputed_call(adapter, call, layer, args, kwargs, samples=None):
     if not samples or batch is None or batch <= samples:
         return _core.recomputed_call(adapter, call, layer, args, kwargs)
     return CutRecomputation(adapter, call, layer, args, kwargs, batch, samples).run()
+
+
+def _tensors(values):
+    """The tensors of what a cut kept (`_core.kept`: tensors, structures of them, None)."""
+    return [x for v in values for x in tf.nest.flatten(v) if tf.is_tensor(x)]
 
 
 def _loop(count, body, state):
@@ -81,21 +85,41 @@ class CutRecomputation(_core.Recomputation):
         """The call on `window`'s samples from the starting state: its outputs and the
         losses it added; what it keeps (`_core.kept`) in `running`."""
         ready = _core.after([_core.cut(x, window) for x in inputs], *gates)
-        with _keras3.replay_recording(self.layer, self.state, self.start,
-                                      assigned) as losses:
-            outputs = self._run_call(ready, None, window=window, running=running)
+        with self.adapter.replay_recording(self.layer, self.state, self.start,
+                                           assigned) as losses:
+            outputs = self._run_call(ready, self.legacy_seed, window=window, running=running)
         return outputs, losses
+
+    def _results(self, outputs):
+        """A cut's flat outputs, then the Keras masks of those the first cut's carried."""
+        flat = tf.nest.flatten(outputs)
+        return flat + [self.adapter.output_mask(o) for o, masked in zip(flat, self.masked)
+                       if masked]
+
+    def _kept_values(self, tensors):
+        """What a whole cut kept (`_core.kept`), its tensors `tensors` (the loop's arrays'
+        entries) in the first cut's structures."""
+        tensors = iter(tensors)
+        return [tf.nest.pack_sequence_as(s, [next(tensors) if tf.is_tensor(x) else x
+                                             for x in tf.nest.flatten(s)])
+                for s in self.kept_structures]
 
     def _kept(self):
         """A `_core._RunningCall` of the layer: what a cut keeps, or replays."""
         return _core._RunningCall(self.layer, cut=True)
 
-    def _cuttable(self, outputs, losses, assigned):
+    def _cuttable(self, outputs, losses, assigned, window):
+        """Whether the first cut's run says the call may run by cuts: no loss added, every
+        output (and its Keras mask) the cut's samples, only random states assigned, every
+        draw the batch's (`window.unwindowed`)."""
         flat = tf.nest.flatten(outputs)
-        return not losses and all(
+        randoms = {id(v) for v in self.adapter.random_states(self.layer)}
+        masks = [m for m in map(self.adapter.output_mask, flat) if m is not None]
+        return not losses and not window.unwindowed and all(
             _core._is_float_tensor(o) and o.shape.rank and o.shape[0] == self.samples
             for o in flat) and all(
-            v.name == SEED_STATE for v, _ in assigned.values())
+            tf.is_tensor(m) and m.shape.rank and m.shape[0] == self.samples
+            for m in masks) and all(key in randoms for key in assigned)
 
     def forward(self, *inputs):
         adapter = self.adapter
@@ -105,29 +129,30 @@ class CutRecomputation(_core.Recomputation):
         if any(key not in self.pre for key in keys):  # made by this call: not built yet
             return super().forward(*inputs)
         self.start = [self.pre[key] for key in keys]
-        assigned, kept = {}, self._kept()
+        assigned, kept, window = {}, self._kept(), self._window(0, self.samples)
         with _tf.pause_outer_tapes():
-            first, losses = self._forward_cut(inputs, self._window(0, self.samples), assigned,
-                                              running=kept)
-            if not self._cuttable(first, losses, assigned):
+            first, losses = self._forward_cut(inputs, window, assigned, running=kept)
+            if not self._cuttable(first, losses, assigned, window):
                 return super().forward(*inputs)
             self.cutting = True
             for variable, value in assigned.values():  # the seeds advance once, as one call's
                 variable.assign(value)
-            flat = tf.nest.flatten(first)
+            outputs = tf.nest.flatten(first)
+            self.masked = [self.adapter.output_mask(o) is not None for o in outputs]
+            flat = self._results(first)
             ready = _core.after(inputs, *flat)  # the other cuts after the first
             # what each whole cut keeps, by cut: the first cut's at 0, the loop's after it
-            self.none_kept = [v is None for v in kept.values]
+            self.kept_structures = list(kept.values)
             self.kept = [tf.TensorArray(v.dtype, size=self.whole).write(0, v)
-                         for v in kept.values if v is not None]
+                         for v in _tensors(kept.values)]
 
             def body(k, state):
                 arrays, kept_arrays = state
                 window = self._window((k + 1) * self.samples, self.samples)
                 kept = self._kept()
                 outs, _ = self._forward_cut(ready, window, running=kept)
-                values = [v for v in kept.values if v is not None]
-                return ([a.write(k, o) for a, o in zip(arrays, tf.nest.flatten(outs))],
+                values = _tensors(kept.values)
+                return ([a.write(k, o) for a, o in zip(arrays, self._results(outs))],
                         [a.write(k + 1, v) for a, v in zip(kept_arrays, values)])
 
             parts = [[o] for o in flat]
@@ -142,13 +167,17 @@ class CutRecomputation(_core.Recomputation):
                 self.rest_kept = self._kept()
                 last, _ = self._forward_cut(ready, window, gates=[p[-1] for p in parts],
                                             running=self.rest_kept)
-                for part, o in zip(parts, tf.nest.flatten(last)):
+                for part, o in zip(parts, self._results(last)):
                     part.append(o)
         joined = []
         for part, o in zip(parts, flat):
             j = tf.concat(part, 0) if len(part) > 1 else part[0]
             j.set_shape([self.batch] + o.shape[1:].as_list())
             joined.append(j)
+        joined, masks = joined[:len(outputs)], iter(joined[len(outputs):])
+        for j, masked in zip(joined, self.masked):
+            if masked:
+                self.adapter.set_output_mask(j, next(masks))
         self.inputs, self.loss_slots, self.losses = inputs, [], []
         self.outputs = tf.nest.pack_sequence_as(first, joined)
         self.differentiable = list(range(len(joined)))
@@ -195,8 +224,8 @@ class CutRecomputation(_core.Recomputation):
 
         def body(k, state):
             arrays, sums = state
-            kept, values = self._kept(), iter([a.read(k) for a in self.kept])
-            kept.values = [None if none else next(values) for none in self.none_kept]
+            kept = self._kept()
+            kept.values = self._kept_values([a.read(k) for a in self.kept])
             grads = gradients(self._window(k * self.samples, self.samples), [first_dy], kept)
             return ([a.write(k, grads[i]) for a, i in zip(arrays, cut)],
                     [s + tf.cast(grads[i], s.dtype) for s, i in zip(sums, whole)])

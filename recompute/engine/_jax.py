@@ -240,7 +240,6 @@ def _offloaded(pure):
     return run
 
 
-SEED_STATE = "seed_generator_state"  # the name of a Keras `SeedGenerator`'s state variable
 
 
 def _by_samples(pure, whole, samples, offload, traced):
@@ -287,7 +286,7 @@ def _by_samples(pure, whole, samples, offload, traced):
                 windowed(size), values, cut(inputs, 0, size), jnp.int32(0))
             shapes = jax.eval_shape(converted, values, cut(inputs, 0, size), jnp.int32(0),
                                     *consts)
-            if shapes[2] or any(v.name != SEED_STATE for v in traced["assigned"]) or any(
+            if shapes[2] or any(v.name != _keras3.SEED_STATE for v in traced["assigned"]) or any(
                     not o.ndim or o.shape[0] != size or not _floating(o) for o in shapes[0]):
                 return whole(values, inputs)
             pieces.append((converted, consts, size))

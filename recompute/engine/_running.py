@@ -43,10 +43,12 @@ class BatchWindow:
     """The samples `[start, start + size)` of a batch of `batch` samples, on which a
     recomputed call runs (traced) when its batch is cut (`recompute.engine._jax`): every
     random draw inside it is the whole batch's draw, cut to these samples. `start` may be
-    a traced integer."""
+    a traced integer. `unwindowed` counts the draws inside it that could not be so (tf_keras's:
+    `recompute.adapters._tf_keras.windowed_draws`): then the call runs whole."""
 
     def __init__(self, start, size, batch):
         self.start, self.size, self.batch = start, size, batch
+        self.unwindowed = 0
 
 
 def batch_window():

@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import _flash
+from ..adapters import _tf
 from ..engine import _running
 from ..engine._core import after
 
@@ -169,13 +170,11 @@ def keras_seed(dropout):
 
 def philox_at(seed, steps):
     """`(key, counter, alg)` of `seed`'s stateless Philox draw, its counter advanced by
-    `steps` (a scalar tensor), the carry into the counter's high word included: the draw
-    from there is the seed's draw without its first `4 * steps` numbers of float32
+    `steps` (a scalar tensor; `recompute.adapters._tf.philox_advanced`): the draw from there
+    is the seed's draw without its first `4 * steps` numbers of float32
     (`stateless_keep_bits`)."""
-    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
-    low = counter[0] + tf.cast(steps, tf.uint64)
-    carried = tf.stack([low, counter[1] + tf.cast(low < counter[0], tf.uint64)])
-    return key, carried, tf.raw_ops.StatelessRandomGetAlg()
+    key, counter = _tf.philox_advanced(*tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed), steps)
+    return key, counter, tf.raw_ops.StatelessRandomGetAlg()
 
 
 def stateless_keep_bits(seed, rows_shape, keys, rate, first_row=0):

@@ -1,5 +1,6 @@
-"""Keras 3's dropout on TensorFlow inside a cut of the batch: the whole batch's random numbers,
-drawn for the cut's samples only.
+"""Dropout on TensorFlow inside a cut of the batch: the whole batch's random numbers, drawn for
+the cut's samples only (`windowed_draws`: Keras 3's here, tf_keras's in
+`recompute.adapters._tf_keras`).
 
 Where a recomputed call runs its batch in cuts (`recompute.engine._cuts_tf`), each cut is
 the call on some of the batch's samples, and each of its `Dropout` layers must drop what the
@@ -11,8 +12,7 @@ samples `[start, start + size)` are those drawn from the counter advanced by `st
 first element over 4 (`window_uniform`): no whole batch drawn in each cut.
 
 `windowed_dropouts(layers)` shadows, while active, the call of each plain `Dropout` among
-`layers` (`_lean.plain_dropout`: the family's own class, no noise shape; the cuts run on
-Keras 3 only): inside a cut
+`layers` (`_lean.plain_dropout`: the family's own class, no noise shape): inside a cut
 (`recompute.engine._running.batch_window()`) it draws so, and drops with
 `tf.nn.experimental.general_dropout` (TensorFlow's dropout with a given sampler, the
 formula of `stateless_dropout`); elsewhere it is the layer's call.
@@ -22,31 +22,21 @@ its decision drawn once a step, in the forward pass, as bits kept for the recomp
 (`recompute.engine._core.kept`), where Keras's dropout would draw it again there.
 """
 
-import numpy as np
 import tensorflow as tf
 
+from ..adapters import _tf
 from ..engine import _core, _running
 from . import _flash_tf, _lean
 from .._scoped import shadowed
 
 
-def _per_step(dtype):
-    """How many numbers of `dtype` one Philox step gives (TensorFlow's `Uniform` kernels)."""
-    return 2 if dtype == tf.float64 else 4
-
-
 def window_uniform(seed, shape, dtype, window):
     """`tf.random.stateless_uniform((window.batch,) + shape[1:], seed, dtype=dtype)`'s samples
-    `[window.start, window.start + shape[0])`, drawing only those. `seed`: int32 [2]; `shape`:
-    the cut's static shape; `window.start` may be a tensor."""
-    per_sample = int(np.prod(shape[1:]))
-    step = _per_step(dtype)
-    first = tf.cast(window.start, tf.int64) * per_sample
-    key, counter, alg = _flash_tf.philox_at(seed, first // step)
-    count = int(shape[0]) * per_sample
-    numbers = tf.raw_ops.StatelessRandomUniformV2(
-        shape=[count + step - 1], key=key, counter=counter, alg=alg, dtype=dtype)
-    return tf.reshape(tf.slice(numbers, [first % step], [count]), shape)
+    `[window.start, window.start + shape[0])`, drawing only those
+    (`recompute.adapters._tf.uniform_window`). `seed`: int32 [2]; `shape`: the cut's static
+    shape; `window.start` may be a tensor."""
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+    return _tf.uniform_window(key, counter, shape, dtype, window)
 
 
 def _windowed(layer, own_call):
@@ -67,6 +57,18 @@ def windowed_dropouts(layers):
     inside a cut (the module's docstring); restored on exit."""
     return shadowed((layer, "call", _windowed(layer, layer.call))
                     for layer in layers if _lean.plain_dropout(layer))
+
+
+def windowed_draws(adapter, layers):
+    """While active, inside a cut of the batch (`recompute.engine._running.batch_window()`),
+    the random draws of `layers` (a call's sublayers, of `adapter`'s family) are the whole
+    batch's for the cut's samples: on Keras 3 its plain `Dropout` layers'
+    (`windowed_dropouts`), on tf_keras every draw of a `RandomGenerator`
+    (`recompute.adapters._tf_keras.windowed_draws`; a draw that cannot be so makes the call
+    run whole)."""
+    if adapter.name == "tf_keras":
+        return adapter.windowed_draws(_running.batch_window())
+    return windowed_dropouts(layers)
 
 
 def _decided_once(layer, own_call):

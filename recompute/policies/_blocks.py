@@ -1,9 +1,12 @@
-"""Which Keras 3 calls are blocks, both engines': `kept_block` (a block of Keras's attention,
+"""Which calls are blocks, both engines': `kept_block` (a Keras 3 block of Keras's attention,
 `Dense`, `LayerNormalization` and `Dropout` layers, with no weights of its own: on JAX
 `"attention"` runs it as one checkpoint keeping named values, `recompute.policies._jax`) and
 `cut_samples` (the samples of one cut where such a block runs its batch in cuts under
 `"full"`: `recompute.engine._jax._by_samples` on JAX, `recompute.engine._cuts_tf` on
-TensorFlow; `recompute.batch_cut`)."""
+TensorFlow; `recompute.batch_cut`); on tf_keras, `declared_cut_samples`, for a layer its
+builder declared one (`declare_per_sample`: bert4keras's blocks, `recompute.bert4keras`)."""
+
+import weakref
 
 import numpy as np
 
@@ -57,3 +60,35 @@ def kept_block(layer, sublayers, attention):
                 or getattr(sub, "lora_enabled", False):
             return False
     return True
+
+
+_per_sample = weakref.WeakSet()  # the layers declared to compute each sample alone
+
+
+def declare_per_sample(layer):
+    """Declares that `layer`'s call computes each sample of its batch from that sample alone
+    (what its builder knows: `recompute.bert4keras`'s blocks), so that under `"full"` it may
+    run its batch in cuts on tf_keras (`declared_cut_samples`)."""
+    _per_sample.add(layer)
+
+
+def declared_cut_samples(layer, sublayers, args, kwargs):
+    """The samples of one cut of the batch (`recompute.batch_cut`, TensorFlow's rule) where
+    `layer`, a tf_keras layer, may run its batch in cuts: declared (`declare_per_sample`),
+    not inside a recomputed call, every sublayer built, its first floating input of rank 3
+    or more with its axes known when traced, its batch more than one cut. Else None. Its
+    random draws are the batch's in each cut or the call runs whole
+    (`recompute.adapters._tf_keras.windowed_draws`)."""
+    import tensorflow as tf
+
+    from ..engine._batch_cut import samples_per_cut
+
+    if layer not in _per_sample or _running.inside_recomputed_call() \
+            or not all(sub.built for sub in sublayers):
+        return None
+    first = next((x for x in tf.nest.flatten((args, kwargs))
+                  if tf.is_tensor(x) and x.dtype.is_floating), None)
+    if first is None or first.shape.rank in (None, 0, 1, 2) or None in first.shape:
+        return None
+    samples = samples_per_cut(int(np.prod(first.shape[1:-1])), "tensorflow")
+    return samples if samples and first.shape[0] > samples else None

@@ -54,18 +54,20 @@ from .._scoped import shadowed
 
 def full(adapter, fn, layer, args, kwargs):
     """The whole call is recomputed; its attention cores follow the rule (`_flash`). A Keras 3
-    block of Keras's attention, `Dense`, `LayerNormalization` and `Dropout` layers whose batch
-    is more than one cut (`_blocks.cut_samples`, `recompute.batch_cut`) runs in cuts of its
-    batch (`recompute.engine._cuts_tf`), its `Dropout` layers drawing the whole batch's
-    numbers for each cut (`_window_tf`)."""
+    block of Keras's attention, `Dense`, `LayerNormalization` and `Dropout` layers
+    (`_blocks.cut_samples`), or a tf_keras layer declared to compute each sample alone
+    (`_blocks.declared_cut_samples`: bert4keras's blocks), whose batch is more than one cut
+    (`recompute.batch_cut`) runs in cuts of its batch (`recompute.engine._cuts_tf`), its
+    random draws the whole batch's numbers for each cut (`_window_tf.windowed_draws`)."""
     sublayers = adapter.sublayers(layer)
     layers = adapter.attention_layers(sublayers)
     samples = _blocks.cut_samples(layer, sublayers, layers, args, kwargs, "tensorflow") \
-        if adapter is _keras3 else None
+        if adapter is _keras3 else _blocks.declared_cut_samples(layer, sublayers, args, kwargs)
     if layers:
         fn = _attention.with_blocked_cores(fn, lambda: _cores_recomputed(adapter, layers, "full"))
     if samples:
-        fn = _attention.with_blocked_cores(fn, lambda: _window_tf.windowed_dropouts(sublayers))
+        fn = _attention.with_blocked_cores(
+            fn, lambda: _window_tf.windowed_draws(adapter, sublayers))
     return _cuts_tf.recomputed_call(adapter, fn, layer, args, kwargs, samples)
 
 
