@@ -426,3 +426,107 @@ def _loss_and_grads_counting(config_path, on, products, policy):
     else:
         assert products == []  # bert4keras's own FeedForward
     return [float(loss)] + to_numpy(grads)
+
+
+# ----------------------------------------------- "block": the batch in cuts (tf_keras)
+
+def _five_samples():
+    """A batch of 5 (2 whole cuts of 2 and a rest of 1 under `batch_cut(2)`), padded."""
+    rng = np.random.RandomState(0)
+    token_ids = rng.randint(1, 100, size=(5, 12))
+    token_ids[1, 7:] = 0
+    token_ids[3, 4:] = 0
+    return token_ids, np.zeros_like(token_ids), np.array([0, 1, 1, 0, 1])
+
+
+def _steps_cut(config_path, on, cut, eager, cutting):
+    """Two training steps' losses and gradients of `build(config_path)` on `_five_samples`,
+    recomputation `on`, `recompute.batch_cut(cut)`; counts in `cutting` the blocks whose
+    backward pass ran by cuts."""
+    from recompute.engine import _cuts_tf
+
+    token_ids, segment_ids, labels = _five_samples()
+    model = build(config_path)
+    tf.random.set_seed(1)  # the legacy RNG's seeds: the same in every run
+
+    def step(t, s):
+        with tf.GradientTape() as tape:
+            logits = model([t, s], training=True)
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                labels, logits, from_logits=True))
+        return [loss] + tape.gradient(loss, model.trainable_weights)
+
+    real = _cuts_tf.CutRecomputation.backward
+
+    def counting(self, *args, **kwargs):
+        cutting["n"] += int(self.cutting)
+        return real(self, *args, **kwargs)
+
+    run = step if eager else tf.function(step)
+    out = []
+    with recompute.recompute_scope(on), recompute.batch_cut(cut):
+        _cuts_tf.CutRecomputation.backward = counting
+        try:
+            for _ in range(2):  # the second step draws new masks
+                out.append(to_numpy(run(tf.constant(token_ids), tf.constant(segment_ids))))
+        finally:
+            _cuts_tf.CutRecomputation.backward = real
+    return out
+
+
+@pytest.fixture(params=["replayable", "legacy"])
+def rng_kind(request):
+    """tf_keras's replayable RNG (masks equal RECOMPUTE=0's) or its default, the legacy
+    one (masks replayed from one seed per block)."""
+    if request.param == "replayable":
+        tf.keras.backend.experimental.enable_tf_random_generator()
+    yield request.param
+    tf.keras.backend.experimental.disable_tf_random_generator()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "function"])
+@pytest.mark.parametrize("policy_name", ["block", "block_keep_ffn"])
+def test_block_cuts_match_whole_batches(dropout_config_path, rng_kind, policy_name, eager):
+    """Under "block" (and "block_keep_ffn") a block whose batch is more than one cut
+    runs its recomputation by cuts (`recompute.batch_cut`): 5 samples by 2 is two whole
+    cuts and a rest. Dropout on, padding: each step's loss and every gradient equal the
+    whole batch's recomputation (the same masks, from the batch's numbers), and with the
+    replayable RNG RECOMPUTE=0's, the second step included (the generators advanced as
+    one draw of the batch advances them). Both blocks ran by cuts, in both steps."""
+    rb.patch(policy=policy_name)
+    try:
+        cutting = {"n": 0}
+        whole = _steps_cut(dropout_config_path, True, 0, eager, cutting)
+        assert cutting["n"] == 0
+        cut = _steps_cut(dropout_config_path, True, 2, eager, cutting)
+        assert cutting["n"] == 2 * (2 if eager else 1)  # traced once in a function
+        reference = _steps_cut(dropout_config_path, False, 0, eager, cutting) \
+            if rng_kind == "replayable" else None
+    finally:
+        rb.patch()
+    for step in range(2):
+        assert_all_close(whole[step], cut[step])
+        if reference is not None:
+            assert_all_close(reference[step], cut[step])
+    assert not np.allclose(cut[0][0], cut[1][0])  # other masks in the second step
+
+
+def test_block_cuts_fit_matches(dropout_config_path, replayable_rng):
+    """`fit` (batches of 5, a last one of 3; cuts of 2) with "block" and the replayable
+    RNG: the weights after 2 epochs equal RECOMPUTE=0's."""
+    token_ids, segment_ids, labels = _five_samples()
+    x = [np.tile(token_ids, (3, 1))[:13], np.tile(segment_ids, (3, 1))[:13]]
+    y = np.tile(labels, 3)[:13]
+    rb.patch(policy="block")
+    weights = []
+    try:
+        for on in (False, True):
+            model = build(dropout_config_path)
+            model.compile(tf.keras.optimizers.Adam(1e-3),
+                          tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            with recompute.recompute_scope(on), recompute.batch_cut(2):
+                model.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
+            weights.append([np.asarray(w) for w in model.weights])
+    finally:
+        rb.patch()
+    assert_all_close(weights[0], weights[1])

@@ -1,0 +1,116 @@
+"""tf_keras: a block recomputed under "full" in cuts of its batch (`recompute.batch_cut`),
+for layers declared to compute each sample alone (`recompute.policies._blocks`; bert4keras's
+blocks: tests/bert4keras/test_bert4keras_patch.py). Each cut's random draws are the whole
+batch's (`recompute.adapters._tf_keras.windowed_draws`); where one cannot be, the call runs
+whole."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import recompute
+from recompute import recompute_grad
+from recompute.adapters import _tf, _tf_keras
+from recompute.engine import _cuts_tf, _running
+from recompute.policies import _blocks
+from tests.helpers.numerics import assert_all_close, to_numpy
+
+
+def _block(noise_shape=None, declared=True):
+    """A functional block of `Dense`, `Dropout` and `LayerNormalization` layers, its call
+    recomputed, declared per-sample unless not `declared`."""
+    x = tf_keras.Input((6, 8))
+    h = tf_keras.layers.Dense(16, activation="relu")(x)
+    h = tf_keras.layers.Dropout(0.3, noise_shape=noise_shape)(h)
+    y = tf_keras.layers.LayerNormalization()(tf_keras.layers.Dense(8)(h) + x)
+    block = tf_keras.Model(x, y)
+    block.call = recompute_grad(block.call)
+    if declared:
+        _blocks.declare_per_sample(block)
+    return block
+
+
+def _run(block, on, cut, cutting):
+    """Two steps' loss and gradients of `block` on 5 samples; counts in `cutting` the
+    backward passes run by cuts."""
+    x = tf.constant(np.random.RandomState(0).randn(5, 6, 8).astype("float32"))
+    real = _cuts_tf.CutRecomputation.backward
+
+    def counting(self, *args, **kwargs):
+        cutting["n"] += int(self.cutting)
+        return real(self, *args, **kwargs)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(block(x, training=True) ** 2)
+        return [loss] + tape.gradient(loss, block.trainable_weights)
+
+    out = []
+    with recompute.recompute_scope(on), recompute.batch_cut(cut):
+        _cuts_tf.CutRecomputation.backward = counting
+        try:
+            out = [to_numpy(step()) for _ in range(2)]
+        finally:
+            _cuts_tf.CutRecomputation.backward = real
+    return out
+
+
+@pytest.fixture
+def replayable_rng():
+    tf_keras.backend.experimental.enable_tf_random_generator()
+    yield
+    tf_keras.backend.experimental.disable_tf_random_generator()
+
+
+def _variables(block):
+    """The block's weights and its random generators' states."""
+    return list(block.weights) + list(_tf_keras.state_variables(block))
+
+
+@pytest.mark.parametrize("noise_shape, declared, cuts", [
+    (None, True, 1), ((None, 1, 16), True, 0), (None, False, 0)],
+    ids=["declared", "noise-shape", "undeclared"])
+def test_declared_block_runs_by_cuts_where_every_draw_is_the_batchs(
+        replayable_rng, noise_shape, declared, cuts):
+    """A declared block with a plain dropout runs by cuts; one whose dropout has a noise
+    shape (a draw that is not the batch's for the cut's samples) runs whole, as does an
+    undeclared one. Every run equals RECOMPUTE=0's, two steps, the dropout on."""
+    tf_keras.utils.set_random_seed(0)
+    block = _block(noise_shape, declared)
+    block(tf.zeros([1, 6, 8]), training=True)  # the generator made
+    start = [v.numpy() for v in _variables(block)]
+    cutting = {"n": 0}
+    results = []
+    for on in (False, True):
+        for v, value in zip(_variables(block), start):  # the generator's state included
+            v.assign(value)
+        results.append(_run(block, on, 2, cutting))
+    assert cutting["n"] == cuts
+    for step in range(2):
+        assert_all_close(results[0][step], results[1][step])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_generator_window_is_the_whole_draw_cut(dtype):
+    """A `tf.random.Generator`'s numbers for a window of the batch (`_tf_keras`, through
+    `_tf.uniform_window`) are the whole draw's for those samples, and the state advances as
+    the whole draw advances it."""
+    from tf_keras.src import backend
+
+    shape = [5, 3, 7]
+    whole_gen = backend.RandomGenerator(seed=3, rng_type="stateful")
+    cut_gen = backend.RandomGenerator(seed=3, rng_type="stateful")
+    whole_gen._maybe_init(), cut_gen._maybe_init()
+    whole = whole_gen._generator.uniform(shape, dtype=dtype).numpy()
+    start = cut_gen._generator.state.read_value()
+    for begin, size in [(0, 2), (2, 2), (4, 1)]:
+        cut_gen._generator.state.assign(start)
+        window = _running.BatchWindow(tf.constant(begin), size, 5)
+        piece = _tf_keras._window_numbers(cut_gen, None, [size] + shape[1:], tf.as_dtype(dtype),
+                                          window)
+        np.testing.assert_array_equal(piece.numpy(), whole[begin:begin + size])
+        np.testing.assert_array_equal(cut_gen._generator.state.numpy(),
+                                      whole_gen._generator.state.numpy())
+    assert _tf.numbers_per_step(tf.float64) == 2
