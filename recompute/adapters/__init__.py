@@ -13,5 +13,7 @@ The bottom floor: these modules import nothing of `recompute` but each other (an
   (checked against the installed versions by the `test_private_interface*` tests):
   `_keras_private` (Keras 3's), `_mha_private` (`MultiHeadAttention`'s, both families),
   `_tf_keras` (tf_keras's), `_tf` (TensorFlow's internals: pausing the tapes, the graph
-  contexts; and whether TensorFlow sees a GPU); `_names` writes their format (`owned_by`).
+  contexts; whether TensorFlow sees a GPU; and, with public raw ops, how its Philox kernels
+  count their numbers, for a cut's draws of the batch's); `_names` writes their format
+  (`owned_by`).
 """

@@ -273,22 +273,35 @@ def philox_advanced(key, counter, steps):
     return key, tf.stack([low, counter[1] + tf.cast(low < counter[0], tf.uint64)])
 
 
+def sample_numbers(shape):
+    """`(numbers per sample, numbers)` of a draw of `shape` (a list of ints or a static
+    `TensorShape`: Python ints; a 1-D tensor: int64 tensors)."""
+    if isinstance(shape, tf.TensorShape):
+        shape = shape.as_list()
+    if isinstance(shape, (list, tuple)):
+        per_sample = 1
+        for d in shape[1:]:
+            per_sample *= int(d)
+        return per_sample, int(shape[0]) * per_sample
+    dims = tf.cast(shape, tf.int64)
+    per_sample = tf.reduce_prod(dims[1:])
+    return per_sample, dims[0] * per_sample
+
+
 def uniform_window(key, counter, shape, dtype, window, alg=None):
     """The uniform numbers of `dtype` that Philox `(key, counter)` gives a draw of
     `(window.batch,) + shape[1:]`, samples `[window.start, window.start + shape[0])` only,
     drawing only those (`StatelessRandomUniformV2` of `alg`, by default the one
     `tf.random.stateless_uniform` selects: element `i` is the `i % step`-th number
     of the step at `counter + i // step`, `numbers_per_step`; on TensorFlow's kernels and in
-    XLA alike). `shape`: the cut's static shape; `window.start` may be a tensor.
-    `tf.random.stateless_uniform` draws from the seed's `StatelessRandomGetKeyCounter`, a
-    `tf.random.Generator` (Philox) from its state `[counter, counter, key]`."""
-    import numpy as np
-
-    per_sample = int(np.prod(shape[1:]))
+    XLA alike). `shape`: the cut's shape, a list of ints (static) or a 1-D tensor;
+    `window.start` may be a tensor. `tf.random.stateless_uniform` draws from the seed's
+    `StatelessRandomGetKeyCounter`, a `tf.random.Generator` (Philox) from its state
+    `[counter, counter, key]`."""
     step = numbers_per_step(dtype)
+    per_sample, count = sample_numbers(shape)
     first = tf.cast(window.start, tf.int64) * per_sample
     key, counter = philox_advanced(key, counter, first // step)
-    count = int(shape[0]) * per_sample
     numbers = tf.raw_ops.StatelessRandomUniformV2(
         shape=[count + step - 1], key=key, counter=counter,
         alg=tf.raw_ops.StatelessRandomGetAlg() if alg is None else alg, dtype=dtype)

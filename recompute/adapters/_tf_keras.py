@@ -28,12 +28,17 @@ With the replayable RNG, a `Dropout` created inside `call` would make a new
 generator on every call, the recomputation's included, which nothing can
 replay: that raises `VariableCreatedInRecomputationError`, which says to
 create the layer once in `__init__`/`build`.
+
+Inside a cut of a batch run by samples (`windowed_draws`: bert4keras's blocks under
+`"block"`, `recompute.engine._cuts_tf`), a dropout draws the whole batch's numbers for the
+cut's samples, under either RNG: from the replay's seed, or from its generator's state,
+which then advances as one draw of the batch advances it (`RngReadAndSkip`). So the masks
+are those of the whole batch's call, and with the replayable RNG those of RECOMPUTE=0.
 """
 
 import contextlib
 import threading
 
-import numpy as np
 import tensorflow as tf
 
 from . import _mha_private, _tf
@@ -290,7 +295,8 @@ def _draw_legacy_seed():
 
 def _window_numbers(gen, replay, shape, dtype, window):
     """The uniform numbers `gen` (a `RandomGenerator`) would draw for a whole batch of
-    `(window.batch,) + shape[1:]`, the window's samples only (`_tf.uniform_window`), or None
+    `(window.batch,) + shape[1:]` (`shape`: a list of ints or a 1-D tensor), the window's
+    samples only (`_tf.uniform_window`), or None
     where they cannot be told: from the replay's next seed (legacy draws), the generator's
     fixed seed (stateless), or its `tf.random.Generator`'s state (Philox), read and advanced
     as the whole draw advances it (`RngReadAndSkip`)."""
@@ -300,10 +306,11 @@ def _window_numbers(gen, replay, shape, dtype, window):
         seed = gen.make_seed_for_stateless_op()
     elif gen._rng_type == gen.RNG_STATEFUL and gen._generator.algorithm in _PHILOX_STATES:
         alg = gen._generator.algorithm
-        total = window.batch * int(np.prod(shape[1:]))
+        per_sample, _ = _tf.sample_numbers(shape)
+        total = tf.cast(window.batch, tf.int64) * per_sample  # the whole draw's numbers
         old = tf.raw_ops.RngReadAndSkip(resource=gen._generator.state.handle,
                                         alg=tf.constant(alg, tf.int32),
-                                        delta=tf.constant(total, tf.uint64))
+                                        delta=tf.cast(total, tf.uint64))
         old = tf.bitcast(old, tf.uint64)
         return _tf.uniform_window(old[2:], old[:2], shape, dtype, window,
                                   alg=alg if alg == _PHILOX_STATES[0] else None)
@@ -320,10 +327,10 @@ def _window_dropout(gen, replay, window, inputs, rate, noise_shape=None):
     the cut's samples)."""
     inputs = tf.convert_to_tensor(inputs)
     shape = inputs.shape
-    if (noise_shape is not None or shape.rank in (None, 0) or None in shape
-            or shape[0] != window.size):
+    if noise_shape is not None or shape.rank in (None, 0) or not window.holds(shape):
         return None
-    numbers = _window_numbers(gen, replay, shape.as_list(), inputs.dtype, window)
+    numbers = _window_numbers(gen, replay, shape.as_list() if shape.is_fully_defined()
+                              else tf.shape(inputs), inputs.dtype, window)
     if numbers is None:
         return None
     return tf.nn.experimental.general_dropout(

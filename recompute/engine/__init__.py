@@ -19,7 +19,7 @@ state threaded through; with `offload`, its inputs kept in host memory; with `sa
 its batch run in cuts, `_by_samples`, of the size `_batch_cut` gives, while `_running`'s
 `BatchWindow` tells the random draws inside which samples they draw); `_cuts_tf`
 (TensorFlow's recomputation in cuts of the batch, a `_core.Recomputation` whose passes run
-cut by cut, for Keras 3 blocks under `"full"`). Both track their
+cut by cut, for Keras 3 blocks and bert4keras's blocks under `"full"`). Both track their
 running calls in one `_running.calls` (the one tracker: `inside_recomputed_call()`).
 They ask the Keras family through `recompute.adapters`.
 

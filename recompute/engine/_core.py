@@ -95,14 +95,15 @@ def float_tensors(structure):
 
 def cut(value, window):
     """`value`'s samples in `window` (a `_running.BatchWindow`) where `value` is a tensor whose
-    leading axis has the batch's length; else `value`."""
+    leading axis is the batch's (`window.leading`); else `value`."""
     if (window is None or not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0)
-            or value.shape[0] != window.batch):
+            or value.shape[0] != window.leading):
         return value
     rank = value.shape.rank
     start = tf.stack([tf.cast(window.start, tf.int32)] + [0] * (rank - 1))
-    piece = tf.slice(value, start, [window.size] + [-1] * (rank - 1))
-    piece.set_shape([window.size] + value.shape[1:])
+    size = tf.stack([tf.cast(window.size, tf.int32)] + [-1] * (rank - 1))
+    piece = tf.slice(value, start, size)
+    piece.set_shape([window.size if isinstance(window.size, int) else None] + value.shape[1:])
     return piece
 
 

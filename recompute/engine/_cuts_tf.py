@@ -1,4 +1,5 @@
-"""TensorFlow's recomputation of a call in cuts of its batch (Keras 3; `recompute.batch_cut`).
+"""TensorFlow's recomputation of a call in cuts of its batch (Keras 3 blocks, bert4keras's
+blocks on tf_keras; `recompute.batch_cut`).
 
 `recomputed_call(adapter, call, layer, args, kwargs, samples)` is `_core`'s recomputed call,
 run `samples` samples at a time in both passes where the batch (the first floating input's
@@ -7,24 +8,27 @@ leading axis, known when traced) is larger (`CutRecomputation`):
 - forward pass, off the tapes: the call on each cut of the batch in turn -- the first cut,
   then a `tf.while_loop` over the other whole cuts (one iteration at a time), then the rest
   -- its outputs joined; it keeps the inputs only, as `_core` does. Each cut runs from the
-  state the call started from (`recompute.adapters._keras3.replay_recording`), and the
-  seed states the first cut assigned are then written once, as one call writes them;
+  state the call started from (the adapter's `replay_recording`), and the random states
+  the first cut assigned are then written once, as one call writes them;
 - backward pass: the call again on each cut under a tape, from the same state, after the
   incoming gradient; the gradients of the cut inputs joined, those of the weights and of
   the inputs passed whole summed (in float32 where they are half precision).
 
 So a step holds one cut's working set of the call at a time, not the batch's. While a cut
 runs, a `_running.BatchWindow` is active: the dropouts inside draw the whole batch's random
-numbers for the cut's samples (`recompute.ops._window_tf`, which the policy puts in the
-call; the blocked attention core's bits, `recompute.ops._flash_tf.dropout_bits`). What a
-cut's forward pass keeps for its recomputation (`_core.kept`: the decision of Keras's own
-attention core's dropout, as bits) is kept by cut -- a `tf.TensorArray` over the whole cuts,
+numbers for the cut's samples (`recompute.ops._window_tf.windowed_draws`, which the policy
+puts in the call: Keras 3's dropouts, tf_keras's draws, whose random generators advance as
+one draw of the batch advances them; the blocked attention core's bits,
+`recompute.ops._flash_tf.dropout_bits`). What a cut's forward pass keeps for its
+recomputation (`_core.kept`: the decision of an attention dropout, as bits) is kept by cut -- a `tf.TensorArray` over the whole cuts,
 written by the forward loop and read by the backward one -- and replayed there; what is kept
 with `in_cuts=False` (the FlashAttention-2 core's bits) is drawn again in each pass. The
-tensors cut are those whose leading axis has the batch's length. Where the first cut adds a
-loss, assigns a variable other than a seed generator's state, or returns something that is
-not a floating tensor with the cut's leading axis, the call runs whole instead (`_core`'s
-`Recomputation`), as its value would depend on the cut.
+tensors cut are those whose leading axis has the batch's length; the outputs' Keras masks
+are joined like the outputs. Where the first cut adds a loss, assigns a variable other than
+a random state (the adapter's `random_states`), makes a random draw that is not the batch's
+for its samples (`BatchWindow.unwindowed`), or returns something that is not a floating
+tensor with the cut's leading axis (or a mask without it), the call runs whole instead
+(`_core`'s `Recomputation`), as its value would depend on the cut.
 """
 
 import tensorflow as tf
@@ -46,8 +50,15 @@ def batch_of(args, kwargs):
 
 def recomputed_call(adapter, call, layer, args, kwargs, samples=None):
     """`call(layer, *args, **kwargs)` recomputed for the gradient (`_core.recomputed_call`),
-    run `samples` samples at a time where its batch is larger (the module's docstring)."""
+    run `samples` samples at a time where its batch is larger (the module's docstring).
+    `samples` may be a scalar tensor; where it is, or the batch is not known when traced,
+    the cuts are counted when the step runs (`DynamicCutRecomputation`)."""
     batch = batch_of(args, kwargs)
+    first = next(iter(_core.float_tensors((args, kwargs))), None)
+    if samples is not None and first is not None and first.shape.rank and (
+            batch is None or tf.is_tensor(samples)):
+        return DynamicCutRecomputation(adapter, call, layer, args, kwargs, first,
+                                       samples).run()
     if not samples or batch is None or batch <= samples:
         return _core.recomputed_call(adapter, call, layer, args, kwargs)
     return CutRecomputation(adapter, call, layer, args, kwargs, batch, samples).run()
@@ -58,28 +69,41 @@ def _tensors(values):
     return [x for v in values for x in tf.nest.flatten(v) if tf.is_tensor(x)]
 
 
-def _loop(count, body, state):
-    """`state` through `body(k, state)` for k in [0, count), one iteration at a time."""
-    if count == 0:
+def _loop(count, body, state, first=0):
+    """`state` through `body(k, state)` for k in [first, count), one iteration at a time
+    (`count` may be a tensor)."""
+    if isinstance(count, int) and count <= first:
         return state
     _, state = tf.while_loop(lambda k, _: k < count, lambda k, s: (k + 1, body(k, s)),
-                             (tf.constant(0), state), parallel_iterations=1)
+                             (tf.constant(first), state), parallel_iterations=1)
     return state
 
 
 class CutRecomputation(_core.Recomputation):
     """`_core.Recomputation` run on cuts of `samples` samples of a batch of `batch`."""
 
+    uniform = True  # every whole cut of `samples` samples (the rest apart): joined by `stack`
+
     def __init__(self, adapter, call, layer, args, kwargs, batch, samples):
         super().__init__(adapter, call, layer, args, kwargs)
-        self.batch, self.samples = batch, samples
+        self.batch, self.samples, self.leading = batch, samples, batch
         self.whole, self.rest = divmod(batch, samples)
 
     def _window(self, start, size):
-        return _running.BatchWindow(start, size, self.batch)
+        return _running.BatchWindow(start, size, self.batch, self.leading)
 
     def _is_cut(self, x):
-        return x.shape.rank not in (None, 0) and x.shape[0] == self.batch
+        return x.shape.rank not in (None, 0) and x.shape[0] == self.leading
+
+    def _array(self, dtype, element_shape):
+        """A `tf.TensorArray` of one result of each loop cut (`self.whole` of them)."""
+        return tf.TensorArray(dtype, size=self.whole, element_shape=element_shape)
+
+    def _stacked(self, array, shape):
+        """The results in `array` joined along the batch; `shape`: one result's."""
+        if self.uniform:
+            return tf.reshape(array.stack(), [-1] + list(shape[1:]))
+        return array.concat()
 
     def _forward_cut(self, inputs, window, assigned=None, gates=(), running=None):
         """The call on `window`'s samples from the starting state: its outputs and the
@@ -116,35 +140,60 @@ class CutRecomputation(_core.Recomputation):
         randoms = {id(v) for v in self.adapter.random_states(self.layer)}
         masks = [m for m in map(self.adapter.output_mask, flat) if m is not None]
         return not losses and not window.unwindowed and all(
-            _core._is_float_tensor(o) and o.shape.rank and o.shape[0] == self.samples
+            _core._is_float_tensor(o) and o.shape.rank and window.holds(o.shape)
             for o in flat) and all(
-            tf.is_tensor(m) and m.shape.rank and m.shape[0] == self.samples
+            tf.is_tensor(m) and m.shape.rank and window.holds(m.shape)
             for m in masks) and all(key in randoms for key in assigned)
 
-    def forward(self, *inputs):
+    def _first_cut(self, inputs):
+        """The call on the first cut, from the starting state; None where the call must run
+        whole (a state variable made by this call: not built yet; `_cuttable`), else its
+        outputs (the random states it assigned written once, as one call's)."""
         adapter = self.adapter
         self.cutting = False
         self.state = adapter.state_variables(self.layer)
         keys = [id(adapter.tf_variable(v)) for v in self.state]
-        if any(key not in self.pre for key in keys):  # made by this call: not built yet
-            return super().forward(*inputs)
+        if any(key not in self.pre for key in keys):
+            return None
         self.start = [self.pre[key] for key in keys]
         assigned, kept, window = {}, self._kept(), self._window(0, self.samples)
+        first, losses = self._forward_cut(inputs, window, assigned, running=kept)
+        if not self._cuttable(first, losses, assigned, window):
+            return None
+        self.cutting = True
+        for variable, value in assigned.values():
+            variable.assign(value)
+        self.masked = [self.adapter.output_mask(o) is not None for o in tf.nest.flatten(first)]
+        self.kept_structures = list(kept.values)
+        return first
+
+    def _joined(self, first, parts):
+        """The call's flat outputs, each joined from `parts` (a list per flat result of a
+        cut, `_results`), their Keras masks joined likewise; what `forward` returns."""
+        outputs, joined = tf.nest.flatten(first), []
+        for part, o in zip(parts, self._results(first)):
+            j = tf.concat(part, 0) if len(part) > 1 else part[0]
+            j.set_shape([self.batch if isinstance(self.batch, int) else None]
+                        + o.shape[1:].as_list())
+            joined.append(j)
+        joined, masks = joined[:len(outputs)], iter(joined[len(outputs):])
+        for j, masked in zip(joined, self.masked):
+            if masked:
+                self.adapter.set_output_mask(j, next(masks))
+        self.outputs = tf.nest.pack_sequence_as(first, joined)
+        self.differentiable = list(range(len(joined)))
+        return joined, self.backward
+
+    def forward(self, *inputs):
         with _tf.pause_outer_tapes():
-            first, losses = self._forward_cut(inputs, window, assigned, running=kept)
-            if not self._cuttable(first, losses, assigned, window):
+            first = self._first_cut(inputs)
+            if first is None:
                 return super().forward(*inputs)
-            self.cutting = True
-            for variable, value in assigned.values():  # the seeds advance once, as one call's
-                variable.assign(value)
-            outputs = tf.nest.flatten(first)
-            self.masked = [self.adapter.output_mask(o) is not None for o in outputs]
             flat = self._results(first)
             ready = _core.after(inputs, *flat)  # the other cuts after the first
             # what each whole cut keeps, by cut: the first cut's at 0, the loop's after it
-            self.kept_structures = list(kept.values)
             self.kept = [tf.TensorArray(v.dtype, size=self.whole).write(0, v)
-                         for v in _tensors(kept.values)]
+                         for v in _tensors(self.kept_structures)]
 
             def body(k, state):
                 arrays, kept_arrays = state
@@ -169,19 +218,8 @@ class CutRecomputation(_core.Recomputation):
                                             running=self.rest_kept)
                 for part, o in zip(parts, self._results(last)):
                     part.append(o)
-        joined = []
-        for part, o in zip(parts, flat):
-            j = tf.concat(part, 0) if len(part) > 1 else part[0]
-            j.set_shape([self.batch] + o.shape[1:].as_list())
-            joined.append(j)
-        joined, masks = joined[:len(outputs)], iter(joined[len(outputs):])
-        for j, masked in zip(joined, self.masked):
-            if masked:
-                self.adapter.set_output_mask(j, next(masks))
         self.inputs, self.loss_slots, self.losses = inputs, [], []
-        self.outputs = tf.nest.pack_sequence_as(first, joined)
-        self.differentiable = list(range(len(joined)))
-        return joined, self.backward
+        return self._joined(first, parts)
 
     def _cut_gradients(self, dys, variables, window, gates, kept):
         """The gradients of the inputs and `variables` on `window`'s samples, what the cut's
@@ -216,11 +254,15 @@ class CutRecomputation(_core.Recomputation):
         def summed(i):  # float32 for half precision
             return tf.float32 if dtype(i) in HALF else dtype(i)
 
+        def zeros(i, window=None, dtype=None):
+            x = _core.cut(targets[i], window) if i in cut else targets[i]
+            return tf.zeros(x.shape, dtype or x.dtype.base_dtype) \
+                if x.shape.is_fully_defined() else tf.zeros_like(x, dtype)
+
         def gradients(window, gates, kept):
             grads = self._cut_gradients(dys, variables, window, gates, kept)
             nones.update(i for i, g in enumerate(grads) if g is None)
-            return [tf.zeros(shape(i, window.size), dtype(i)) if g is None else g
-                    for i, g in enumerate(grads)]
+            return [zeros(i, window) if g is None else g for i, g in enumerate(grads)]
 
         def body(k, state):
             arrays, sums = state
@@ -232,12 +274,11 @@ class CutRecomputation(_core.Recomputation):
 
         with _tf.ordered_stateful_ops() as order:
             mark = _core.graph_mark()
+            size = self.samples if self.uniform else None
             arrays, sums = _loop(self.whole, body, (
-                [tf.TensorArray(dtype(i), size=self.whole, element_shape=shape(i, self.samples))
-                 for i in cut],
-                [tf.zeros(shape(i, None), summed(i)) for i in whole]))
-            parts = {i: [tf.reshape(a.stack(), [-1] + shape(i, None)[1:])]
-                     for a, i in zip(arrays, cut)}
+                [self._array(dtype(i), shape(i, size)) for i in cut],
+                [zeros(i, dtype=summed(i)) for i in whole]))
+            parts = {i: [self._stacked(a, shape(i, None))] for a, i in zip(arrays, cut)}
             totals = dict(zip(whole, sums))
             if self.rest:
                 gates = [first_dy] + [p[0] for p in parts.values()] + sums
@@ -255,3 +296,51 @@ class CutRecomputation(_core.Recomputation):
             reads = _core.reads_since(mark)
         grads = _core.after(grads, *reads)
         return _core.after(grads[:n], *grads[n:]), grads[n:]
+
+
+class DynamicCutRecomputation(CutRecomputation):
+    """`CutRecomputation` where the batch's size, or the cut's (`samples`, a scalar tensor
+    where the rule reads a sequence length), is known only when the step runs -- tf_keras's
+    `fit` traces its step with an unknown batch: the first cut, then a `tf.while_loop` over
+    the others, the last one holding the rest; the tensors cut are those whose leading axis
+    is the first floating input's (`first`) when traced, the results joined by
+    `TensorArray.concat`."""
+
+    uniform = False
+
+    def __init__(self, adapter, call, layer, args, kwargs, first, samples):
+        _core.Recomputation.__init__(self, adapter, call, layer, args, kwargs)
+        self.batch, self.samples, self.leading = tf.shape(first)[0], samples, first.shape[0]
+        self.whole, self.rest = (self.batch + samples - 1) // samples, 0  # every cut: a loop's
+
+    def _window(self, start, size=None):
+        """The cut from `start`: `samples` samples, or the rest (`size` is not used)."""
+        return _running.BatchWindow(start, tf.minimum(self.samples, self.batch - start),
+                                    self.batch, self.leading)
+
+    def _array(self, dtype, element_shape):
+        shape = [None] + element_shape[1:] if element_shape else element_shape  # (a scalar kept)
+        return tf.TensorArray(dtype, size=self.whole, element_shape=shape, infer_shape=False)
+
+    def forward(self, *inputs):
+        with _tf.pause_outer_tapes():
+            first = self._first_cut(inputs)
+            if first is None:
+                return _core.Recomputation.forward(self, *inputs)
+            flat = self._results(first)
+            ready = _core.after(inputs, *flat)  # the other cuts after the first
+            kept = _tensors(self.kept_structures)  # by cut: the first cut's at 0
+
+            def body(k, state):
+                arrays, kept_arrays = state
+                kept = self._kept()
+                outs, _ = self._forward_cut(ready, self._window(k * self.samples), running=kept)
+                return ([a.write(k, o) for a, o in zip(arrays, self._results(outs))],
+                        [a.write(k, v) for a, v in zip(kept_arrays, _tensors(kept.values))])
+
+            arrays, self.kept = _loop(self.whole, body, (
+                [self._array(o.dtype, o.shape.as_list()).write(0, o) for o in flat],
+                [self._array(v.dtype, v.shape.as_list()).write(0, v) for v in kept]), first=1)
+            parts = [[a.concat()] for a in arrays]
+        self.inputs, self.loss_slots, self.losses = inputs, [], []
+        return self._joined(first, parts)

@@ -43,12 +43,21 @@ class BatchWindow:
     """The samples `[start, start + size)` of a batch of `batch` samples, on which a
     recomputed call runs (traced) when its batch is cut (`recompute.engine._jax`): every
     random draw inside it is the whole batch's draw, cut to these samples. `start` may be
-    a traced integer. `unwindowed` counts the draws inside it that could not be so (tf_keras's:
+    a traced integer, and where the batch's size is known only when the step runs
+    (`recompute.engine._cuts_tf.DynamicCutRecomputation`) so may `size` and `batch`;
+    `leading` is then the static leading axis of the batch's tensors (None where unknown),
+    else `batch`. `unwindowed` counts the draws inside it that could not be so (tf_keras's:
     `recompute.adapters._tf_keras.windowed_draws`): then the call runs whole."""
 
-    def __init__(self, start, size, batch):
+    def __init__(self, start, size, batch, leading=None):
         self.start, self.size, self.batch = start, size, batch
+        self.leading = batch if isinstance(batch, int) else leading
         self.unwindowed = 0
+
+    def holds(self, shape):
+        """Whether a tensor of static `shape` (rank >= 1) is the window's samples: its
+        leading axis the window's size (unknown when the size is)."""
+        return shape[0] == (self.size if isinstance(self.size, int) else None)
 
 
 def batch_window():

@@ -26,9 +26,10 @@
   the block's own `Dropout` layers, which keep their decision as bits (`dropout_call`);
   `remaking_input`, for a `Dense` fed a tensor another layer makes again (bert4keras's
   attention fed by a LayerNormalization unit).
-- `_window_tf`: Keras 3's `Dropout` on TensorFlow inside a recomputed `"full"` call: in a
-  cut of the batch (`recompute.engine._cuts_tf`), the whole batch's random numbers drawn
-  for the cut's samples only (`window_uniform`, `windowed_dropouts`); in Keras's own
+- `_window_tf`: dropout on TensorFlow inside a recomputed `"full"` call: in a cut of the
+  batch (`recompute.engine._cuts_tf`), the whole batch's random numbers drawn for the cut's
+  samples only (`windowed_draws`: Keras 3's `Dropout` layers here, `window_uniform`,
+  `windowed_dropouts`; tf_keras's draws in `recompute.adapters._tf_keras`); in Keras's own
   attention core, its decision drawn once a step and kept as bits (`decided_once`).
 
 They use `recompute.engine` (TensorFlow's `kept`, `after`) and `recompute.adapters`;

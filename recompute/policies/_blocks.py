@@ -76,9 +76,10 @@ def declared_cut_samples(layer, sublayers, args, kwargs):
     """The samples of one cut of the batch (`recompute.batch_cut`, TensorFlow's rule) where
     `layer`, a tf_keras layer, may run its batch in cuts: declared (`declare_per_sample`),
     not inside a recomputed call, every sublayer built, its first floating input of rank 3
-    or more with its axes known when traced, its batch more than one cut. Else None. Its
-    random draws are the batch's in each cut or the call runs whole
-    (`recompute.adapters._tf_keras.windowed_draws`)."""
+    or more, its batch more than one cut where that is known when traced. Else None. Where
+    the input's middle axes are known only when the step runs (a sequence length), the
+    samples are a scalar tensor. Its random draws are the batch's in each cut or the call
+    runs whole (`recompute.adapters._tf_keras.windowed_draws`)."""
     import tensorflow as tf
 
     from ..engine._batch_cut import samples_per_cut
@@ -88,7 +89,13 @@ def declared_cut_samples(layer, sublayers, args, kwargs):
         return None
     first = next((x for x in tf.nest.flatten((args, kwargs))
                   if tf.is_tensor(x) and x.dtype.is_floating), None)
-    if first is None or first.shape.rank in (None, 0, 1, 2) or None in first.shape:
+    if first is None or first.shape.rank in (None, 0, 1, 2):
         return None
-    samples = samples_per_cut(int(np.prod(first.shape[1:-1])), "tensorflow")
-    return samples if samples and first.shape[0] > samples else None
+    middle = first.shape[1:-1]
+    rows = int(np.prod(middle)) if middle.is_fully_defined() \
+        else tf.reduce_prod(tf.shape(first)[1:-1])
+    samples = samples_per_cut(rows, "tensorflow")
+    if samples is None or (isinstance(samples, int) and first.shape[0] is not None
+                           and first.shape[0] <= samples):
+        return None
+    return samples

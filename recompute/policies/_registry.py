@@ -65,7 +65,7 @@ def full(adapter, fn, layer, args, kwargs):
         if adapter is _keras3 else _blocks.declared_cut_samples(layer, sublayers, args, kwargs)
     if layers:
         fn = _attention.with_blocked_cores(fn, lambda: _cores_recomputed(adapter, layers, "full"))
-    if samples:
+    if samples is not None:  # (a tensor where counted when the step runs)
         fn = _attention.with_blocked_cores(
             fn, lambda: _window_tf.windowed_draws(adapter, sublayers))
     return _cuts_tf.recomputed_call(adapter, fn, layer, args, kwargs, samples)

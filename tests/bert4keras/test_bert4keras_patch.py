@@ -439,10 +439,12 @@ def _five_samples():
     return token_ids, np.zeros_like(token_ids), np.array([0, 1, 1, 0, 1])
 
 
-def _steps_cut(config_path, on, cut, eager, cutting):
+def _steps_cut(config_path, on, cut, mode, cutting):
     """Two training steps' losses and gradients of `build(config_path)` on `_five_samples`,
-    recomputation `on`, `recompute.batch_cut(cut)`; counts in `cutting` the blocks whose
-    backward pass ran by cuts."""
+    recomputation `on`, `recompute.batch_cut(cut)`, `mode` "eager", "function" or
+    "unknown-shapes" (a function traced with the batch and sequence unknown: the cuts are
+    counted when it runs, `recompute.batch_cut(None)`'s rule from the sequence length);
+    counts in `cutting` the blocks whose backward pass ran by cuts."""
     from recompute.engine import _cuts_tf
 
     token_ids, segment_ids, labels = _five_samples()
@@ -462,7 +464,9 @@ def _steps_cut(config_path, on, cut, eager, cutting):
         cutting["n"] += int(self.cutting)
         return real(self, *args, **kwargs)
 
-    run = step if eager else tf.function(step)
+    spec = [tf.TensorSpec([None, None], tf.int64)] * 2
+    run = step if mode == "eager" else tf.function(step) if mode == "function" \
+        else tf.function(step, input_signature=spec)
     out = []
     with recompute.recompute_scope(on), recompute.batch_cut(cut):
         _cuts_tf.CutRecomputation.backward = counting
@@ -484,36 +488,48 @@ def rng_kind(request):
     tf.keras.backend.experimental.disable_tf_random_generator()
 
 
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "function"])
+@pytest.mark.parametrize("mode", ["eager", "function", "unknown-shapes"])
 @pytest.mark.parametrize("policy_name", ["block", "block_keep_ffn"])
-def test_block_cuts_match_whole_batches(dropout_config_path, rng_kind, policy_name, eager):
+def test_block_cuts_match_whole_batches(dropout_config_path, rng_kind, policy_name, mode):
     """Under "block" (and "block_keep_ffn") a block whose batch is more than one cut
     runs its recomputation by cuts (`recompute.batch_cut`): 5 samples by 2 is two whole
-    cuts and a rest. Dropout on, padding: each step's loss and every gradient equal the
-    whole batch's recomputation (the same masks, from the batch's numbers), and with the
-    replayable RNG RECOMPUTE=0's, the second step included (the generators advanced as
-    one draw of the batch advances them). Both blocks ran by cuts, in both steps."""
+    cuts and a rest; with the shapes unknown when traced, the rule's cut at seq 12 (the
+    whole batch, one cut) and cuts of 2 counted when the step runs. Dropout on, padding:
+    each step's loss and every gradient equal the whole batch's recomputation (the same
+    masks, from the batch's numbers), and with the replayable RNG RECOMPUTE=0's, the
+    second step included (the generators advanced as one draw of the batch advances
+    them). Both blocks ran by cuts, in both steps."""
     rb.patch(policy=policy_name)
     try:
         cutting = {"n": 0}
-        whole = _steps_cut(dropout_config_path, True, 0, eager, cutting)
+        whole = _steps_cut(dropout_config_path, True, 0, mode, cutting)
         assert cutting["n"] == 0
-        cut = _steps_cut(dropout_config_path, True, 2, eager, cutting)
-        assert cutting["n"] == 2 * (2 if eager else 1)  # traced once in a function
-        reference = _steps_cut(dropout_config_path, False, 0, eager, cutting) \
+        runs = [_steps_cut(dropout_config_path, True, cut, mode, cutting)
+                for cut in ([2, None] if mode == "unknown-shapes" else [2])]
+        # traced once in a function
+        assert cutting["n"] == len(runs) * 2 * (2 if mode == "eager" else 1)
+        reference = _steps_cut(dropout_config_path, False, 0, mode, cutting) \
             if rng_kind == "replayable" else None
     finally:
         rb.patch()
-    for step in range(2):
-        assert_all_close(whole[step], cut[step])
-        if reference is not None:
-            assert_all_close(reference[step], cut[step])
-    assert not np.allclose(cut[0][0], cut[1][0])  # other masks in the second step
+    for cut in runs:
+        for step in range(2):
+            assert_all_close(whole[step], cut[step])
+            if reference is not None:
+                assert_all_close(reference[step], cut[step])
+        assert not np.allclose(cut[0][0], cut[1][0])  # other masks in the second step
 
 
-def test_block_cuts_fit_matches(dropout_config_path, replayable_rng):
+def test_block_cuts_fit_matches(dropout_config_path, replayable_rng, monkeypatch):
     """`fit` (batches of 5, a last one of 3; cuts of 2) with "block" and the replayable
-    RNG: the weights after 2 epochs equal RECOMPUTE=0's."""
+    RNG: tf_keras traces its step with the batch unknown, and the blocks run by cuts
+    counted when it runs; the weights after 2 epochs equal RECOMPUTE=0's."""
+    from recompute.engine import _cuts_tf
+
+    cutting = {"n": 0}
+    real = _cuts_tf.CutRecomputation.backward
+    monkeypatch.setattr(_cuts_tf.CutRecomputation, "backward", lambda self, *a, **k: (
+        cutting.__setitem__("n", cutting["n"] + int(self.cutting)) or real(self, *a, **k)))
     token_ids, segment_ids, labels = _five_samples()
     x = [np.tile(token_ids, (3, 1))[:13], np.tile(segment_ids, (3, 1))[:13]]
     y = np.tile(labels, 3)[:13]
@@ -529,4 +545,5 @@ def test_block_cuts_fit_matches(dropout_config_path, replayable_rng):
             weights.append([np.asarray(w) for w in model.weights])
     finally:
         rb.patch()
+    assert cutting["n"] and cutting["n"] % 2 == 0  # both blocks, in each trace of the step
     assert_all_close(weights[0], weights[1])
