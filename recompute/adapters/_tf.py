@@ -25,7 +25,10 @@ TensorFlow has no public API for these things recomputation needs:
 
 Next to them, with public raw ops only, how TensorFlow's Philox kernels count their
 numbers (`philox_advanced`, `uniform_window`): the draws of a cut of the batch, both
-Keras families' (`recompute.ops._window_tf`, `recompute.adapters._tf_keras`).
+Keras families' (`recompute.ops._window_tf`, `recompute.adapters._tf_keras`); and the key
+and counter a `tf.random.Generator` draws from (`generator_key_counter`: its private
+`_prepare_key_counter`, which advances it and, under `tf.distribute`, mixes the replica
+into the key).
 
 `PRIVATE_NAMES` lists each of them as `(attribute, owners)`: an attribute (a dotted
 path for an attribute of an attribute) that each owner -- a module, or a class (an
@@ -64,6 +67,7 @@ PRIVATE_NAMES = (
                "__internal__.autograph.control_status_ctx")
     + owned_by(("tensorflow.python.ops.control_flow_util",), "GraphOrParentsInXlaContext")
     + owned_by(("tensorflow.python.client.device_lib",), "list_local_devices")
+    + owned_by(("tensorflow.python.ops.stateful_random_ops.Generator",), "_prepare_key_counter")
 )
 
 stop_recording = record.stop_recording
@@ -286,6 +290,13 @@ def sample_numbers(shape):
     dims = tf.cast(shape, tf.int64)
     per_sample = tf.reduce_prod(dims[1:])
     return per_sample, dims[0] * per_sample
+
+
+def generator_key_counter(generator, count):
+    """`(key, counter)` (uint64 [1], [2]) of `generator`'s next draw of `count` numbers (a
+    scalar tensor), as its `uniform` takes them: the generator advanced past that draw, the
+    key mixed with the replica's id in a replica context of a distribution strategy."""
+    return generator._prepare_key_counter(tf.reshape(count, [1]))
 
 
 def uniform_window(key, counter, shape, dtype, window, alg=None):

@@ -32,7 +32,7 @@ create the layer once in `__init__`/`build`.
 Inside a cut of a batch run by samples (`windowed_draws`: bert4keras's blocks under
 `"block"`, `recompute.engine._cuts_tf`), a dropout draws the whole batch's numbers for the
 cut's samples, under either RNG: from the replay's seed, or from its generator's state,
-which then advances as one draw of the batch advances it (`RngReadAndSkip`). So the masks
+which then advances as one draw of the batch advances it (`_tf.generator_key_counter`). So the masks
 are those of the whole batch's call, and with the replayable RNG those of RECOMPUTE=0.
 """
 
@@ -298,22 +298,18 @@ def _window_numbers(gen, replay, shape, dtype, window):
     `(window.batch,) + shape[1:]` (`shape`: a list of ints or a 1-D tensor), the window's
     samples only (`_tf.uniform_window`), or None
     where they cannot be told: from the replay's next seed (legacy draws), the generator's
-    fixed seed (stateless), or its `tf.random.Generator`'s state (Philox), read and advanced
-    as the whole draw advances it (`RngReadAndSkip`)."""
+    fixed seed (stateless), or its `tf.random.Generator`'s key and counter (Philox), the
+    generator advanced as the whole draw advances it (`_tf.generator_key_counter`)."""
     if gen._rng_type == gen.RNG_LEGACY_STATEFUL and replay is not None:
         seed = replay.next_seed()
     elif gen._rng_type == gen.RNG_STATELESS:
         seed = gen.make_seed_for_stateless_op()
     elif gen._rng_type == gen.RNG_STATEFUL and gen._generator.algorithm in _PHILOX_STATES:
-        alg = gen._generator.algorithm
         per_sample, _ = _tf.sample_numbers(shape)
         total = tf.cast(window.batch, tf.int64) * per_sample  # the whole draw's numbers
-        old = tf.raw_ops.RngReadAndSkip(resource=gen._generator.state.handle,
-                                        alg=tf.constant(alg, tf.int32),
-                                        delta=tf.cast(total, tf.uint64))
-        old = tf.bitcast(old, tf.uint64)
-        return _tf.uniform_window(old[2:], old[:2], shape, dtype, window,
-                                  alg=alg if alg == _PHILOX_STATES[0] else None)
+        key, counter = _tf.generator_key_counter(gen._generator, total)
+        return _tf.uniform_window(key, counter, shape, dtype, window,
+                                  alg=gen._generator.algorithm)
     else:
         return None
     key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)

@@ -45,9 +45,12 @@ class batch_cut(Setting):
 
     Limits: on tf_keras, bert4keras's blocks only (other tf_keras calls run whole
     batches); a call of other layers, one that adds a loss or whose dropout has a noise
-    shape, runs whole, and on TensorFlow so does a call whose batch size is unknown when
-    traced (`fit`'s retrace for a last, partial batch) or whose layers are not built yet;
-    the tensors whose leading axis has the batch's length are the ones cut.
+    shape, runs whole, and on TensorFlow so does a call whose layers are not built yet,
+    and a Keras 3 call whose batch size is unknown when traced (`fit`'s retrace for a last,
+    partial batch); a bert4keras block whose batch or sequence length is unknown when
+    traced (tf_keras's `fit`) runs by cuts counted when the step runs, except under XLA
+    (`jit_compile`), where it runs whole. The tensors whose leading axis has the batch's
+    length are the ones cut.
 
     Args:
         samples: an integer >= 0 (0: no cuts), or None for the default.

@@ -99,6 +99,12 @@ def cut(value, window):
     if (window is None or not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0)
             or value.shape[0] != window.leading):
         return value
+    return cut_rows(value, window)
+
+
+def cut_rows(value, window):
+    """`value`'s samples in `window` (a `_running.BatchWindow`): `value` is a tensor whose
+    leading axis is the batch (a gradient of the call's outputs, `_cuts_tf`)."""
     rank = value.shape.rank
     start = tf.stack([tf.cast(window.start, tf.int32)] + [0] * (rank - 1))
     size = tf.stack([tf.cast(window.size, tf.int32)] + [-1] * (rank - 1))

@@ -3,7 +3,9 @@ blocks on tf_keras; `recompute.batch_cut`).
 
 `recomputed_call(adapter, call, layer, args, kwargs, samples)` is `_core`'s recomputed call,
 run `samples` samples at a time in both passes where the batch (the first floating input's
-leading axis, known when traced) is larger (`CutRecomputation`):
+leading axis) is larger: `CutRecomputation` where its shape is known when traced,
+`DynamicCutRecomputation` where the batch or the cut is counted only when the step runs
+(tf_keras's `fit` traces with an unknown batch; not under XLA, where the call runs whole):
 
 - forward pass, off the tapes: the call on each cut of the batch in turn -- the first cut,
   then a `tf.while_loop` over the other whole cuts (one iteration at a time), then the rest
@@ -23,8 +25,9 @@ one draw of the batch advances them; the blocked attention core's bits,
 recomputation (`_core.kept`: the decision of an attention dropout, as bits) is kept by cut -- a `tf.TensorArray` over the whole cuts,
 written by the forward loop and read by the backward one -- and replayed there; what is kept
 with `in_cuts=False` (the FlashAttention-2 core's bits) is drawn again in each pass. The
-tensors cut are those whose leading axis has the batch's length; the outputs' Keras masks
-are joined like the outputs. Where the first cut adds a loss, assigns a variable other than
+tensors cut are those whose leading axis is the batch's (`BatchWindow.leading`: its length,
+or unknown with it), and the gradients of the outputs; the outputs' Keras masks are joined
+like the outputs. Where the first cut adds a loss, assigns a variable other than
 a random state (the adapter's `random_states`), makes a random draw that is not the batch's
 for its samples (`BatchWindow.unwindowed`), or returns something that is not a floating
 tensor with the cut's leading axis (or a mask without it), the call runs whole instead
@@ -39,29 +42,30 @@ from . import _core, _running
 HALF = (tf.float16, tf.bfloat16)
 
 
-def batch_of(args, kwargs):
-    """The leading axis of the first floating tensor of `(args, kwargs)`, where known when
-    traced, else None."""
-    first = next(iter(_core.float_tensors((args, kwargs))), None)
-    if first is None or first.shape.rank in (None, 0):
-        return None
-    return first.shape[0]
-
-
 def recomputed_call(adapter, call, layer, args, kwargs, samples=None):
     """`call(layer, *args, **kwargs)` recomputed for the gradient (`_core.recomputed_call`),
     run `samples` samples at a time where its batch is larger (the module's docstring).
-    `samples` may be a scalar tensor; where it is, or the batch is not known when traced,
-    the cuts are counted when the step runs (`DynamicCutRecomputation`)."""
-    batch = batch_of(args, kwargs)
+    `samples` may be a scalar tensor; where it is, or the first floating input's shape is
+    not all known when traced, the cuts are counted when the step runs
+    (`DynamicCutRecomputation`) -- except where XLA compiles the step: the call then runs
+    whole."""
     first = next(iter(_core.float_tensors((args, kwargs))), None)
-    if samples is not None and first is not None and first.shape.rank and (
-            batch is None or tf.is_tensor(samples)):
+    if samples is None or first is None or not first.shape.rank:
+        return _core.recomputed_call(adapter, call, layer, args, kwargs)
+    batch = first.shape[0]
+    if batch is None or tf.is_tensor(samples) or not first.shape[1:].is_fully_defined():
+        if _tf.in_xla_context():  # XLA takes no cut of a size known only when it runs
+            return _core.recomputed_call(adapter, call, layer, args, kwargs)
         return DynamicCutRecomputation(adapter, call, layer, args, kwargs, first,
                                        samples).run()
-    if not samples or batch is None or batch <= samples:
+    if batch <= samples:
         return _core.recomputed_call(adapter, call, layer, args, kwargs)
     return CutRecomputation(adapter, call, layer, args, kwargs, batch, samples).run()
+
+
+def _dims(x):
+    """`x`'s static shape as a list, or None where its rank is unknown."""
+    return None if x.shape.rank is None else x.shape.as_list()
 
 
 def _tensors(values):
@@ -100,8 +104,8 @@ class CutRecomputation(_core.Recomputation):
         return tf.TensorArray(dtype, size=self.whole, element_shape=element_shape)
 
     def _stacked(self, array, shape):
-        """The results in `array` joined along the batch; `shape`: one result's."""
-        if self.uniform:
+        """The results in `array` joined along the batch; `shape`: one result's (a list)."""
+        if self.uniform and None not in shape[1:]:
             return tf.reshape(array.stack(), [-1] + list(shape[1:]))
         return array.concat()
 
@@ -173,8 +177,7 @@ class CutRecomputation(_core.Recomputation):
         outputs, joined = tf.nest.flatten(first), []
         for part, o in zip(parts, self._results(first)):
             j = tf.concat(part, 0) if len(part) > 1 else part[0]
-            j.set_shape([self.batch if isinstance(self.batch, int) else None]
-                        + o.shape[1:].as_list())
+            j.set_shape([self.leading] + o.shape[1:].as_list())
             joined.append(j)
         joined, masks = joined[:len(outputs)], iter(joined[len(outputs):])
         for j, masked in zip(joined, self.masked):
@@ -210,7 +213,7 @@ class CutRecomputation(_core.Recomputation):
                     [tf.TensorArray(o.dtype, size=self.whole - 1, element_shape=o.shape)
                      for o in flat], self.kept))
                 for part, a, o in zip(parts, arrays, flat):
-                    part.append(tf.reshape(a.stack(), [-1] + o.shape[1:].as_list()))
+                    part.append(self._stacked(a, o.shape.as_list()))
             if self.rest:
                 window = self._window(self.whole * self.samples, self.rest)
                 self.rest_kept = self._kept()
@@ -225,7 +228,7 @@ class CutRecomputation(_core.Recomputation):
         """The gradients of the inputs and `variables` on `window`'s samples, what the cut's
         forward pass kept replayed from `kept`."""
         ready = _core.after([_core.cut(x, window) for x in self.inputs], *gates)
-        pieces = [None if d is None else _core.cut(d, window) for d in dys]
+        pieces = [None if d is None else _core.cut_rows(d, window) for d in dys]  # (batch-major)
         tape, recomputed, losses = self._recompute(ready, variables, gates[0], window,
                                                    kept.replay())
         targets, seeds = self._targets(recomputed, losses, pieces)
@@ -310,16 +313,21 @@ class DynamicCutRecomputation(CutRecomputation):
 
     def __init__(self, adapter, call, layer, args, kwargs, first, samples):
         _core.Recomputation.__init__(self, adapter, call, layer, args, kwargs)
-        self.batch, self.samples, self.leading = tf.shape(first)[0], samples, first.shape[0]
+        self.samples, self.leading = samples, first.shape[0]
+        self.batch = tf.shape(first)[0] if self.leading is None else self.leading
         self.whole, self.rest = (self.batch + samples - 1) // samples, 0  # every cut: a loop's
 
     def _window(self, start, size=None):
-        """The cut from `start`: `samples` samples, or the rest (`size` is not used)."""
-        return _running.BatchWindow(start, tf.minimum(self.samples, self.batch - start),
-                                    self.batch, self.leading)
+        """The cut from `start`: `samples` samples, or the rest (`size` is not used); its
+        size a Python int where it is known when traced (the first cut of a batch known
+        then, in cuts of a known size)."""
+        ints = all(isinstance(n, int) for n in (start, self.samples, self.batch))
+        size = min(self.samples, self.batch - start) if ints \
+            else tf.minimum(self.samples, self.batch - start)
+        return _running.BatchWindow(start, size, self.batch, self.leading)
 
     def _array(self, dtype, element_shape):
-        shape = [None] + element_shape[1:] if element_shape else element_shape  # (a scalar kept)
+        shape = [None] + list(element_shape[1:]) if element_shape else element_shape  # (a scalar)
         return tf.TensorArray(dtype, size=self.whole, element_shape=shape, infer_shape=False)
 
     def forward(self, *inputs):
@@ -339,8 +347,8 @@ class DynamicCutRecomputation(CutRecomputation):
                         [a.write(k, v) for a, v in zip(kept_arrays, _tensors(kept.values))])
 
             arrays, self.kept = _loop(self.whole, body, (
-                [self._array(o.dtype, o.shape.as_list()).write(0, o) for o in flat],
-                [self._array(v.dtype, v.shape.as_list()).write(0, v) for v in kept]), first=1)
+                [self._array(o.dtype, _dims(o)).write(0, o) for o in flat],
+                [self._array(v.dtype, _dims(v)).write(0, v) for v in kept]), first=1)
             parts = [[a.concat()] for a in arrays]
         self.inputs, self.loss_slots, self.losses = inputs, [], []
         return self._joined(first, parts)

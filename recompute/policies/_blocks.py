@@ -68,7 +68,9 @@ _per_sample = weakref.WeakSet()  # the layers declared to compute each sample al
 def declare_per_sample(layer):
     """Declares that `layer`'s call computes each sample of its batch from that sample alone
     (what its builder knows: `recompute.bert4keras`'s blocks), so that under `"full"` it may
-    run its batch in cuts on tf_keras (`declared_cut_samples`)."""
+    run its batch in cuts on tf_keras (`declared_cut_samples`). The declaration also says
+    that every tensor argument whose leading axis is unknown when traced, and every tensor a
+    dropout inside draws for, has the batch as its leading axis."""
     _per_sample.add(layer)
 
 

@@ -17,10 +17,11 @@ from recompute.policies import _blocks
 from tests.helpers.numerics import assert_all_close, to_numpy
 
 
-def _block(noise_shape=None, declared=True):
+def _block(noise_shape=None, declared=True, seq=6):
     """A functional block of `Dense`, `Dropout` and `LayerNormalization` layers, its call
-    recomputed, declared per-sample unless not `declared`."""
-    x = tf_keras.Input((6, 8))
+    recomputed, declared per-sample unless not `declared`; `seq`: its input's length (None:
+    any)."""
+    x = tf_keras.Input((seq, 8))
     h = tf_keras.layers.Dense(16, activation="relu")(x)
     h = tf_keras.layers.Dropout(0.3, noise_shape=noise_shape)(h)
     y = tf_keras.layers.LayerNormalization()(tf_keras.layers.Dense(8)(h) + x)
@@ -31,9 +32,9 @@ def _block(noise_shape=None, declared=True):
     return block
 
 
-def _run(block, on, cut, cutting):
+def _run(block, on, cut, cutting, signature=None, jit=False):
     """Two steps' loss and gradients of `block` on 5 samples; counts in `cutting` the
-    backward passes run by cuts."""
+    backward passes run by cuts. `signature`: the step's input shape when traced."""
     x = tf.constant(np.random.RandomState(0).randn(5, 6, 8).astype("float32"))
     real = _cuts_tf.CutRecomputation.backward
 
@@ -41,17 +42,18 @@ def _run(block, on, cut, cutting):
         cutting["n"] += int(self.cutting)
         return real(self, *args, **kwargs)
 
-    @tf.function
-    def step():
+    def step(x):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(block(x, training=True) ** 2)
         return [loss] + tape.gradient(loss, block.trainable_weights)
 
+    step = tf.function(step, jit_compile=jit, input_signature=None if signature is None
+                       else [tf.TensorSpec(signature, tf.float32)])
     out = []
     with recompute.recompute_scope(on), recompute.batch_cut(cut):
         _cuts_tf.CutRecomputation.backward = counting
         try:
-            out = [to_numpy(step()) for _ in range(2)]
+            out = [to_numpy(step(x)) for _ in range(2)]
         finally:
             _cuts_tf.CutRecomputation.backward = real
     return out
@@ -114,3 +116,35 @@ def test_generator_window_is_the_whole_draw_cut(dtype):
         np.testing.assert_array_equal(cut_gen._generator.state.numpy(),
                                       whole_gen._generator.state.numpy())
     assert _tf.numbers_per_step(tf.float64) == 2
+
+
+@pytest.mark.parametrize("signature, cut, jit, cuts", [
+    ([5, None, 8], 2, False, 1), ([5, None, 8], None, False, 1), ([None, 6, 8], 2, False, 1),
+    ([None, None, 8], None, False, 1), ([None, None, 8], 2, True, 0)],
+    ids=["sequence-unknown", "sequence-unknown-rule", "batch-unknown", "both-unknown",
+         "xla-runs-whole"])
+def test_shapes_known_only_when_the_step_runs(replayable_rng, monkeypatch, signature, cut,
+                                              jit, cuts):
+    """Two declared blocks in a row traced with the batch, the sequence length or both
+    unknown (tf_keras's `fit`; `padded_batch`): the cuts are counted when the step runs --
+    `batch_cut(2)`, or the rule's from the sequence length (here 12 rows a cut: 2 samples)
+    -- the incoming gradients cut like the outputs; under XLA such a call runs whole. Every
+    run equals RECOMPUTE=0's."""
+    from recompute.engine import _batch_cut
+
+    monkeypatch.setattr(_batch_cut, "TF_CUT_ROWS", 12)
+    tf_keras.utils.set_random_seed(0)
+    first, second = _block(seq=None), _block(seq=None)
+    x = tf_keras.Input((None, 8))
+    model = tf_keras.Model(x, second(first(x)))
+    model(tf.zeros([1, 6, 8]), training=True)  # the generators made
+    start = [v.numpy() for v in _variables(model)]
+    cutting = {"n": 0}
+    results = []
+    for on in (False, True):
+        for v, value in zip(_variables(model), start):
+            v.assign(value)
+        results.append(_run(model, on, cut, cutting, signature, jit))
+    assert cutting["n"] == 2 * cuts
+    for step in range(2):
+        assert_all_close(results[0][step], results[1][step])
