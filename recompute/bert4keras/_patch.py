@@ -435,7 +435,8 @@ def patch(policy=None, *, blocks=None, offload=False):
             feed-forward, layer norm, ...) is a unit; the model is built as
             bert4keras builds it. "block": each BERT Transformer block of models
             built from now on is one nested model `Transformer-<i>`, recomputed
-            as a unit: the least memory (only the block's input is kept), but
+            as a unit, its batch in cuts (`recompute.batch_cut`): the least memory
+            (only the block's input and its attention dropout's bits are kept), but
             the block's layers are reached through it
             (`model.get_layer("Transformer-3").get_layer(...)`) and a model
             reloaded with `load_model` has undecorated blocks (decorate each
