@@ -21,7 +21,8 @@ import bert4keras.layers as B  # noqa: E402
 from bert4keras.models import build_transformer_model  # noqa: E402
 
 from tests.helpers import tiny_bert  # noqa: E402
-from tests.helpers.attention_blocks import check_mask_kept_as_bits, forward_tensors_kept  # noqa: E402
+from tests.helpers.attention_blocks import (  # noqa: E402
+    check_mask_kept_as_bits, forward_tensors_kept, forward_tensors_read_by_backward)
 from tests.helpers.numerics import assert_all_close, to_numpy  # noqa: E402
 
 SEQ = 10
@@ -220,14 +221,19 @@ def test_blocked_core_keeps_no_attention_matrix():
     assert len(forward_tensors_kept(graph(bert4keras), (SEQ, SEQ))) >= 3
 
 
+@pytest.mark.parametrize("cuts", [False, True], ids=["whole", "cuts"])
 @pytest.mark.parametrize("policy", _patch.POLICIES)
-def test_dropout_decision_kept_as_bits(config_path, policy):
+def test_dropout_decision_kept_as_bits(config_path, policy, cuts):
     """Every policy keeps each attention layer's dropout decision from the forward
     to the backward pass as bits (1 bit per entry, not a bool [.., seq, seq]
-    mask), unpacked once the gradient arrives; the step still equals RECOMPUTE=0."""
+    mask), unpacked once the gradient arrives; the step still equals RECOMPUTE=0.
+    With the whole-block policies' blocks in cuts of the batch (the batch unknown when
+    traced: cuts counted when the step runs), the bits cross by cut, in arrays of uint8."""
+    if cuts and policy not in _patch.BLOCK_POLICIES:
+        pytest.skip("only the whole-block policies run blocks in cuts")
     token_ids, segment_ids, labels = batch()
     rb.patch(policy=policy)
-    with recompute.recompute_scope(True):
+    with recompute.recompute_scope(True), recompute.batch_cut(2 if cuts else 0):
         model = build(config_path)
 
         @tf.function
@@ -241,7 +247,19 @@ def test_dropout_decision_kept_as_bits(config_path, policy):
         graph = step.get_concrete_function(
             tf.TensorSpec([None, SEQ], tf.int32), tf.TensorSpec([None, SEQ], tf.int32),
             tf.TensorSpec([None], tf.int32)).graph
-    check_mask_kept_as_bits(graph, SEQ)
+    if not cuts:
+        check_mask_kept_as_bits(graph, SEQ)
+        return
+    read = forward_tensors_read_by_backward(graph)
+    assert not [t.name for t in read if t.dtype == tf.bool and t.shape.rank is not None
+                and t.shape.rank >= 3 and tuple(t.shape[-2:]) == (SEQ, SEQ)]
+    arrays = [op for op in graph.get_operations() if op.type == "TensorListReserve"
+              and op.get_attr("element_dtype") == tf.uint8]
+    assert len(arrays) == 2, [op.name for op in arrays]  # one per block: its bits, by cut
+    masks = [op.name for op in graph.get_operations() if op.type == "TensorListReserve"
+             and op.get_attr("element_dtype") == tf.bool
+             and len(tf.get_static_value(op.inputs[0])) >= 3]
+    assert not masks, masks  # (the padding mask [batch, seq] is joined by cut: rank 2)
 
 
 @pytest.mark.parametrize("core", ["auto", "blocked", "keras"])
