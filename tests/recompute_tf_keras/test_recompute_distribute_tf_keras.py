@@ -77,3 +77,60 @@ def test_mirrored_legacy_rng_recomputes_the_forward_masks(strategy, monkeypatch)
         kept = np.asarray(y_r) != 0
         assert 0 < kept.mean() < 1
         np.testing.assert_array_equal(np.asarray(g_r) != 0, kept)
+
+
+def test_mirrored_declared_block_by_cuts(strategy):
+    """A block declared per-sample (`recompute.policies._blocks`, as bert4keras's blocks are)
+    under `MirroredStrategy`, replayable RNG, dropout on: each replica runs its 4 samples in
+    cuts of 2, its dropouts drawing what the replica's generator draws for its whole batch
+    (the key mixed with the replica's id, `recompute.adapters._tf.generator_key_counter`).
+    Two steps: the gradients summed over the replicas equal RECOMPUTE=0's."""
+    from recompute.adapters import _tf_keras
+    from recompute.engine import _cuts_tf
+    from recompute.policies import _blocks
+    from tests.helpers.numerics import assert_all_close, to_numpy
+
+    with strategy.scope():
+        K.utils.set_random_seed(0)
+        x_in = K.Input((6, 8))
+        h = K.layers.Dropout(0.3)(K.layers.Dense(16, activation="relu")(x_in))
+        block = K.Model(x_in, K.layers.LayerNormalization()(K.layers.Dense(8)(h) + x_in))
+        block.call = recompute_grad(block.call)
+        _blocks.declare_per_sample(block)
+    x = tf.constant(np.random.RandomState(0).randn(8, 6, 8).astype("float32"))
+    dataset = tf.data.Dataset.from_tensor_slices(x).batch(8)
+    batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
+    strategy.run(lambda x: block(x, training=True), args=(batch,))  # the generators made
+    variables = list(block.weights) + list(_tf_keras.state_variables(block))
+    start = [v.numpy() for v in variables]
+
+    def replica(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(block(x, training=True) ** 2)
+        return tape.gradient(loss, block.trainable_weights)
+
+    @tf.function
+    def step(x):
+        return [strategy.reduce("SUM", g, axis=None) for g in strategy.run(replica, args=(x,))]
+
+    cutting = {"n": 0}
+    real = _cuts_tf.CutRecomputation.backward
+
+    def counting(self, *args, **kwargs):
+        cutting["n"] += int(self.cutting)
+        return real(self, *args, **kwargs)
+
+    results = []
+    for on in (False, True):
+        for v, value in zip(variables, start):
+            v.assign(value)
+        _cuts_tf.CutRecomputation.backward = counting
+        try:
+            with recompute.recompute_scope(on), recompute.batch_cut(2):
+                run = tf.function(step.python_function)
+                results.append([to_numpy(run(batch)) for _ in range(2)])
+        finally:
+            _cuts_tf.CutRecomputation.backward = real
+    assert cutting["n"] == 2  # once per replica, traced once
+    for s in range(2):
+        assert_all_close(results[0][s], results[1][s])
