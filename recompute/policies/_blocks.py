@@ -84,13 +84,14 @@ def declared_cut_samples(layer, sublayers, args, kwargs):
     runs whole (`recompute.adapters._tf_keras.windowed_draws`)."""
     import tensorflow as tf
 
+    from ..engine import _core
     from ..engine._batch_cut import samples_per_cut
 
     if layer not in _per_sample or _running.inside_recomputed_call() \
             or not all(sub.built for sub in sublayers):
         return None
-    first = next((x for x in tf.nest.flatten((args, kwargs))
-                  if tf.is_tensor(x) and x.dtype.is_floating), None)
+    # the input the recomputation cuts by (`recompute.engine._cuts_tf.recomputed_call`)
+    first = next(iter(_core.float_tensors((args, kwargs))), None)
     if first is None or first.shape.rank in (None, 0, 1, 2):
         return None
     middle = first.shape[1:-1]

@@ -25,7 +25,8 @@ from bert4keras.models import build_transformer_model  # noqa: E402
 
 from tests.helpers import tiny_bert  # noqa: E402
 from tests.helpers.numerics import assert_all_close, to_numpy  # noqa: E402
-from tests.helpers.recompute_runs import count_recomputed_calls  # noqa: E402
+from tests.helpers.recompute_runs import (  # noqa: E402
+    count_cut_recomputations, count_recomputed_calls)
 
 
 
@@ -439,14 +440,11 @@ def _five_samples():
     return token_ids, np.zeros_like(token_ids), np.array([0, 1, 1, 0, 1])
 
 
-def _steps_cut(config_path, on, cut, mode, cutting):
+def _steps_cut(config_path, on, cut, mode):
     """Two training steps' losses and gradients of `build(config_path)` on `_five_samples`,
     recomputation `on`, `recompute.batch_cut(cut)`, `mode` "eager", "function" or
     "unknown-shapes" (a function traced with the batch and sequence unknown: the cuts are
-    counted when it runs, `recompute.batch_cut(None)`'s rule from the sequence length);
-    counts in `cutting` the blocks whose backward pass ran by cuts."""
-    from recompute.engine import _cuts_tf
-
+    counted when it runs, `recompute.batch_cut(None)`'s rule from the sequence length)."""
     token_ids, segment_ids, labels = _five_samples()
     model = build(config_path)
     tf.random.set_seed(1)  # the legacy RNG's seeds: the same in every run
@@ -458,24 +456,13 @@ def _steps_cut(config_path, on, cut, mode, cutting):
                 labels, logits, from_logits=True))
         return [loss] + tape.gradient(loss, model.trainable_weights)
 
-    real = _cuts_tf.CutRecomputation.backward
-
-    def counting(self, *args, **kwargs):
-        cutting["n"] += int(self.cutting)
-        return real(self, *args, **kwargs)
-
     spec = [tf.TensorSpec([None, None], tf.int64)] * 2
     run = step if mode == "eager" else tf.function(step) if mode == "function" \
         else tf.function(step, input_signature=spec)
-    out = []
     with recompute.recompute_scope(on), recompute.batch_cut(cut):
-        _cuts_tf.CutRecomputation.backward = counting
-        try:
-            for _ in range(2):  # the second step draws new masks
-                out.append(to_numpy(run(tf.constant(token_ids), tf.constant(segment_ids))))
-        finally:
-            _cuts_tf.CutRecomputation.backward = real
-    return out
+        # the second step draws new masks
+        return [to_numpy(run(tf.constant(token_ids), tf.constant(segment_ids)))
+                for _ in range(2)]
 
 
 @pytest.fixture(params=["replayable", "legacy"])
@@ -490,7 +477,8 @@ def rng_kind(request):
 
 @pytest.mark.parametrize("mode", ["eager", "function", "unknown-shapes"])
 @pytest.mark.parametrize("policy_name", ["block", "block_keep_ffn"])
-def test_block_cuts_match_whole_batches(dropout_config_path, rng_kind, policy_name, mode):
+def test_block_cuts_match_whole_batches(dropout_config_path, rng_kind, policy_name, mode,
+                                        monkeypatch):
     """Under "block" (and "block_keep_ffn") a block whose batch is more than one cut
     runs its recomputation by cuts (`recompute.batch_cut`): 5 samples by 2 is two whole
     cuts and a rest; with the shapes unknown when traced, the rule's cut at seq 12 (the
@@ -501,14 +489,14 @@ def test_block_cuts_match_whole_batches(dropout_config_path, rng_kind, policy_na
     them). Both blocks ran by cuts, in both steps."""
     rb.patch(policy=policy_name)
     try:
-        cutting = {"n": 0}
-        whole = _steps_cut(dropout_config_path, True, 0, mode, cutting)
+        cutting = count_cut_recomputations(monkeypatch)
+        whole = _steps_cut(dropout_config_path, True, 0, mode)
         assert cutting["n"] == 0
-        runs = [_steps_cut(dropout_config_path, True, cut, mode, cutting)
+        runs = [_steps_cut(dropout_config_path, True, cut, mode)
                 for cut in ([2, None] if mode == "unknown-shapes" else [2])]
         # traced once in a function
         assert cutting["n"] == len(runs) * 2 * (2 if mode == "eager" else 1)
-        reference = _steps_cut(dropout_config_path, False, 0, mode, cutting) \
+        reference = _steps_cut(dropout_config_path, False, 0, mode) \
             if rng_kind == "replayable" else None
     finally:
         rb.patch()
@@ -524,12 +512,7 @@ def test_block_cuts_fit_matches(dropout_config_path, replayable_rng, monkeypatch
     """`fit` (batches of 5, a last one of 3; cuts of 2) with "block" and the replayable
     RNG: tf_keras traces its step with the batch unknown, and the blocks run by cuts
     counted when it runs; the weights after 2 epochs equal RECOMPUTE=0's."""
-    from recompute.engine import _cuts_tf
-
-    cutting = {"n": 0}
-    real = _cuts_tf.CutRecomputation.backward
-    monkeypatch.setattr(_cuts_tf.CutRecomputation, "backward", lambda self, *a, **k: (
-        cutting.__setitem__("n", cutting["n"] + int(self.cutting)) or real(self, *a, **k)))
+    cutting = count_cut_recomputations(monkeypatch)
     token_ids, segment_ids, labels = _five_samples()
     x = [np.tile(token_ids, (3, 1))[:13], np.tile(segment_ids, (3, 1))[:13]]
     y = np.tile(labels, 3)[:13]

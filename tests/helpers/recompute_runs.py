@@ -26,6 +26,22 @@ def count_recomputed_calls(monkeypatch):
     return calls
 
 
+def count_cut_recomputations(monkeypatch):
+    """Counts the backward passes of recomputed calls that ran by cuts of their batch
+    (`recompute.engine._cuts_tf`) from now on: returns {"n": count}."""
+    from recompute.engine import _cuts_tf
+
+    cutting = {"n": 0}
+    real = _cuts_tf.CutRecomputation.backward
+
+    def counting(self, *args, **kwargs):
+        cutting["n"] += int(self.cutting)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(_cuts_tf.CutRecomputation, "backward", counting)
+    return cutting
+
+
 def fit_both(K, build_model, jit_compile, weights_of, calls):
     """`fit` (SGD, 2 epochs of 4 batches) with RECOMPUTE off then on: per run, `weights_of(model)`
     and the block calls counted in `calls["n"]`; every loss is finite."""

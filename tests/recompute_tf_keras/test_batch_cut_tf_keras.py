@@ -12,9 +12,10 @@ import tf_keras
 import recompute
 from recompute import recompute_grad
 from recompute.adapters import _tf, _tf_keras
-from recompute.engine import _cuts_tf, _running
+from recompute.engine import _running
 from recompute.policies import _blocks
 from tests.helpers.numerics import assert_all_close, to_numpy
+from tests.helpers.recompute_runs import count_cut_recomputations
 
 
 def _block(noise_shape=None, declared=True, seq=6):
@@ -32,15 +33,10 @@ def _block(noise_shape=None, declared=True, seq=6):
     return block
 
 
-def _run(block, on, cut, cutting, signature=None, jit=False):
-    """Two steps' loss and gradients of `block` on 5 samples; counts in `cutting` the
-    backward passes run by cuts. `signature`: the step's input shape when traced."""
+def _run(block, on, cut, signature=None, jit=False):
+    """Two steps' loss and gradients of `block` on 5 samples. `signature`: the step's input
+    shape when traced."""
     x = tf.constant(np.random.RandomState(0).randn(5, 6, 8).astype("float32"))
-    real = _cuts_tf.CutRecomputation.backward
-
-    def counting(self, *args, **kwargs):
-        cutting["n"] += int(self.cutting)
-        return real(self, *args, **kwargs)
 
     def step(x):
         with tf.GradientTape() as tape:
@@ -49,14 +45,8 @@ def _run(block, on, cut, cutting, signature=None, jit=False):
 
     step = tf.function(step, jit_compile=jit, input_signature=None if signature is None
                        else [tf.TensorSpec(signature, tf.float32)])
-    out = []
     with recompute.recompute_scope(on), recompute.batch_cut(cut):
-        _cuts_tf.CutRecomputation.backward = counting
-        try:
-            out = [to_numpy(step(x)) for _ in range(2)]
-        finally:
-            _cuts_tf.CutRecomputation.backward = real
-    return out
+        return [to_numpy(step(x)) for _ in range(2)]
 
 
 @pytest.fixture
@@ -75,7 +65,7 @@ def _variables(block):
     (None, True, 1), ((None, 1, 16), True, 0), (None, False, 0)],
     ids=["declared", "noise-shape", "undeclared"])
 def test_declared_block_runs_by_cuts_where_every_draw_is_the_batchs(
-        replayable_rng, noise_shape, declared, cuts):
+        replayable_rng, monkeypatch, noise_shape, declared, cuts):
     """A declared block with a plain dropout runs by cuts; one whose dropout has a noise
     shape (a draw that is not the batch's for the cut's samples) runs whole, as does an
     undeclared one. Every run equals RECOMPUTE=0's, two steps, the dropout on."""
@@ -83,12 +73,12 @@ def test_declared_block_runs_by_cuts_where_every_draw_is_the_batchs(
     block = _block(noise_shape, declared)
     block(tf.zeros([1, 6, 8]), training=True)  # the generator made
     start = [v.numpy() for v in _variables(block)]
-    cutting = {"n": 0}
+    cutting = count_cut_recomputations(monkeypatch)
     results = []
     for on in (False, True):
         for v, value in zip(_variables(block), start):  # the generator's state included
             v.assign(value)
-        results.append(_run(block, on, 2, cutting))
+        results.append(_run(block, on, 2))
     assert cutting["n"] == cuts
     for step in range(2):
         assert_all_close(results[0][step], results[1][step])
@@ -139,12 +129,12 @@ def test_shapes_known_only_when_the_step_runs(replayable_rng, monkeypatch, signa
     model = tf_keras.Model(x, second(first(x)))
     model(tf.zeros([1, 6, 8]), training=True)  # the generators made
     start = [v.numpy() for v in _variables(model)]
-    cutting = {"n": 0}
+    cutting = count_cut_recomputations(monkeypatch)
     results = []
     for on in (False, True):
         for v, value in zip(_variables(model), start):
             v.assign(value)
-        results.append(_run(model, on, cut, cutting, signature, jit))
+        results.append(_run(model, on, cut, signature, jit))
     assert cutting["n"] == 2 * cuts
     for step in range(2):
         assert_all_close(results[0][step], results[1][step])

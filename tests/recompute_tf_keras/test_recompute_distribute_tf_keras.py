@@ -79,16 +79,16 @@ def test_mirrored_legacy_rng_recomputes_the_forward_masks(strategy, monkeypatch)
         np.testing.assert_array_equal(np.asarray(g_r) != 0, kept)
 
 
-def test_mirrored_declared_block_by_cuts(strategy):
+def test_mirrored_declared_block_by_cuts(strategy, monkeypatch):
     """A block declared per-sample (`recompute.policies._blocks`, as bert4keras's blocks are)
     under `MirroredStrategy`, replayable RNG, dropout on: each replica runs its 4 samples in
     cuts of 2, its dropouts drawing what the replica's generator draws for its whole batch
     (the key mixed with the replica's id, `recompute.adapters._tf.generator_key_counter`).
     Two steps: the gradients summed over the replicas equal RECOMPUTE=0's."""
     from recompute.adapters import _tf_keras
-    from recompute.engine import _cuts_tf
     from recompute.policies import _blocks
     from tests.helpers.numerics import assert_all_close, to_numpy
+    from tests.helpers.recompute_runs import count_cut_recomputations
 
     with strategy.scope():
         K.utils.set_random_seed(0)
@@ -113,24 +113,14 @@ def test_mirrored_declared_block_by_cuts(strategy):
     def step(x):
         return [strategy.reduce("SUM", g, axis=None) for g in strategy.run(replica, args=(x,))]
 
-    cutting = {"n": 0}
-    real = _cuts_tf.CutRecomputation.backward
-
-    def counting(self, *args, **kwargs):
-        cutting["n"] += int(self.cutting)
-        return real(self, *args, **kwargs)
-
+    cutting = count_cut_recomputations(monkeypatch)
     results = []
     for on in (False, True):
         for v, value in zip(variables, start):
             v.assign(value)
-        _cuts_tf.CutRecomputation.backward = counting
-        try:
-            with recompute.recompute_scope(on), recompute.batch_cut(2):
-                run = tf.function(step.python_function)
-                results.append([to_numpy(run(batch)) for _ in range(2)])
-        finally:
-            _cuts_tf.CutRecomputation.backward = real
+        with recompute.recompute_scope(on), recompute.batch_cut(2):
+            run = tf.function(step.python_function)
+            results.append([to_numpy(run(batch)) for _ in range(2)])
     assert cutting["n"] == 2  # once per replica, traced once
     for s in range(2):
         assert_all_close(results[0][s], results[1][s])
