@@ -238,7 +238,7 @@ def _attending_to(pay_attention_to):
         policy = "block" if _policy_of(self) in BLOCK_POLICIES else None
         if _attention.lean_applies(self, inputs, kwargs, policy):
             dropout = sys.modules[type(self).__module__].Dropout  # `_owned_dropout`
-            return _attention.lean_pay_attention_to(self, inputs, mask, dropout)
+            return _attention.lean_pay_attention_to(self, inputs, mask, dropout, policy=policy)
         return pay_attention_to(self, inputs, mask, **kwargs)
 
     def recomputed(self, *args, **kwargs):
