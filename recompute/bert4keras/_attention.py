@@ -138,9 +138,8 @@ def lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked=True, polic
             would create here.
         scores_asked: whether the caller uses the scores (else None is returned).
         policy: the policy it runs under ("attention", and "block": bert4keras's
-            whole-block policies: one block of every row up to 512 keys,
-            `recompute.ops._flash.block_rows`; under "block", on one cut of the batch,
-            the softmax kept for the backward pass, `_flash_tf.keeps_probabilities`).
+            whole-block policies, as the patch passes it: one block of every row up to
+            512 keys, `recompute.ops._flash.block_rows`).
 
     Returns:
         `(o, a)` as bert4keras: the attended values [batch, seq, heads, size]
@@ -153,7 +152,6 @@ def lean_pay_attention_to(layer, inputs, mask, dropout, scores_asked=True, polic
     block = None if None in (queries, keys) else _flash.block_rows(queries, keys, _flash_tf.ENGINE,
                                                                    policy)
     o = _flash_tf.attention(_logits(layer), qw, kw, vw, _masks(inputs, mask), bits, rate, block,
-                            _flash.key_block(keys),
-                            _flash_tf.keeps_probabilities(policy, qw.shape[0], queries, keys))
+                            _flash.key_block(keys))
     a = tf.einsum(SCORES_EINSUM, _scaled(layer, qw), kw) if scores_asked else None
     return o, a

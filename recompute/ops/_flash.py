@@ -606,28 +606,6 @@ def forward(E, logits, q, k, v, mask, bits, rate, block, key_block=None):
     return E.join(outs, queries, 1), E.join(lses, queries, 3)
 
 
-def forward_keeping(E, logits, q, k, v, mask, bits, rate):
-    """The forward pass as one tile of every query and key that keeps the softmax for its
-    backward pass (`backward_keeping`): `(O, P)`, `P` the row's softmax zeroed where the
-    layer's softmax zeroes, before the dropout ([batch, heads, queries, keys]). The same
-    ops as `forward` with one block (`_softmax_block`): the same output. Where
-    `keeps_probabilities` says so: inside a recomputation, on one cut of the batch."""
-    s, valid = logits(q, k, mask)
-    keep = None if bits is None else E.unpack(bits, _keys(E, k))
-    p = E.softmax(s)
-    if valid is not None:
-        p = E.where(valid, p, 0.0)
-    dropped = p if keep is None else E.drop(p, keep, rate)
-    return E.einsum(COMBINE, dropped, v), p
-
-
-def backward_keeping(E, logits, q, k, v, mask, bits, rate, d_out, probs):
-    """`(dq, dk, dv)` of `forward_keeping` from its kept softmax `probs`: one tile of
-    `backward` that takes neither the scores' product nor the softmax again (`_tile`)."""
-    keep = None if bits is None else E.unpack(bits, _keys(E, k))
-    return _tile(E, logits, rate, q, k, v, mask, keep, None, d_out, None, None, probs)
-
-
 def uses_output(keys, key_block):
     """Whether `backward` needs the forward pass's output and log-sum-exp for `keys` keys:
     only with key blocks (`rowsum(dO * O)` then stands for the row's sum over every key
@@ -641,12 +619,8 @@ def _added(d_k, d_k_j, d_v, d_v_j):
     return (d_k_j if d_k is None else d_k + d_k_j), (d_v_j if d_v is None else d_v + d_v_j)
 
 
-def _tile(E, logits, rate, q_j, k_c, v_c, mask_c, keep, cols, d_out_j, dot_j, lse_j,
-          probs=None):
-    """One tile's `(dq, dk, dv)` in `backward` (and `backward_keeping`: `probs`, the tile's
-    kept softmax, zeroed where the layer's softmax zeroes; the scores are then not used,
-    only the vector-Jacobian product of `logits`, which needs Q and K, not the scores:
-    in a traced function the scores' product is pruned)."""
+def _tile(E, logits, rate, q_j, k_c, v_c, mask_c, keep, cols, d_out_j, dot_j, lse_j):
+    """One tile's `(dq, dk, dv)` in `backward`."""
     def scores(q_j, k_c):
         s, valid = logits(q_j, k_c, mask_c)
         if cols is not None:
@@ -654,15 +628,13 @@ def _tile(E, logits, rate, q_j, k_c, v_c, mask_c, keep, cols, d_out_j, dot_j, ls
         return s, valid
 
     s, valid, pullback = E.vjp(scores, q_j, k_c)
-    if probs is not None:
-        p = probs
-    elif lse_j is None:  # one key block, no lse kept: the row's softmax, as the forward's
+    if lse_j is None:  # one key block, no lse kept: the row's softmax, as the forward's
         p = E.softmax(s)
     else:
         # (s - max) - log(sum), not s - lse: a row of logits near -1e9 (a fully masked
         # row, additive masks) would lose log(sum) to rounding in lse
         p = E.exp((s - lse_j[0][..., None]) - lse_j[1][..., None])
-    if valid is not None and probs is None:
+    if valid is not None:
         p = E.where(valid, p, 0.0)
     dropped = p if keep is None else E.drop(p, keep, rate)
     d_v = E.einsum(D_VALUE, dropped, d_out_j)

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from . import _flash
 from ..adapters import _tf
-from ..engine import _batch_cut, _running
+from ..engine import _running
 from ..engine._core import after
 
 # Eight 0/1 bytes read as one 64-bit word: a product with _GATHER moves byte i's
@@ -251,47 +251,14 @@ def ones(batch_like, shape, dtype):
     return tf.ones(tf.concat([tf.shape(batch_like)[:1], shape], 0), dtype)
 
 
-def keeps_probabilities(policy, batch, queries, keys):
-    """Whether a call of the blocked core keeps its softmax for its backward pass
-    (`attention`'s `keep_probabilities`: `_flash.forward_keeping`), so that the backward
-    pass forms neither `Q K^T` nor the softmax again: under bert4keras's whole-block
-    policies (`policy="block"`: the core's forward pass runs in the block's
-    recomputation, right before its backward pass), up to `_flash.TF_KERAS_CORE_KEYS`
-    (512) keys, and where the call holds at most one cut of the batch
-    (`recompute.batch_cut`): inside a cut (`_running.batch_window()`), or a batch of
-    known size of at most a cut's samples. The kept softmax is [cut, heads, queries,
-    keys] floats (24 MiB at BERT-base seq 512, 2 samples), alive from the core's
-    recomputation to its gradient, one block at a time: a sample adds nothing. It saves
-    the backward pass's `Q K^T` (1/60 of a BERT-base step's multiply-adds at seq 512)
-    and its softmax (docs/attention.md).
-
-    Args:
-        policy: the policy the call runs under (as `_flash.runs_blocked`'s).
-        batch, queries, keys: the static lengths of the batch, query and key axes (None:
-            known only when the core runs).
-    """
-    if policy != "block" or None in (queries, keys) or keys > _flash.TF_KERAS_CORE_KEYS:
-        return False
-    if _running.batch_window() is not None:
-        return True
-    samples = _batch_cut.samples_per_cut(queries, "tensorflow")
-    return batch is not None and samples is not None and batch <= samples
-
-
-def attention(logits, query, key, value, mask, bits, rate, block, key_block=None,
-              keep_probabilities=False):
+def attention(logits, query, key, value, mask, bits, rate, block, key_block=None):
     """FlashAttention-2 (`_flash.forward`) as one `tf.custom_gradient` of `query`, `key`
     and `value`, whose gradient is `_flash.backward`: it keeps the inputs, `mask`, `bits`,
     and, where there are key blocks (`_flash.uses_output`), the output and the per-row
     log-sum-exp (with one key block the backward pass takes each row's softmax again and
     reads neither; kept, the output would be kept twice, here and as the output
     projection's input). With one key block and a large tile (`_sample_by_sample`) the
-    forward and the backward pass run one sample at a time. With `keep_probabilities`
-    (`keeps_probabilities`: one cut of a batch, in a recomputation) it is one tile of
-    every query and key that keeps the softmax (`_flash.forward_keeping`,
-    `_flash.backward_keeping`)."""
-    if keep_probabilities:
-        return _keeping(logits, query, key, value, mask, bits, rate)
+    forward and the backward pass run one sample at a time."""
     keeps_output = _flash.uses_output(key.shape[1], key_block)
     by_sample = not keeps_output and _sample_by_sample(query, key)
 
@@ -320,26 +287,6 @@ def attention(logits, query, key, value, mask, bits, rate, block, key_block=None
                     [q, k, v, m, b, d_out], [(t.dtype, t.shape) for t in (q, k, v)])
             return _flash.backward(ENGINE, logits, q, k, v, m, b, rate, block, d_out, o, s,
                                    key_block)
-
-        return output, grad
-
-    return core(query, key, value)
-
-
-def _keeping(logits, query, key, value, mask, bits, rate):
-    """`attention` keeping the softmax: `_flash.forward_keeping` as one
-    `tf.custom_gradient`, whose gradient is `_flash.backward_keeping`."""
-
-    @tf.custom_gradient
-    def core(query, key, value):
-        output, probs = _flash.forward_keeping(ENGINE, logits, query, key, value, mask, bits,
-                                               rate)
-
-        def grad(d_out):
-            q, k, v, p = after([query, key, value, probs], d_out)
-            m = _flash._map_mask(mask, lambda x: after([x], d_out)[0])
-            b = None if bits is None else after([bits], d_out)[0]
-            return _flash.backward_keeping(ENGINE, logits, q, k, v, m, b, rate, d_out, p)
 
         return output, grad
 

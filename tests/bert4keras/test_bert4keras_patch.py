@@ -12,7 +12,7 @@ if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") !=
 import recompute  # noqa: E402
 import recompute.bert4keras as rb  # noqa: E402
 import recompute.bert4keras._patch as rbp  # noqa: E402
-from recompute.ops import _flash, _flash_tf  # noqa: E402
+from recompute.ops import _flash_tf  # noqa: E402
 
 # The import hook must patch a bert4keras imported after `patch()`.
 assert "bert4keras.layers" not in sys.modules
@@ -486,27 +486,16 @@ def test_block_cuts_match_whole_batches(dropout_config_path, rng_kind, policy_na
     each step's loss and every gradient equal the whole batch's recomputation (the same
     masks, from the batch's numbers), and with the replayable RNG RECOMPUTE=0's, the
     second step included (the generators advanced as one draw of the batch advances
-    them). Both blocks ran by cuts, in both steps. Where the sequence is known, the
-    attention cores of the cuts kept their softmax for their backward pass
-    (`_flash_tf.keeps_probabilities`), those of the whole batch of 5 did not."""
+    them). Both blocks ran by cuts, in both steps."""
     rb.patch(policy=policy_name)
-    keeping = {"forward": 0, "backward": 0}
-    for name in keeping:
-        real = getattr(_flash, f"{name}_keeping")
-        monkeypatch.setattr(_flash, f"{name}_keeping", lambda *a, _n=name, _f=real, **k: (
-            keeping.__setitem__(_n, keeping[_n] + 1), _f(*a, **k))[1])
     try:
         cutting = count_cut_recomputations(monkeypatch)
         whole = _steps_cut(dropout_config_path, True, 0, mode)
-        assert cutting["n"] == 0 and keeping == {"forward": 0, "backward": 0}
+        assert cutting["n"] == 0
         runs = [_steps_cut(dropout_config_path, True, cut, mode)
                 for cut in ([2, None] if mode == "unknown-shapes" else [2])]
         # traced once in a function
         assert cutting["n"] == len(runs) * 2 * (2 if mode == "eager" else 1)
-        if mode == "unknown-shapes":  # bert4keras's own core: the length is unknown
-            assert keeping == {"forward": 0, "backward": 0}
-        else:  # 2 blocks x 3 cuts x 2 steps in eager; traced: the loop's cut and the rest
-            assert keeping["backward"] == 2 * (3 * 2 if mode == "eager" else 2)
         reference = _steps_cut(dropout_config_path, False, 0, mode) \
             if rng_kind == "replayable" else None
     finally:

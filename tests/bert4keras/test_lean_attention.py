@@ -123,6 +123,32 @@ def test_attention_dropout_drawn_once_per_step(config_path, monkeypatch, policy)
     assert_all_close(results[0], results[1])
 
 
+@pytest.mark.parametrize("policy", _patch.POLICIES)
+def test_core_rows_follow_the_policy(config_path, monkeypatch, policy):
+    """The lean core's query rows per block follow the rule by the policy the patch passes
+    (`recompute.ops._flash.block_rows`): one block of every row under "attention" and the
+    whole-block policies ("block", "block_keep_ffn"), tiles of `DEFAULT_BLOCK_ELEMENTS`
+    (query, key) pairs under "layer" (here lowered to 4 rows of SEQ keys); the loss and
+    every gradient RECOMPUTE=0's."""
+    from recompute.ops import _flash, _flash_tf
+
+    monkeypatch.setattr(_flash, "DEFAULT_BLOCK_ELEMENTS", 4 * SEQ)
+    rows = []
+    real = _flash_tf.attention
+    monkeypatch.setattr(_flash_tf, "attention",
+                        lambda *a, **k: rows.append(a[7]) or real(*a, **k))  # (its `block`)
+    token_ids, segment_ids, labels = batch()
+    results = []
+    for on in (False, True):
+        rb.patch(policy=policy)
+        with recompute.recompute_scope(on):
+            model = build(config_path)
+            results.append(loss_and_grads(model, token_ids, segment_ids, labels))
+    rows = {r for r in rows if r is not None}  # (None: built on symbolic inputs)
+    assert rows == {4 if policy == "layer" else SEQ}
+    assert_all_close(results[0], results[1])
+
+
 def test_lean_feed_forward_gradients_match_autodiff(config_path):
     """The hand-written gradient of GELU then the second dense layer, checked
     alone against TensorFlow's autodiff of the layer (RECOMPUTE=0)."""

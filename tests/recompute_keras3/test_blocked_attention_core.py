@@ -63,13 +63,12 @@ class _TF:
         return lambda q, k, v: tf.einsum(_flash.COMBINE, self.engine.ENGINE.drop(
             self.probabilities(q, k, mask), tf.constant(keep), RATE), v)
 
-    def blocked(self, mask, keep, block, graph, keep_probabilities=False):
+    def blocked(self, mask, keep, block, graph):
         tf = self.tf
         mask = None if mask is None else tf.constant(mask)
         bits = self.engine.pack(tf.constant(keep))
         rows, keys = block
-        fn = lambda q, k, v: self.engine.attention(self.logits, q, k, v, mask, bits, RATE, rows,
-                                                   keys, keep_probabilities)
+        fn = lambda q, k, v: self.engine.attention(self.logits, q, k, v, mask, bits, RATE, rows, keys)
         return tf.function(fn) if graph else fn
 
 
@@ -129,28 +128,6 @@ def test_blocked_core_matches_autodiff(engine, mask, block, graph):
     reference = e.run(e.reference(m, keep), q, k, v, d_out)
     blocked = e.run(e.blocked(m, keep, BLOCKS[block], graph), q, k, v, d_out)
     assert_all_close(reference, blocked, ["output", "d_query", "d_key", "d_value"])
-    assert np.abs(reference[0]).max() > 0.1 and np.abs(reference[1]).max() > 0.01
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-@pytest.mark.parametrize("mask", ["none", "padding", "keys", "causal"])
-def test_tf_core_keeping_the_softmax_matches_autodiff(mask, graph, dtype):
-    """The TensorFlow core with `keep_probabilities` (`_flash_tf.keeps_probabilities`:
-    bert4keras's `"block"` on one cut of the batch): one tile of every query and key whose
-    backward pass reads the kept softmax (`_flash.forward_keeping`,
-    `_flash.backward_keeping`) -- the output and every gradient equal autodiff's, and the
-    blocked core's without it, with the dropout's bits and a fully masked row."""
-    e = _TF()
-    q, k, v, d_out, keep, m = _inputs(mask)
-    q, k, v, d_out = (x.astype(dtype) for x in (q, k, v, d_out))
-    reference = e.run(e.reference(m, keep), q, k, v, d_out)
-    kept = e.run(e.blocked(m, keep, (None, None), graph, keep_probabilities=True), q, k, v, d_out)
-    blocked = e.run(e.blocked(m, keep, (3, None), graph), q, k, v, d_out)
-    names = ["output", "d_query", "d_key", "d_value"]
-    assert_all_close(reference, kept, names)
-    assert_all_close(blocked, kept, names)
-    assert all(x.dtype == dtype for x in kept)
     assert np.abs(reference[0]).max() > 0.1 and np.abs(reference[1]).max() > 0.01
 
 
@@ -366,35 +343,3 @@ def test_tensorflow_rule_under_the_attention_policy():
     assert _flash.block_rows(512, 512, jax_engine, "attention") == 128
     with recompute.attention_block_size(64):
         assert _flash.block_rows(512, 512, tf_engine, "attention") == 64
-
-
-def test_tensorflow_rule_keeping_the_softmax():
-    """`_flash_tf.keeps_probabilities`: the softmax is kept for the backward pass only under
-    `policy="block"` (bert4keras's whole-block policies), up to 512 keys of known length,
-    on at most one cut of the batch -- inside a cut (`_running.batch_window()`), or a batch
-    of known size of at most a cut's samples (`recompute.batch_cut`; none with
-    `batch_cut(0)` outside a cut)."""
-    from recompute.engine import _running
-    from recompute.ops import _flash_tf
-
-    keeps = _flash_tf.keeps_probabilities
-    with recompute.batch_cut(2):
-        assert keeps("block", 2, 512, 512) and keeps("block", 1, 512, 512)
-        assert not keeps("block", 3, 512, 512)  # two cuts
-        assert not keeps("block", None, 512, 512)  # a batch known only when run
-        with _running.windows.entered(_running.BatchWindow(2, 2, 5)):
-            assert keeps("block", 2, 512, 512) and keeps("block", None, 512, 512)
-            assert not keeps("attention", 2, 512, 512)
-            assert not keeps("block", 2, 513, 513) and not keeps("block", 2, 512, None)
-        for policy in ("attention", "full", None):
-            assert not keeps(policy, 2, 512, 512)
-        assert not keeps("block", 1, 1024, 1024)  # beyond 512 keys
-        assert not keeps("block", 1, None, 512) and not keeps("block", 1, 512, None)
-    with recompute.batch_cut(0):
-        assert not keeps("block", 1, 512, 512)
-        with _running.windows.entered(_running.BatchWindow(0, 1, 2)):
-            assert keeps("block", 1, 512, 512)
-    with recompute.batch_cut(None):  # the rule: 1,024 rows on TensorFlow's CPU kernels
-        assert keeps("block", 2, 512, 512) or _flash_tf._tf.sees_a_gpu()
-        assert keeps("block", 8, 128, 128)
-        assert not keeps("block", 16, 512, 512)
