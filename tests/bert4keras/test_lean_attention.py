@@ -123,6 +123,13 @@ def test_attention_dropout_drawn_once_per_step(config_path, monkeypatch, policy)
     assert_all_close(results[0], results[1])
 
 
+def _loss_and_grads_under(config_path, policy, on):
+    """`loss_and_grads` of a model built and run under `policy` with recomputation `on`."""
+    rb.patch(policy=policy)
+    with recompute.recompute_scope(on):
+        return loss_and_grads(build(config_path), *batch())
+
+
 @pytest.mark.parametrize("policy", _patch.POLICIES)
 def test_core_rows_follow_the_policy(config_path, monkeypatch, policy):
     """The lean core's query rows per block follow the rule by the policy the patch passes
@@ -137,13 +144,7 @@ def test_core_rows_follow_the_policy(config_path, monkeypatch, policy):
     real = _flash_tf.attention
     monkeypatch.setattr(_flash_tf, "attention",
                         lambda *a, **k: rows.append(a[7]) or real(*a, **k))  # (its `block`)
-    token_ids, segment_ids, labels = batch()
-    results = []
-    for on in (False, True):
-        rb.patch(policy=policy)
-        with recompute.recompute_scope(on):
-            model = build(config_path)
-            results.append(loss_and_grads(model, token_ids, segment_ids, labels))
+    results = [_loss_and_grads_under(config_path, policy, on) for on in (False, True)]
     rows = {r for r in rows if r is not None}  # (None: built on symbolic inputs)
     assert rows == {4 if policy == "layer" else SEQ}
     assert_all_close(results[0], results[1])
