@@ -6,26 +6,22 @@ have raised above the budget."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 if os.environ.get("TF_KERAS") != "1" or os.environ.get("TF_USE_LEGACY_KERAS") != "1":
     pytest.skip("run with TF_KERAS=1 TF_USE_LEGACY_KERAS=1 (see README)", allow_module_level=True)
 
-pytestmark = pytest.mark.slow  # real training steps of a tiny BERT: about 40 s on 2 cores
+from tests.helpers.commands import run_module  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.slow  # real training steps of a tiny BERT: about 40 s on 2 cores
 
 
 def test_command_plans_the_tiny_shape(tmp_path):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.batchfit", "--models", "tiny", "--seq-len", "32",
-         "--budget-gib", "1", "--effective-batch", "8", "--policies", "block", "--json",
-         str(out), "--plot", str(png)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    run = run_module("benchmarks.batchfit", "--models", "tiny", "--seq-len", "32",
+                     "--budget-gib", "1", "--effective-batch", "8", "--policies", "block",
+                     "--json", str(out), "--plot", str(png), timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     report = run.stdout
     assert "tiny:" in report and "Chosen: policy" in report and "planned in" in report

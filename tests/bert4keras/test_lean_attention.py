@@ -142,8 +142,12 @@ def test_core_rows_follow_the_policy(config_path, monkeypatch, policy):
     monkeypatch.setattr(_flash, "DEFAULT_BLOCK_ELEMENTS", 4 * SEQ)
     rows = []
     real = _flash_tf.attention
-    monkeypatch.setattr(_flash_tf, "attention",
-                        lambda *a, **k: rows.append(a[7]) or real(*a, **k))  # (its `block`)
+
+    def recording(logits, query, key, value, mask, bits, rate, block, *args, **kwargs):
+        rows.append(block)
+        return real(logits, query, key, value, mask, bits, rate, block, *args, **kwargs)
+
+    monkeypatch.setattr(_flash_tf, "attention", recording)
     results = [_loss_and_grads_under(config_path, policy, on) for on in (False, True)]
     rows = {r for r in rows if r is not None}  # (None: built on symbolic inputs)
     assert rows == {4 if policy == "layer" else SEQ}
