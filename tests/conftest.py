@@ -11,8 +11,10 @@
   themselves (`tests/helpers/save_resume_worker.py`).
 - Two logical CPU devices, for the `MirroredStrategy` tests of every suite.
 - `KTM_FAST_TESTS=1` runs the fast subset (`.ci/run` does so on every Python but the
-  newest, whose run has every test): the tests marked `slow` are deselected, and of a
-  parametrized test only its first case runs (every test function still runs once).
+  newest, whose run has every test): of each test file, its first `FAST_FUNCTIONS_PER_FILE`
+  test functions not marked `slow`, each with its first case. Every test module (and what
+  it imports of the library) loads and runs on that Python; the behaviour itself is
+  tested by the newest Python's full run.
 """
 
 import os
@@ -29,6 +31,7 @@ if _DETERMINISTIC_XLA not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DETERMINISTIC_XLA).strip()
 
 FAST_TESTS = "KTM_FAST_TESTS"
+FAST_FUNCTIONS_PER_FILE = 2
 
 
 def _two_logical_cpus():
@@ -90,12 +93,16 @@ def pytest_collection_modifyitems(config, items):
     if os.environ.get(FAST_TESTS, "") not in ("1", "true", "yes"):
         return
     kept, left_out, seen = [], [], set()
+    per_file = {}
     for item in items:
-        function = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
-        if item.get_closest_marker("slow") is not None or function in seen:
+        path = item.nodeid.split("::")[0]
+        function = (path, getattr(item, "originalname", item.name))
+        if (item.get_closest_marker("slow") is not None or function in seen
+                or per_file.get(path, 0) >= FAST_FUNCTIONS_PER_FILE):
             left_out.append(item)
         else:
             seen.add(function)
+            per_file[path] = per_file.get(path, 0) + 1
             kept.append(item)
     if left_out:
         items[:] = kept
@@ -104,7 +111,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     fast = os.environ.get(FAST_TESTS, "") in ("1", "true", "yes")
-    return (f"{FAST_TESTS}={'1: no test marked slow, one case of each parametrized test' if fast else 'unset: every test'}; "
+    return (f"{FAST_TESTS}={f'1: of each file its first {FAST_FUNCTIONS_PER_FILE} test functions not marked slow, one case each' if fast else 'unset: every test'}; "
             "float32 pinned (recompute.exact_float32)")
 
 

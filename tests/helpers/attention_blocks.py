@@ -236,9 +236,12 @@ def attention_matrices_in_backward(graph, seq=SEQ):
 # with the fixture `K` of tests/helpers/families.py).
 
 
-@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
+# Blocks of 1 row (slow) not under XLA: compiling their loop takes half a minute, for
+# what `function` checks.
 @pytest.mark.parametrize("policy", ["full", "attention"])
-@pytest.mark.parametrize("block", [None, 4, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("block, mode", [
+    *((block, mode) for block in (None, 4) for mode in ("eager", "function", "jit")),
+    *(pytest.param(1, mode, marks=pytest.mark.slow) for mode in ("eager", "function"))])
 def test_policy_matches_no_recompute(K, policy, mode, block):
     """`policy` with RECOMPUTE on: the loss and every gradient of the undecorated
     block to float rounding (the attention cores run blocked); "full" runs each

@@ -283,8 +283,9 @@ def _check_same(reference, got, backbone, what):
         np.testing.assert_array_equal(a, b, err_msg=f"{what}: random state")
 
 
-# The fast subset (KTM_FAST_TESTS=1, the other Python in CI) checks one block of each kind
-# of attention core: Keras's (GPT-2's decoder), an own core (Gemma, Llama) and inline (Bloom).
+# One block of each kind of attention core: Keras's (GPT-2's decoder), an own core (Gemma,
+# Llama) and inline (Bloom). The other blocks are marked slow; the fast subset
+# (KTM_FAST_TESTS=1, tests/conftest.py) runs at most the first case of this test.
 FAST_BLOCKS = ("TransformerDecoder", "GemmaDecoderBlock", "LlamaTransformerDecoder", "BloomDecoder")
 
 

@@ -15,10 +15,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_quick_benchmark(tmp_path):
+    """A fresh process per configuration: two modes (every mode runs in
+    test_quick_paired_benchmark's one process)."""
     out_json = tmp_path / "bench.json"
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.recompute_memory", "--quick", "--model", "standard",
-         "--batch-sizes", "2,4", "--json", str(out_json)],
+         "--modes", "0,full", "--batch-sizes", "2,4", "--json", str(out_json)],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -26,10 +28,10 @@ def test_quick_benchmark(tmp_path):
     assert "[benchmarks.recompute_memory]" in out.stderr  # progress lines
     result = json.loads(out_json.read_text())
     runs = {(r["mode"], r["batch"]): r for r in result["runs"]}
-    assert set(runs) == {(m, b) for m in ("0", "full", "attention") for b in (2, 4)}
-    assert set(result["ratios"]) == {"full", "attention"}
+    assert set(runs) == {(m, b) for m in ("0", "full") for b in (2, 4)}
+    assert set(result["ratios"]) == {"full"}
     for batch in (2, 4):
-        for policy in ("full", "attention"):
+        for policy in ("full",):
             on, off = runs[(policy, batch)], runs[("0", batch)]
             assert on["recompute"] == "1" and off["recompute"] == "0"
             # Same seed, same data: recomputation changes nothing but memory and time
