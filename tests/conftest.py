@@ -31,7 +31,7 @@ if _DETERMINISTIC_XLA not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DETERMINISTIC_XLA).strip()
 
 FAST_TESTS = "KTM_FAST_TESTS"
-FAST_FUNCTIONS_PER_FILE = 2
+FAST_FUNCTIONS_PER_FILE = 1
 
 
 def _two_logical_cpus():
@@ -111,7 +111,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     fast = os.environ.get(FAST_TESTS, "") in ("1", "true", "yes")
-    return (f"{FAST_TESTS}={f'1: of each file its first {FAST_FUNCTIONS_PER_FILE} test functions not marked slow, one case each' if fast else 'unset: every test'}; "
+    return (f"{FAST_TESTS}={f'1: per file at most {FAST_FUNCTIONS_PER_FILE} test function(s) not marked slow, one case each' if fast else 'unset: every test'}; "
             "float32 pinned (recompute.exact_float32)")
 
 

@@ -20,6 +20,7 @@ def _run(args, backend="jax"):
                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
 
 
+@pytest.mark.slow  # compiles and steps every mode in a fresh process
 def test_tiny_step_every_mode(tmp_path):
     out = tmp_path / "step.json"
     proc = _run(["--model", "tiny", "--seq", "32", "--vocab", "500", "--layers", "2",
@@ -40,6 +41,7 @@ def test_tiny_step_every_mode(tmp_path):
     assert result["config"]["chunk_tokens"] > 0
 
 
+@pytest.mark.slow  # compiles every mode for XLA:GPU in a fresh process
 def test_target_plans_without_running(tmp_path):
     out = tmp_path / "plan.json"
     proc = _run(["--target", "h100", "--model", "tiny", "--seq", "64", "--vocab", "4000",

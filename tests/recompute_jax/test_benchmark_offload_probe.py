@@ -7,9 +7,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # compiles every mode for XLA:GPU in a fresh process
 def test_probe_plans_every_mode_for_a_target():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.offload_probe", "--target", "h100"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
