@@ -32,8 +32,9 @@ def _run(args, env=None, timeout=120):
 @pytest.mark.parametrize("backend, policies", [("tensorflow", ("0", "attention", "full")),
                                                ("jax", ("0", "full"))])
 def test_peer_end_to_end(tmp_path, backend, policies):
-    """Every configuration is a fresh process (keras-hub's import alone is seconds): on JAX
-    two rows, the policy rows' JAX path being the same code."""
+    """Every configuration is a fresh process (keras-hub's import alone is seconds): every
+    row on TensorFlow; on JAX RECOMPUTE=0 and "full" (a policy row's JAX path is the same
+    code for either policy)."""
     out_json = tmp_path / "peer.json"
     extra = ["--no-peer"] if PEER else []  # torch absent: the tool skips the peer by itself
     out = _run([*TINY, "--policies", ",".join(policies), "--json", str(out_json), *extra],

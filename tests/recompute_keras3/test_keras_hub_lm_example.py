@@ -41,6 +41,7 @@ def test_tiny_lora_fine_tune(backend, model, full_logits):
         assert "MiB saved per such tensor" in out.stdout
 
 
+@pytest.mark.slow  # a fresh process
 def test_every_update_is_trained_and_counted():
     """`--updates 7 --accum-steps 3`: 7 updates, each progress line the optimizer's own count (the
     example trained 6 and printed "7/7" when it split 21 micro-steps into 5 epochs of 4)."""
