@@ -15,6 +15,8 @@
   test functions not marked `slow`, each with its first case. Every test module (and what
   it imports of the library) loads and runs on that Python; the behaviour itself is
   tested by the newest Python's full run.
+- The full run puts the test files that hold a slow test first (each file whole), so that
+  under `--dist loadfile` the long files start early.
 """
 
 import os
