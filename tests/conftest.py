@@ -91,19 +91,23 @@ def pytest_configure(config):
     )
 
 
+def _test_file(item):
+    return item.nodeid.split("::")[0]
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get(FAST_TESTS, "") not in ("1", "true", "yes"):
         # The files that hold a test marked slow first, each file whole and in its order:
         # with `-n 2 --dist loadfile` the long files start early and the short ones fill
         # in, instead of one long file running alone at the end (the JAX suite's XLA:GPU
         # plans did, for minutes). Which files precede a file on a worker was never fixed.
-        slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-        items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
+        slow = {_test_file(item) for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: _test_file(item) not in slow)
         return
     kept, left_out, seen = [], [], set()
     per_file = {}
     for item in items:
-        path = item.nodeid.split("::")[0]
+        path = _test_file(item)
         function = (path, getattr(item, "originalname", item.name))
         if (item.get_closest_marker("slow") is not None or function in seen
                 or per_file.get(path, 0) >= FAST_FUNCTIONS_PER_FILE):

@@ -105,7 +105,6 @@ def test_recompute_matches_one_device(fast_runs, scenario):
     assert_all_close(runs["ref"], runs["got"], names, rtol=TOL)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dp", "mp"])
 def test_batch_norm_recompute_matches_one_device(slow_runs, kind):
     """With BatchNormalization in the block: RECOMPUTE=1 equals RECOMPUTE=0 under the same
@@ -117,7 +116,6 @@ def test_batch_norm_recompute_matches_one_device(slow_runs, kind):
     assert_all_close(runs["ref"], runs["got"], names, rtol=TOL_BATCH_NORM)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dp", "mp"])
 def test_keras_hub_patch_matches_one_device(slow_runs, kind):
     """A tiny keras-hub BertBackbone classifier, `patch()` and RECOMPUTE=1 under the

@@ -291,6 +291,7 @@ def _check_same(reference, got, backbone, what):
 # the recomputation is the backend's (one of each kind covers it).
 FAST_BLOCKS = ("TransformerEncoder", "TransformerDecoder", "GemmaDecoderBlock",
                "LlamaTransformerDecoder", "BloomDecoder")
+FAST_CAUSAL_LMS = ("GPT2CausalLM", "GemmaCausalLM")  # decoding: Keras's core and an own core
 EVERY_CLASS = keras.backend.backend() != "jax"
 
 
@@ -382,9 +383,8 @@ def _decode(causal_lm, ids):
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, id=SHORT[n], marks=() if CAUSAL_LMS[n] in ("GPT2CausalLM", "GemmaCausalLM")
-                 else pytest.mark.slow)
-    for n in CAUSAL_LMS if EVERY_CLASS or CAUSAL_LMS[n] in ("GPT2CausalLM", "GemmaCausalLM")
+    pytest.param(n, id=SHORT[n], marks=() if CAUSAL_LMS[n] in FAST_CAUSAL_LMS else pytest.mark.slow)
+    for n in CAUSAL_LMS if EVERY_CLASS or CAUSAL_LMS[n] in FAST_CAUSAL_LMS
 ])
 def test_decoding_runs_as_written(name):
     """Patched, RECOMPUTE on and (TensorFlow) a tape recording: the prefill and a decoding
