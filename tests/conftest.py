@@ -11,11 +11,12 @@
   themselves (`tests/helpers/save_resume_worker.py`).
 - Two logical CPU devices, for the `MirroredStrategy` tests of every suite.
 - `KTM_FAST_TESTS=1` runs the fast subset (`.ci/run` does so on every Python but the
-  newest, whose run has every test): of each test file, its first `FAST_FUNCTIONS_PER_FILE`
-  test functions not marked `slow`, each with its first case -- or, in a file where a test
-  function or one case of it is marked `fast`, those instead (a cheaper test where the first
-  one runs for a minute). Every test module (and what it imports of the library) loads and
-  runs on that Python; the behaviour itself is tested by the newest Python's full run.
+  newest, whose run has every test): the tests marked `fast`, the first case of each (a
+  case marked alone: that case) -- a few seconds each, in every suite: recompute and
+  accumulation exact against their references, each backend and family, keras-hub, bert4keras,
+  the planner, README's examples. Every test module (and what it imports of the library)
+  still loads on that Python, at collection; the behaviour itself is tested by the newest
+  Python's full run.
 - The full run puts the test files that hold a slow test first (each file whole), so that
   under `--dist loadfile` the long files start early.
 """
@@ -34,7 +35,6 @@ if _DETERMINISTIC_XLA not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DETERMINISTIC_XLA).strip()
 
 FAST_TESTS = "KTM_FAST_TESTS"
-FAST_FUNCTIONS_PER_FILE = 1
 
 
 def _two_logical_cpus():
@@ -91,8 +91,8 @@ def pytest_configure(config):
         "markers", f"slow: a long test (benchmark-like or many processes); deselected with {FAST_TESTS}=1"
     )
     config.addinivalue_line(
-        "markers", f"fast: what stands for its file in the {FAST_TESTS}=1 subset (a test function, "
-        "or one case of it), instead of the file's first test function not marked slow"
+        "markers", f"fast: in the {FAST_TESTS}=1 subset (its first case; a case marked alone: that "
+        "case); a few seconds at most"
     )
 
 
@@ -109,19 +109,13 @@ def pytest_collection_modifyitems(config, items):
         slow = {_test_file(item) for item in items if item.get_closest_marker("slow")}
         items.sort(key=lambda item: _test_file(item) not in slow)
         return
-    marked = {_test_file(item) for item in items if item.get_closest_marker("fast")}
     kept, left_out, seen = [], [], set()
-    per_file = {}
     for item in items:
-        path = _test_file(item)
-        function = (path, getattr(item, "originalname", item.name))
-        if (item.get_closest_marker("slow") is not None or function in seen
-                or (path in marked and item.get_closest_marker("fast") is None)
-                or per_file.get(path, 0) >= FAST_FUNCTIONS_PER_FILE):
+        function = (_test_file(item), getattr(item, "originalname", item.name))
+        if item.get_closest_marker("fast") is None or function in seen:
             left_out.append(item)
         else:
             seen.add(function)
-            per_file[path] = per_file.get(path, 0) + 1
             kept.append(item)
     if left_out:
         items[:] = kept
@@ -130,7 +124,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     fast = os.environ.get(FAST_TESTS, "") in ("1", "true", "yes")
-    return (f"{FAST_TESTS}={f'1: per file at most {FAST_FUNCTIONS_PER_FILE} test function(s) not marked slow (those marked fast where a file has one), one case each' if fast else 'unset: every test'}; "
+    return (f"{FAST_TESTS}={'1: the tests marked fast, one case each' if fast else 'unset: every test'}; "
             "float32 pinned (recompute.exact_float32)")
 
 

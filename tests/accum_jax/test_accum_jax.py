@@ -82,6 +82,7 @@ def compare(make_inner, jit_compile, k=K, n=K * B * UPDATES, callbacks=()):
 
 # Centered RMSprop amplifies float32 rounding (see tests/accum_keras3/test_exactness.py);
 # JAX runs float32 here (x64 is off).
+@pytest.mark.fast
 @pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"rmsprop_momentum_centered"}))
 def test_fit_matches_big_batch_jit(name):
     opt, ref_opt = compare(OPTIMIZERS[name], True)

@@ -24,6 +24,7 @@ def inner(mode):
     return keras.optimizers.SGD(0.05, momentum=0.9) if mode == "momentum" else keras.optimizers.Adam(1e-2)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("mode", ["buffer", "momentum", "rescale"])
 @pytest.mark.parametrize("kind", ["sequential", "functional", "subclassed"])
 def test_fit_gives_big_batch_statistics(kind, mode):

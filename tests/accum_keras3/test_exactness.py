@@ -40,6 +40,7 @@ def compare(make_inner, dtype, k=K, compile=None, updates=UPDATES):
 # Centered RMSprop divides by sqrt(v - m^2), which amplifies the float32 rounding
 # of the gradient mean (k sums of b vs one sum of k*b) to ~1e-6: its exactness
 # is checked in float64 below.
+@pytest.mark.fast
 @pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"rmsprop_momentum_centered"}))
 def test_matches_big_batch_float32(name, floatx):
     compare(OPTIMIZERS[name], floatx("float32"))

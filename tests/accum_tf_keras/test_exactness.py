@@ -80,6 +80,7 @@ def compare(make_inner, dtype, compile=None, k=KK):
 
 # RMSprop with clipvalue amplifies the float32 rounding of the gradient mean
 # (k sums of b vs one sum of k*b) to a few 1e-6 in its slots: checked in float64.
+@pytest.mark.fast
 @pytest.mark.parametrize("name", sorted(set(ALL) - {"legacy_rmsprop_momentum_clipvalue"}))
 def test_matches_big_batch_float32(name, floatx):
     compare(ALL[name], floatx("float32"))

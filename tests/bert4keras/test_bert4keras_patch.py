@@ -39,6 +39,7 @@ def policy(request):
     rb.patch()
 
 
+@pytest.mark.fast
 def test_blocks_are_recomputed_units_with_unchanged_outputs(dropout_config_path):
     """A patched BERT is built with each Transformer block as one nested model;
     its outputs equal unpatched bert4keras's, padding included."""

@@ -108,6 +108,7 @@ def _old_names(name):
     return name if name.startswith("cls.") else "bert." + name
 
 
+@pytest.mark.fast
 def test_tiny_name_variants_and_heads_in_bert4keras(tmp_path):
     import tensorflow as tf
     from bert4keras.models import build_transformer_model

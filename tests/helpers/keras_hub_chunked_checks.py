@@ -130,7 +130,7 @@ def test_loss_and_every_gradient_equal_full_logits(family, chunk):
     assert_all_close([np.array(loss0)] + grads0, [np.array(loss1)] + grads1, ["loss"] + names)
 
 
-@pytest.mark.fast  # the first test is 30 to 45 s
+@pytest.mark.fast
 @pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight", "no sample weights"])
 def test_reductions_and_no_sample_weights(reduction):
     if reduction == "no sample weights":

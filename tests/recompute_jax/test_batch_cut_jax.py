@@ -147,7 +147,7 @@ class LossBlock(KerasBlock):
         return y
 
 
-@pytest.mark.fast  # the first test is 30 to 60 s
+@pytest.mark.fast
 def test_a_call_that_adds_a_loss_runs_whole(monkeypatch):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8, 16))

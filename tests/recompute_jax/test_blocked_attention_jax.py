@@ -204,7 +204,7 @@ def _loops_from_nothing(jaxpr):
     return found
 
 
-@pytest.mark.fast  # the first test is 30 to 50 s
+@pytest.mark.fast
 @pytest.mark.parametrize("policy", ["full", "attention"])
 def test_loops_start_from_the_data(policy):
     """Every loop of the blocked cores (forward, backward, the dropout's draw) in the jitted

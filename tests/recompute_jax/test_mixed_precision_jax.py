@@ -54,8 +54,7 @@ def error(reference, actual):
 
 def _cases():
     """(dtype policy, jit, policy): the jitted runs (~15 s each on two CPU cores) but
-    bfloat16's under "full" are marked slow; the fast subset runs float16's eager
-    "attention" (bfloat16's eager "full", the first, is 40 to 60 s)."""
+    bfloat16's under "full" are marked slow; float16's eager "attention" is in the fast subset."""
     for dtype_policy in ("mixed_bfloat16", "mixed_float16"):
         for jit in (False, True):
             for policy in ("full", "attention"):

@@ -104,6 +104,7 @@ def test_plan_is_xla_plan_of_the_local_device_by_default_on_jax(local_plan):
     assert "planned peak GiB" in p.table()
 
 
+@pytest.mark.fast
 def test_planned_peak_is_the_compiled_steps_buffers():
     """arguments + outputs - aliases + temp of Keras's jitted train_step, the state donated:
     the outputs that alias the state are not counted twice."""

@@ -86,6 +86,7 @@ def assert_recompute_matches(model, jit, state=True):
     return loss0, (loss1, grads1, state1)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
 def test_stateless_call_under_grad_matches(jit):
     model = build()

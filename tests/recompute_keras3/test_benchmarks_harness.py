@@ -62,6 +62,7 @@ def fake(tmp_path):
     return run
 
 
+@pytest.mark.fast
 def test_a_worker_result_comes_back_with_its_progress_lines(fake, capfd):
     run, = fake(["ok"])
     assert run.code == 0 and run.killed is None

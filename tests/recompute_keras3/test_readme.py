@@ -67,6 +67,7 @@ def _readme_python():
     return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S)
 
 
+@pytest.mark.fast
 def test_readme_examples_run_and_train_alike_with_recompute_off_and_on():
     import keras
 

@@ -12,6 +12,7 @@ from tests.helpers.k3_blocks import CALLS, DropoutAttentionBlock, build_model, i
 from tests.helpers.recompute_runs import fit_both, under_outer_eager_tape
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("compile_mode", ["eager", "function", "jit"])
 def test_dropout_gradients_and_state_match(compile_mode):
     r = run_both(build_model, inputs(), compile_mode)

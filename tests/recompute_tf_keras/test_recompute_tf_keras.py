@@ -94,6 +94,7 @@ def run_both(make_model, x, compile_mode, steps=2):
     return results
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("compile_mode", ["eager", "function", "jit"])
 def test_dropout_batchnorm_gradients_and_state_match(compile_mode):
     r = run_both(build_model, inputs(), compile_mode)
