@@ -17,8 +17,11 @@
   the planner, README's examples. Every test module (and what it imports of the library)
   still loads on that Python, at collection; the behaviour itself is tested by the newest
   Python's full run.
-- The full run puts the test files that hold a slow test first (each file whole), so that
-  under `--dist loadfile` the long files start early.
+- The full run hands out the longest test files first, each file whole, so that under
+  `-n 2 --dist loadfile` no long file starts last and runs alone: a file's weight is the
+  largest `seconds` its tests' `slow` marks estimate (`@pytest.mark.slow(seconds=250)`: on
+  2 shared CPU cores), then its number of tests (pytest-xdist's own order, which it would
+  otherwise impose: `--loadscope-reorder`, turned off here).
 """
 
 import os
@@ -88,8 +91,11 @@ def blocked_core():
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", f"slow: a long test (benchmark-like or many processes); deselected with {FAST_TESTS}=1"
+        "markers", f"slow(seconds=N): a long test (benchmark-like or many processes), about N s on "
+        f"2 shared CPU cores where given (the full run's order); not in the {FAST_TESTS}=1 subset"
     )
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
+        config.option.loadscopereorder = False
     config.addinivalue_line(
         "markers", f"fast: in the {FAST_TESTS}=1 subset (its first case; a case marked alone: that "
         "case); a few seconds at most"
@@ -102,12 +108,16 @@ def _test_file(item):
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get(FAST_TESTS, "") not in ("1", "true", "yes"):
-        # The files that hold a test marked slow first, each file whole and in its order:
-        # with `-n 2 --dist loadfile` the long files start early and the short ones fill
-        # in, instead of one long file running alone at the end (the JAX suite's XLA:GPU
-        # plans did, for minutes). Which files precede a file on a worker was never fixed.
-        slow = {_test_file(item) for item in items if item.get_closest_marker("slow")}
-        items.sort(key=lambda item: _test_file(item) not in slow)
+        # The longest files first, each whole and in its order: with `-n 2 --dist loadfile`
+        # the short ones fill in, instead of one long file running alone at the end (the
+        # JAX suite's XLA:GPU plans did, for minutes). Which files precede a file on a
+        # worker was never fixed.
+        seconds, count = {}, {}
+        for item in items:
+            path, mark = _test_file(item), item.get_closest_marker("slow")
+            seconds[path] = max(seconds.get(path, 0), mark.kwargs.get("seconds", 0) if mark else 0)
+            count[path] = count.get(path, 0) + 1
+        items.sort(key=lambda item: (-seconds[_test_file(item)], -count[_test_file(item)]))
         return
     kept, left_out, seen = [], [], set()
     for item in items:

@@ -109,7 +109,7 @@ def test_quick_demo_data_is_the_shared_data_or_the_embedded_sentences(tmp_path):
     assert batchfit.demo_data(str(tmp_path), shared=str(shared)) == str(shared)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=140)
 def test_quick_ends_with_the_finetuning_example(tmp_path, capfd):
     # --quick's fine-tuning demo is examples/bert_finetune.py itself, with both tricks.
     result = batchfit.finetune_demo(shared=str(tmp_path / "absent"))

@@ -125,7 +125,7 @@ needs_data = pytest.mark.skipif(
 
 
 @needs_data
-@pytest.mark.slow
+@pytest.mark.slow(seconds=180)
 def test_recompute_and_accumulation_equal_the_plain_big_batch(tmp_path):
     """The real MiniLM fine-tuned on real data: micro-batch 4 x 2 with RECOMPUTE=1
     ends where batch 8 without either ends (same examples; dropout off, since two

@@ -34,7 +34,7 @@ def test_builder_builds_a_compiled_model_per_policy():
         recompute.bert4keras.unpatch()  # the builder patches bert4keras, as the plan does
 
 
-@pytest.mark.slow  # three MiniLM builds, 3 updates of 8 at seq 16: about 30 s on 2 cores
+@pytest.mark.slow(seconds=80)  # three MiniLM builds, 3 updates of 8 at seq 16
 def test_training_with_a_plan_equals_one_big_batch(tmp_path):
     """The plan's settings on the real MiniLM checkpoint (bert4keras, dropout off): policy
     "full" (`patch(policy="block")`), micro-batch 2 x 4 steps (AccumOptimizer) train the same

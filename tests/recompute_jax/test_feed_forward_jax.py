@@ -164,6 +164,7 @@ for name, policy, layers, seq, batch, f, g in cases:
 """
 
 
+@pytest.mark.slow(seconds=150)  # a fresh process, 4 compilations for an H100
 def test_plan_of_keras_hub_steps_holds_less_with_the_pair_and_the_gated_dropouts():
     """XLA:GPU's plan (H100 target, no GPU) of keras-hub BERT steps under "full" at small
     widths, each with the pair or the gate and without it (`fused` or `_dropouts_gated` a

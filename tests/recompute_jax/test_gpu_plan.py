@@ -64,7 +64,7 @@ for layers in (2, 8):
 """
 
 
-@pytest.mark.slow  # 8 compilations for a GPU: 2 to 4 CPU minutes
+@pytest.mark.slow(seconds=260)  # 8 compilations for a GPU
 def test_chosen_core_plans_no_more_than_keras_core():
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     env["KERAS_BACKEND"] = "jax"
@@ -120,7 +120,7 @@ def test_counts_loops_and_softmax_passes_of_a_compiled_module():
     assert count_module(hlo, 3072) == (2, 1)
 
 
-@pytest.mark.slow  # 4 compilations for a GPU: 2 to 4 CPU minutes
+@pytest.mark.slow(seconds=270)  # 4 compilations for a GPU
 def test_offload_plans_the_inputs_on_the_host(tmp_path):
     """`--offload` at small widths, 8 blocks: the offloaded row keeps every block's input in
     host memory (7 temporaries of [seq, hidden] float32 per sample; the first block's input is

@@ -93,7 +93,7 @@ def local_plan():
                           policies=(None, "full"), every_policy=True, verbose=False)
 
 
-@pytest.mark.slow  # 8 compilations and runs of the step: about 40 s on 2 cores
+@pytest.mark.slow(seconds=80)  # 8 compilations and runs of the step
 def test_plan_is_xla_plan_of_the_local_device_by_default_on_jax(local_plan):
     p = local_plan
     assert p.planned and p.target is None and "local cpu device" in p.memory
@@ -161,7 +161,7 @@ def docs_example():
     return rest[start:rest.index("```", start)]
 
 
-@pytest.mark.slow  # a fresh process, 8 compilations for an H100: about 60 s on 2 cores
+@pytest.mark.slow(seconds=120)  # a fresh process, 8 compilations for an H100
 def test_docs_example_plans_for_an_h100_without_one(tmp_path):
     """docs/plan.md's JAX example: every step compiled by XLA:GPU for an H100 here, nothing
     run: a plan, said to be one; with no time, the policy that recomputes least among those

@@ -32,7 +32,7 @@ def test_table_shows_growth_and_failures():
     assert "-" in lines[3] and "failed" in lines[3]  # 0 not run at 2048; full failed
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=75)
 def test_tiny_run(tmp_path):
     """Two sequence lengths, one mode: each configuration is a fresh process (the modes'
     columns are test_table_shows_growth_and_failures's)."""

@@ -28,7 +28,7 @@ def _run(args, env=None, timeout=120):
                           env=dict(os.environ, **(env or {})))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=170)
 @pytest.mark.parametrize("backend, policies", [("tensorflow", ("0", "attention", "full")),
                                                ("jax", ("0", "full"))])
 def test_peer_end_to_end(tmp_path, backend, policies):

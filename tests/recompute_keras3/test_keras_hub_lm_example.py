@@ -20,7 +20,7 @@ def run(*args, timeout=300):
                           text=True, timeout=timeout, env=env)
 
 
-@pytest.mark.slow  # a fresh process per backend (imports: ~15 s each)
+@pytest.mark.slow(seconds=55)  # a fresh process per backend (imports: ~15 s each)
 @pytest.mark.parametrize("backend, model, full_logits", [("tensorflow", "gemma", False),
                                                          ("jax", "llama", True)])
 def test_tiny_lora_fine_tune(backend, model, full_logits):
