@@ -94,12 +94,12 @@ def pytest_configure(config):
         "markers", f"slow(seconds=N): a long test (benchmark-like or many processes), about N s on "
         f"2 shared CPU cores where given (the full run's order); not in the {FAST_TESTS}=1 subset"
     )
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
-        config.option.loadscopereorder = False
     config.addinivalue_line(
         "markers", f"fast: in the {FAST_TESTS}=1 subset (its first case; a case marked alone: that "
         "case); a few seconds at most"
     )
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
+        config.option.loadscopereorder = False
 
 
 def _test_file(item):

@@ -236,8 +236,9 @@ def attention_matrices_in_backward(graph, seq=SEQ):
 # with the fixture `K` of tests/helpers/families.py).
 
 
-# Blocks of 1 row (slow) eagerly only: in a graph (function, XLA) they run the loop that
-# blocks of 4 run (2 of 4 rows and 2 at seq 6), at 6 iterations: half a minute more each.
+# Blocks of 1 row (slow) eagerly only: traced (function, XLA) they run the loop that blocks
+# of 4 run (at seq 6: a block of 4 rows and one of 2), 6 times instead of twice, for half a
+# minute more each.
 @pytest.mark.fast
 @pytest.mark.parametrize("policy", ["full", "attention"])
 @pytest.mark.parametrize("block, mode", [
