@@ -18,10 +18,11 @@
   still loads on that Python, at collection; the behaviour itself is tested by the newest
   Python's full run.
 - The full run hands out the longest test files first, each file whole, so that under
-  `-n 2 --dist loadfile` no long file starts last and runs alone: a file's weight is the
-  largest `seconds` its tests' `slow` marks estimate (`@pytest.mark.slow(seconds=250)`: on
-  2 shared CPU cores), then its number of tests (pytest-xdist's own order, which it would
-  otherwise impose: `--loadscope-reorder`, turned off here).
+  `-n 2 --dist loadfile` no long file starts last and runs alone: a file's weight is the sum
+  of the `seconds` its tests' `slow` marks estimate (`@pytest.mark.slow(seconds=250)`, per
+  test -- per case of a parametrized one, and a module's `pytestmark` gives each of its tests
+  its estimate -- on 2 shared CPU cores), then its number of tests (pytest-xdist's own order,
+  which it would otherwise impose: `--loadscope-reorder`, turned off here).
 """
 
 import os
@@ -91,8 +92,8 @@ def blocked_core():
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", f"slow(seconds=N): a long test (benchmark-like or many processes), about N s on "
-        f"2 shared CPU cores where given (the full run's order); not in the {FAST_TESTS}=1 subset"
+        "markers", f"slow(seconds=N): a long test (benchmark-like or many processes), about N s per "
+        f"case on 2 shared CPU cores where given (the full run's order); not in the {FAST_TESTS}=1 subset"
     )
     config.addinivalue_line(
         "markers", f"fast: in the {FAST_TESTS}=1 subset (its first case; a case marked alone: that "
@@ -115,7 +116,7 @@ def pytest_collection_modifyitems(config, items):
         seconds, count = {}, {}
         for item in items:
             path, mark = _test_file(item), item.get_closest_marker("slow")
-            seconds[path] = max(seconds.get(path, 0), mark.kwargs.get("seconds", 0) if mark else 0)
+            seconds[path] = seconds.get(path, 0) + (mark.kwargs.get("seconds", 0) if mark else 0)
             count[path] = count.get(path, 0) + 1
         items.sort(key=lambda item: (-seconds[_test_file(item)], -count[_test_file(item)]))
         return

@@ -25,7 +25,7 @@ from tests.helpers.numerics import assert_all_close
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Each group of scenarios is one worker process that runs all of them: the newest
 # Python's full run only.
-pytestmark = pytest.mark.slow(seconds=480)
+pytestmark = pytest.mark.slow(seconds=20)  # each; the worker processes: 480 s in all
 # Float32 rounding: the devices sum their shards' partial sums (the loss's mean, each
 # gradient's batch sum) in another order than one device. Measured: <= 5.5e-7 (jax 0.10,
 # XLA:CPU, 2026-11); with BatchNormalization's batch moments reduced across devices,

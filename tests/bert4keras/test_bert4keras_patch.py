@@ -140,6 +140,7 @@ def test_gradients_match_with_padding(config_path, monkeypatch, policy):
     assert calls["n"] > 0  # the recomputation really ran
 
 
+@pytest.mark.slow(seconds=18)  # tiny bert4keras fits, recompute off and on
 def test_fit_matches(config_path, policy):
     token_ids, segment_ids, labels = batch()
     x = [np.tile(token_ids, (4, 1)), np.tile(segment_ids, (4, 1))]
@@ -230,6 +231,7 @@ def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, m
     assert cores["n"] == 2 * 2 * (1 if policy == "attention" else 2)
 
 
+@pytest.mark.slow(seconds=25)  # tiny bert4keras fits with dropout, recompute off and on
 @pytest.mark.usefixtures("blocked_core")  # the blocked core: "auto" runs bert4keras's at seq 12
 def test_dropout_on_fit_matches(dropout_config_path, replayable_rng, policy):
     token_ids, segment_ids, labels = batch()
@@ -477,6 +479,7 @@ def rng_kind(request):
 
 
 # "block_keep_ffn" cuts the same recomputation (the block's): its case is the hardest one.
+@pytest.mark.slow(seconds=25)  # two steps of whole batches and of cuts, each traced
 @pytest.mark.parametrize("policy_name, mode", [
     ("block", "eager"), ("block", "function"), ("block", "unknown-shapes"),
     ("block_keep_ffn", "unknown-shapes")])

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers.commands import run_module
 
-pytestmark = pytest.mark.slow(seconds=80)  # examples/benchmarks end to end: the newest Python in CI
+pytestmark = pytest.mark.slow(seconds=30)  # examples/benchmarks end to end: the newest Python in CI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

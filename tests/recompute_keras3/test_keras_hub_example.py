@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow(seconds=120)  # examples/benchmarks end to end: the newest Python in CI
+pytestmark = pytest.mark.slow(seconds=50)  # examples/benchmarks end to end: the newest Python in CI
 
 pytest.importorskip("keras_hub")
 
