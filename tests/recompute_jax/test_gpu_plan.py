@@ -32,21 +32,14 @@ BARRIER_SLACK = 1024
 FULL_SLACK = 48 * 1024
 
 
-def plan(tmp_path, *args):
-    out = tmp_path / "plan.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_plan", *args, "--json", str(out)], cwd=ROOT,
-        env=env, capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads(out.read_text())["rows"], result.stdout
-
-
 # The rows of `python -m benchmarks.gpu_plan --model standard --layers 2,8 --hidden 128
-# --heads 2 --ffn 256 --seq 256 --vocab 1000 --policies attention,full --cores auto,keras`
-# at batch 4 alone (the tool fits a slope over two batches or more: twice the compilations),
-# printed as "layers policy core temp" lines.
+# --heads 2 --ffn 256 --seq 256 --vocab 1000 --policies attention,full --cores auto,keras
+# --offload` at batch 4 alone (the tool fits a slope over two batches or more: twice the
+# compilations), printed as "row layers policy core temp host_temp" lines; then the command
+# itself at a tiny width (`main`, two batches, "full" and its offloaded row), in the same
+# process: one process and 9 + 4 compilations for the whole file.
 _ROWS = """
+import sys
 from benchmarks import gpu_plan
 gpu_plan.prepare_environment()
 import jax
@@ -54,26 +47,40 @@ jax.config.update("jax_default_matmul_precision", "highest")  # the tool's fp32
 cfg = dict(gpu_plan.DEFAULTS, model="standard", hidden=128, heads=2, ffn=256, seq=256,
            vocab=1000)
 sharding = gpu_plan.target_sharding("h100")
-for layers in (2, 8):
-    for policy in ("attention", "full"):
-        for core in ("auto", "keras"):
-            row = dict(cfg, layers=layers)
-            model = gpu_plan.build_model(row, policy, core)
-            plan = gpu_plan.step_plan(model, row, policy, 4, sharding)
-            print("row", layers, policy, core, plan["temp"], flush=True)
+rows = [(layers, policy, core) for layers in (2, 8) for policy in ("attention", "full")
+        for core in ("auto", "keras")] + [(8, gpu_plan.OFFLOAD, "auto")]
+for layers, policy, core in rows:
+    row = dict(cfg, layers=layers)
+    model = gpu_plan.build_model(row, policy, core)
+    plan = gpu_plan.step_plan(model, row, policy, 4, sharding)
+    print("row", layers, policy, core, plan["temp"], plan["host_temp"], flush=True)
+sys.exit(gpu_plan.main(["--model", "standard", "--layers", "1", "--hidden", "32", "--heads",
+                        "2", "--ffn", "64", "--seq", "16", "--vocab", "100", "--batches", "1,2",
+                        "--policies", "full", "--cores", "auto", "--offload",
+                        "--json", sys.argv[1]]))
 """
 
 
-@pytest.mark.slow(seconds=260)  # 8 compilations for a GPU
-def test_chosen_core_plans_no_more_than_keras_core():
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """`(rows, table, record)`: {(layers, policy, core): (temp, host_temp)} of `_ROWS`'s rows,
+    and the tiny command's printed table and JSON record."""
+    out = tmp_path_factory.mktemp("gpu_plan") / "plan.json"
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     env["KERAS_BACKEND"] = "jax"
-    done = subprocess.run([sys.executable, "-c", _ROWS], cwd=ROOT, env=env, text=True,
-                          capture_output=True, timeout=1200)
+    done = subprocess.run([sys.executable, "-c", _ROWS, str(out)], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    temp = {(int(layers), policy, core): int(value) for _, layers, policy, core, value in
-            (line.split() for line in done.stdout.splitlines() if line.startswith("row "))}
-    assert len(temp) == 8, done.stdout
+    rows = {(int(layers), policy, core): (int(temp), int(host)) for _, layers, policy, core, temp,
+            host in (line.split() for line in done.stdout.splitlines() if line.startswith("row "))}
+    assert len(rows) == 9, done.stdout
+    table = "\n".join(line for line in done.stdout.splitlines() if not line.startswith("row "))
+    return rows, table, json.loads(out.read_text())
+
+
+@pytest.mark.slow(seconds=300)  # the fixture: 13 compilations for a GPU
+def test_chosen_core_plans_no_more_than_keras_core(planned):
+    temp = {key: value[0] for key, value in planned[0].items()}
     for policy in ("attention", "full"):
         for layers in (2, 8):
             assert temp[layers, policy, "auto"] <= temp[layers, policy, "keras"], (policy, layers,
@@ -120,18 +127,19 @@ def test_counts_loops_and_softmax_passes_of_a_compiled_module():
     assert count_module(hlo, 3072) == (2, 1)
 
 
-@pytest.mark.slow(seconds=270)  # 4 compilations for a GPU
-def test_offload_plans_the_inputs_on_the_host(tmp_path):
-    """`--offload` at small widths, 8 blocks: the offloaded row keeps every block's input in
-    host memory (7 temporaries of [seq, hidden] float32 per sample; the first block's input is
-    the embeddings' output, a temporary too) and plans no more device memory than "full"."""
-    rows, table = plan(tmp_path, "--model", "standard", "--layers", "8", "--hidden", "128",
-                       "--heads", "2", "--ffn", "256", "--seq", "256", "--vocab", "1000",
-                       "--policies", "full", "--cores", "auto", "--offload")
-    by = {r["policy"]: r for r in rows}
-    full, offload = by["full"], by["full+offload"]
-    assert "host temp MiB" in table and '"full", offload' in table
-    assert full["host_temp"] == 0
-    batch = 4
-    assert offload["host_temp"] >= 7 * 256 * 128 * 4 * batch, table
-    assert offload["temp"] <= full["temp"], table
+@pytest.mark.slow(seconds=10)  # the fixture's, counted above
+def test_offload_plans_the_inputs_on_the_host(planned):
+    """`--offload` at small widths, 8 blocks, batch 4: the offloaded row keeps every block's
+    input in host memory (7 temporaries of [seq, hidden] float32 per sample; the first block's
+    input is the embeddings' output, a temporary too) and plans no more device memory than
+    "full"; the command prints and records that row with its host columns."""
+    rows, table, record = planned
+    (full, full_host), (offload, offload_host) = rows[8, "full", "auto"], rows[8, "full+offload",
+                                                                               "auto"]
+    assert full_host == 0
+    assert offload_host >= 7 * 256 * 128 * 4 * 4, rows
+    assert offload <= full, rows
+    assert "host temp MiB" in table and '"full", offload' in table, table
+    by = {r["policy"]: r for r in record["rows"]}
+    assert set(by) == {"full", "full+offload"} and by["full"]["host_temp"] == 0
+    assert by["full+offload"]["host_temp"] > 0 and record["config"]["batches"] == [1, 2]
