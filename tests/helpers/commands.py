@@ -1,5 +1,5 @@
 """Runs a module of this repository as a command (`python -m ...`), as the benchmark
-and example tests do."""
+and example tests do; the environment of a fresh process that compiles XLA:GPU plans."""
 
 import os
 import subprocess
@@ -13,3 +13,12 @@ def run_module(module, *args, timeout=300):
     return subprocess.run(
         [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
     )
+
+
+def plan_env(**extra):
+    """This process's environment, without `JAX_PLATFORMS` and `XLA_FLAGS`, plus `extra`: for a
+    fresh process that compiles XLA:GPU plans (it names the CUDA platform itself, and the
+    tests' XLA flags, `tests/conftest.py`, stay out of its plans)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env.update(extra)
+    return env

@@ -5,7 +5,6 @@ rounding: the weights' gradients are summed over the cuts), its dropouts drawing
 batch's numbers cut to each cut; a call that adds a loss runs whole; XLA:GPU's plan of a
 step holds less with the cuts than without."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from recompute.engine._batch_cut import CUT_ROWS, samples_per_cut
 from recompute.engine import _running
 from recompute.ops import _feed_forward_jax
 from tests.helpers.numerics import assert_all_close
+from tests.helpers.commands import plan_env
 from tests.recompute_jax.test_recompute_jax import stateless_step_seq as _step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,8 +204,7 @@ def test_plan_of_a_keras_hub_step_holds_less_with_cuts():
     BERT-base, 8 and 32: 46.4 against 25.4 MiB per sample, docs/attention.md). Measured
     2026-11-29: 25,869,736 bytes whole, 8,551,736 in cuts. The cut step holds at least
     three [batch, seq, ffn] floats less (12.6 MB): a block's working set is one cut's."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["KERAS_BACKEND"] = "jax"
+    env = plan_env(KERAS_BACKEND="jax")
     done = subprocess.run([sys.executable, "-c", _PLAN], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -4,7 +4,6 @@ prints the measured, local-plan and H100-plan micro-batches, and says what faile
 hanging. On a GPU it is run by hand (docs/plan.md)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import device_plan_check as check
+from tests.helpers.commands import plan_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--seq", "16",
@@ -38,7 +38,7 @@ def test_predict_is_the_planners_line():
 
 def run(tmp_path, *args, timeout=600):
     out = tmp_path / "check.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env = plan_env()
     result = subprocess.run([sys.executable, "-m", "benchmarks.device_plan_check", *TINY, *args,
                              "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=timeout)

@@ -4,7 +4,6 @@ in row blocks. Its value and every gradient are autodiff's (float rounding); it 
 "full"'s recomputation of a Keras block and of keras-hub's encoder; and XLA:GPU's plan of
 its gradient is smaller than autodiff's by the [rows, ffn] tensors it no longer holds."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from recompute import recompute_grad
 from recompute.ops import _feed_forward_jax
 from tests.helpers.numerics import assert_all_close
+from tests.helpers.commands import plan_env
 from tests.recompute_jax.test_recompute_jax import stateless_step_seq
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,8 +174,7 @@ def test_plan_of_keras_hub_steps_holds_less_with_the_pair_and_the_gated_dropouts
     and draws the attention's dropout), 6 blocks, seq 512, batch 8: 43,844,520 without it,
     39,000,744 with it (XLA:GPU drew every block's mask at the start of the backward pass:
     at least one [batch, heads, seq, seq] bool more alive)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["KERAS_BACKEND"] = "jax"
+    env = plan_env(KERAS_BACKEND="jax")
     done = subprocess.run([sys.executable, "-c", _PLAN], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

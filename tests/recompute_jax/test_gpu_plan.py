@@ -9,12 +9,13 @@ and 8 blocks): at BERT-base the blocked core planned 3x Keras's under "full" (23
 one depth would miss it. Needs the `[test]` extra's jax-cuda12-pjrt and jax-cuda12-plugin."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.commands import plan_env
 
 ROOT = Path(__file__).resolve().parents[2]
 # Per added block, the chosen core may grow by XLA's small tuple buffers more than Keras's
@@ -66,8 +67,7 @@ def planned(tmp_path_factory):
     """`(rows, table, record)`: {(layers, policy, core): (temp, host_temp)} of `_ROWS`'s rows,
     and the tiny command's printed table and JSON record."""
     out = tmp_path_factory.mktemp("gpu_plan") / "plan.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["KERAS_BACKEND"] = "jax"
+    env = plan_env(KERAS_BACKEND="jax")
     done = subprocess.run([sys.executable, "-c", _ROWS, str(out)], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

@@ -18,6 +18,7 @@ import pytest
 
 import recompute
 from recompute import _xla_plan, planner, recompute_grad
+from tests.helpers.commands import plan_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, WIDTH, EFFECTIVE = 32, 32, 16
@@ -169,8 +170,7 @@ def test_docs_example_plans_for_an_h100_without_one(tmp_path):
     script, out = tmp_path / "target.py", tmp_path / "plan.json"
     script.write_text(docs_example() + "\nimport json, sys\n"
                       "json.dump(plan.as_dict(), open(sys.argv[1], 'w'))\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = plan_env(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, str(script), str(out)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
