@@ -1,6 +1,6 @@
 """tf_keras: a block recomputed under "full" in cuts of its batch (`recompute.batch_cut`),
 for layers declared to compute each sample alone (`recompute.policies._blocks`; bert4keras's
-blocks: tests/bert4keras/test_bert4keras_patch.py). Each cut's random draws are the whole
+blocks: tests/bert4keras/test_bert4keras_block_cuts.py). Each cut's random draws are the whole
 batch's (`recompute.adapters._tf_keras.windowed_draws`); where one cannot be, the call runs
 whole."""
 
