@@ -25,31 +25,6 @@ from tests.helpers.numerics import assert_all_close, to_numpy  # noqa: E402
 from tests.helpers.recompute_runs import count_cut_recomputations  # noqa: E402
 
 
-@pytest.fixture
-def dropout_config_path(tmp_path):
-    return tiny_bert.write_config(tmp_path, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
-
-
-@pytest.fixture
-def replayable_rng():
-    """tf_keras's replayable RNG, the documented route to RECOMPUTE=0-identical dropout."""
-    tf.keras.backend.experimental.enable_tf_random_generator()
-    yield
-    tf.keras.backend.experimental.disable_tf_random_generator()
-
-
-def build(config_path):
-    """A tiny bert4keras BERT with a 2-way head on its first token. (bert4keras is imported
-    here, not when the module loads: `test_bert4keras_patch.py` checks at its collection that
-    no module imported it before `patch()`.)"""
-    from bert4keras.models import build_transformer_model
-
-    tf.keras.utils.set_random_seed(0)
-    bert = build_transformer_model(str(config_path))
-    out = tf.keras.layers.Dense(2)(tf.keras.layers.Lambda(lambda x: x[:, 0])(bert.output))
-    return tf.keras.Model(bert.inputs, out)
-
-
 def _five_samples():
     """A batch of 5 (2 whole cuts of 2 and a rest of 1 under `batch_cut(2)`), padded."""
     rng = np.random.RandomState(0)
@@ -60,12 +35,12 @@ def _five_samples():
 
 
 def _steps_cut(config_path, on, cut, mode):
-    """Two training steps' losses and gradients of `build(config_path)` on `_five_samples`,
-    recomputation `on`, `recompute.batch_cut(cut)`, `mode` "eager", "function" or
+    """Two training steps' losses and gradients of `tiny_bert.classifier(config_path)` on
+    `_five_samples`, recomputation `on`, `recompute.batch_cut(cut)`, `mode` "eager", "function" or
     "unknown-shapes" (a function traced with the batch and sequence unknown: the cuts are
     counted when it runs, `recompute.batch_cut(None)`'s rule from the sequence length)."""
     token_ids, segment_ids, labels = _five_samples()
-    model = build(config_path)
+    model = tiny_bert.classifier(config_path)
     tf.random.set_seed(1)  # the legacy RNG's seeds: the same in every run
 
     def step(t, s):
@@ -143,7 +118,7 @@ def test_block_cuts_fit_matches(dropout_config_path, replayable_rng, monkeypatch
     weights = []
     try:
         for on in (False, True):
-            model = build(dropout_config_path)
+            model = tiny_bert.classifier(dropout_config_path)
             model.compile(tf.keras.optimizers.Adam(1e-3),
                           tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
             with recompute.recompute_scope(on), recompute.batch_cut(2):

@@ -113,11 +113,7 @@ def batch():
     return token_ids, np.zeros_like(token_ids), np.array([0, 1, 1, 0])
 
 
-def build(config_path):
-    tf.keras.utils.set_random_seed(0)
-    bert = build_transformer_model(str(config_path))
-    out = tf.keras.layers.Dense(2)(tf.keras.layers.Lambda(lambda x: x[:, 0])(bert.output))
-    return tf.keras.Model(bert.inputs, out)
+build = tiny_bert.classifier
 
 
 # Dropout off here; with dropout on, see the tests at the end (replayable RNG).
@@ -152,19 +148,6 @@ def test_fit_matches(config_path, policy):
             model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
         weights.append([np.asarray(w) for w in model.weights])
     assert_all_close(weights[0], weights[1])
-
-
-@pytest.fixture
-def dropout_config_path(tmp_path):
-    return tiny_bert.write_config(tmp_path, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
-
-
-@pytest.fixture
-def replayable_rng():
-    """tf_keras's replayable RNG, the documented route to RECOMPUTE=0-identical dropout."""
-    tf.keras.backend.experimental.enable_tf_random_generator()
-    yield
-    tf.keras.backend.experimental.disable_tf_random_generator()
 
 
 def attention_layers(model):

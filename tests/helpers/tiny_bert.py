@@ -1,4 +1,5 @@
-"""The tiny BERT configuration of the bert4keras tests (2 layers, hidden 32, 4 heads)."""
+"""The tiny BERT configuration of the bert4keras tests (2 layers, hidden 32, 4 heads), and a
+classifier built from it."""
 
 import json
 
@@ -14,3 +15,16 @@ def write_config(directory, **changes):
     path = directory / "bert_config.json"
     path.write_text(json.dumps(dict(CONFIG, **changes)))
     return path
+
+
+def classifier(config_path):
+    """bert4keras's BERT of `config_path` with a 2-way head on its first token, its weights
+    from seed 0 (tf_keras; bert4keras imported here, when called: `test_bert4keras_patch.py`
+    checks at its collection that no module imported it before `patch()`)."""
+    import tensorflow as tf
+    from bert4keras.models import build_transformer_model
+
+    tf.keras.utils.set_random_seed(0)
+    bert = build_transformer_model(str(config_path))
+    out = tf.keras.layers.Dense(2)(tf.keras.layers.Lambda(lambda x: x[:, 0])(bert.output))
+    return tf.keras.Model(bert.inputs, out)
