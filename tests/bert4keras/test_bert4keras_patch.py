@@ -113,16 +113,13 @@ def batch():
     return token_ids, np.zeros_like(token_ids), np.array([0, 1, 1, 0])
 
 
-build = tiny_bert.classifier
-
-
 # Dropout off here; with dropout on, see the tests at the end (replayable RNG).
 def test_gradients_match_with_padding(config_path, monkeypatch, policy):
     calls = count_recomputed_calls(monkeypatch)
     token_ids, segment_ids, labels = batch()
     results = []
     for on in (False, True):
-        model = build(config_path)
+        model = tiny_bert.classifier(config_path)
         with recompute.recompute_scope(on):
             for _ in range(2):
                 with tf.GradientTape() as tape:
@@ -142,7 +139,7 @@ def test_fit_matches(config_path, policy):
     y = np.tile(labels, 4)
     weights = []
     for on in (False, True):
-        model = build(config_path)
+        model = tiny_bert.classifier(config_path)
         model.compile(tf.keras.optimizers.SGD(0.05), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         with recompute.recompute_scope(on):
             model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
@@ -156,7 +153,7 @@ def attention_layers(model):
 
 def test_attention_dropout_is_one_sublayer_per_layer(dropout_config_path, replayable_rng):
     token_ids, segment_ids, _ = batch()
-    model = build(dropout_config_path)
+    model = tiny_bert.classifier(dropout_config_path)
     layers = attention_layers(model)
     assert len(layers) == 2
     first = [getattr(l, rbp.ATTENTION_DROPOUT_ATTR) for l in layers]
@@ -192,7 +189,7 @@ def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, m
     token_ids, segment_ids, labels = batch()
     results = []
     for on in (False, True):
-        model = build(dropout_config_path)
+        model = tiny_bert.classifier(dropout_config_path)
         with recompute.recompute_scope(on):
             for _ in range(2):  # the second step draws new masks in both runs
                 with tf.GradientTape() as tape:
@@ -221,7 +218,7 @@ def test_dropout_on_fit_matches(dropout_config_path, replayable_rng, policy):
     y = np.tile(labels, 4)
     weights, losses = [], []
     for on in (False, True):
-        model = build(dropout_config_path)
+        model = tiny_bert.classifier(dropout_config_path)
         model.compile(tf.keras.optimizers.Adam(1e-3), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         with recompute.recompute_scope(on):
             history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
@@ -235,12 +232,12 @@ def test_dropout_on_fit_matches(dropout_config_path, replayable_rng, policy):
 
 
 def _step_graph(config_path, policy, on):
-    """The graph of one training step of `build(config_path)` built under `policy`,
+    """The graph of one training step of `tiny_bert.classifier(config_path)` built under `policy`,
     traced with recomputation `on`."""
     token_ids, segment_ids, labels = batch()
     rb.patch(policy=policy)
     try:
-        model = build(config_path)
+        model = tiny_bert.classifier(config_path)
     finally:
         rb.patch()
 
@@ -396,7 +393,7 @@ def test_block_keep_ffn_does_not_recompute_the_second_product(
 def _loss_and_grads_counting(config_path, on, products, policy):
     """One step's loss and gradients with recomputation `on`, checking the products counted."""
     token_ids, segment_ids, labels = batch()
-    model = build(config_path)
+    model = tiny_bert.classifier(config_path)
     products.clear()
     with recompute.recompute_scope(on):
         with tf.GradientTape() as tape:
