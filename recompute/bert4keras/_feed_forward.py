@@ -31,7 +31,10 @@ recomputation, so that the recomputation's backward pass keeps the GELU's input
 alone and runs its gradient in chunks of rows (since 2026-11-29; before, bert4keras's
 own code, whose autodiff kept four [seq, ffn] tensors there). Under
 `patch(policy="block_keep_ffn")` `lean_call(..., keep_product=True)` also keeps the
-second dense layer's product from the forward pass for the recomputation (see there).
+second dense layer's product from the forward pass for the recomputation (see there);
+under "block", where the block's last LayerNorm takes its gradient from the block's
+output (`_norm_from_output`), `lean_call(..., skip_product=True)` does not compute it in
+the recomputation.
 """
 
 import contextlib
@@ -130,7 +133,7 @@ def _gelu_matmul(h, kernel, gelu, product=None):
                              matmul=_matmul_last)
 
 
-def lean_call(layer, inputs, keep_product=False):
+def lean_call(layer, inputs, keep_product=False, skip_product=False):
     """`layer(inputs)` for a bert4keras `FeedForward` in the standard case
     (`lean_applies`): the same values, the GELU's output not kept.
 
@@ -143,6 +146,10 @@ def lean_call(layer, inputs, keep_product=False):
     tensor per sample to keep. The recomputation still computes `h`, the
     first dense layer's output, which the gradient reads (and the gradient
     recomputes `gelu(h)` from it, as under "attention").
+
+    With `skip_product` (under "block", in the recomputation of a block whose last
+    LayerNorm takes its gradient from the block's output: `_norm_from_output`) the
+    product's value is not needed: zeros stand for it, its gradient is the same.
     """
     i0, o = layer.i0_dense, layer.o_dense
     remake = remaking(inputs)
@@ -156,7 +163,14 @@ def lean_call(layer, inputs, keep_product=False):
         h = tf.nn.bias_add(h, i0.bias)
     gelu = getattr(i0.activation, "__wrapped__", i0.activation)
     kernel = tf.convert_to_tensor(o.kernel)
-    product = engine.kept(lambda: _matmul_last(gelu(h), kernel)) if keep_product else None
+    if skip_product:
+        shape = h.shape[:-1].concatenate(kernel.shape[-1:])
+        product = tf.zeros(shape if shape.is_fully_defined() else
+                           tf.concat([tf.shape(h)[:-1], tf.shape(kernel)[-1:]], 0), h.dtype)
+    elif keep_product:
+        product = engine.kept(lambda: _matmul_last(gelu(h), kernel))
+    else:
+        product = None
     y = _gelu_matmul(h, kernel, gelu, product)
     if o.use_bias:
         y = tf.nn.bias_add(y, o.bias)

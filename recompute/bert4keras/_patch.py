@@ -13,7 +13,7 @@ from .. import _config
 from .. import engine
 from ..ops import _lean
 from ..policies import _blocks, _registry
-from . import _attention, _feed_forward
+from . import _attention, _feed_forward, _norm_from_output
 from ..engine import after
 from .._decorator import recompute_grad
 from .._scoped import ThreadStack
@@ -143,7 +143,9 @@ def _marked_call(call, cls):
     written, except a `FeedForward`, whose GELU keeps only its input
     (`_feed_forward`). Under "block_keep_ffn" a `FeedForward` inside its
     recomputed block keeps its second product for the recomputation
-    (`_feed_forward.lean_call(..., keep_product=True)`). Under "attention" a
+    (`_feed_forward.lean_call(..., keep_product=True)`); under "block" the block's last
+    LayerNorm takes its gradient from the block's output in the recomputation, which then
+    skips that product (`_norm_from_output`). Under "attention" a
     LayerNormalization unit's output is marked as made again from its kept input
     (`_feed_forward.remade_from_input`), for a `FeedForward` or the `Dense` layers of an
     attention layer it feeds (`_feed_forward.dense_inputs_remade`)."""
@@ -159,11 +161,17 @@ def _marked_call(call, cls):
         # forward pass for the recomputation (`_feed_forward.lean_call`).
         if (engine.inside_recomputed_call() and len(args) == 1 and not kwargs
                 and _feed_forward.lean_applies(self, args[0])):
-            return _feed_forward.lean_call(self, args[0],
-                                           keep_product=_policy_of(self) == "block_keep_ffn")
+            return _feed_forward.lean_call(
+                self, args[0], keep_product=_policy_of(self) == "block_keep_ffn",
+                skip_product=_norm_from_output.skips_product(self))
         return call(self, *args, **kwargs)
 
-    decorated = recompute_grad(keeping_product if feed_forward else call)
+    @functools.wraps(call)
+    def from_output(self, *args, **kwargs):
+        # a block's last LayerNorm under "block": its gradient from the block's output
+        return _norm_from_output.norm_call(self, call, args, kwargs)
+
+    decorated = recompute_grad(keeping_product if feed_forward else from_output if norm else call)
 
     def wrapper(self, *args, **kwargs):
         if norm and _policy_of(self) == "attention" and _config.is_enabled() \
@@ -327,7 +335,10 @@ def _recomputed_blocks(apply_main_layers, keras):
     block's recomputation (the outermost decorated call is the unit). Each
     sample of a block is computed from that sample alone: declared so
     (`recompute.policies._blocks.declare_per_sample`), its recomputation runs
-    its batch in cuts (`recompute.batch_cut`).
+    its batch in cuts (`recompute.batch_cut`). Under "block" its last LayerNorm
+    and its FeedForward are marked (`_norm_from_output.mark`): the recomputation
+    takes the LayerNorm's gradient from the block's output and skips the
+    FeedForward's second product.
     """
 
     @functools.wraps(apply_main_layers)
@@ -353,6 +364,8 @@ def _recomputed_blocks(apply_main_layers, keras):
         block = keras.models.Model(block_input, outputs, name=self.prefixed(f"Transformer-{index}"))
         block.call = recompute_grad(block.call)
         _blocks.declare_per_sample(block)  # its recomputation may run by cuts of the batch
+        if _policy == "block":  # its last LayerNorm's gradient from its output
+            _norm_from_output.mark(block, keras)
         return block(inputs)
 
     return wrapper

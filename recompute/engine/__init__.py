@@ -28,13 +28,17 @@ What a TensorFlow recomputation offers the code it runs (the ops, the integratio
 decisions), `after(tensors, *gates)` (tensors gated on the incoming gradient, so that a
 recomputation does not run early: where TensorFlow sees no GPU and XLA does not compile, a
 view of each, no copy), `check_recomputable` and `float_tensors` (the check a
-call makes before it is recomputed).
+call makes before it is recomputed), `recomputing(layer)` and `replaying()` (whether
+`layer`'s recomputed call is running, and whether as its recomputation) and
+`forward_outputs()` (in the recomputation, the call's outputs from the forward pass, cut
+by cut: a gradient taken from an output, `recompute.bert4keras._norm_from_output`).
 """
 
 from ..adapters import _backends, _tf
 from .._errors import TENSORFLOW_OFFLOAD
 from . import _core, _jax, _running
-from ._core import after, check_recomputable, float_tensors, kept  # noqa: F401  (TensorFlow's)
+from ._core import (after, check_recomputable, float_tensors, forward_outputs, kept,  # noqa: F401
+                    recomputing, replaying)  # (TensorFlow's)
 
 
 class Engine:

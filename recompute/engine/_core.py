@@ -33,6 +33,7 @@ class _RunningCall(_running.RunningCall):
         super().__init__(layer)
         self.values, self.replaying, self.next = [], False, 0
         self.cut = cut  # a cut's of a call run in cuts of its batch (`kept`'s `in_cuts`)
+        self.forward_outputs = None  # in the recomputation: the forward pass's (`forward_outputs`)
 
     def replay(self):
         self.replaying, self.next = True, 0
@@ -72,6 +73,32 @@ def kept(compute, in_cuts=True):
         return call.take()
     call.values.append(compute())
     return call.values[-1]
+
+
+def recomputing(layer):
+    """Whether the innermost recomputed call running is `layer`'s (on TensorFlow: its forward
+    pass or its recomputation; `replaying` tells which)."""
+    call = _running.innermost(_RunningCall)
+    return call is not None and call.layer is layer
+
+
+def replaying():
+    """Whether the innermost recomputed call running is its recomputation (the backward
+    pass's run of it), not its forward pass."""
+    call = _running.innermost(_RunningCall)
+    return call is not None and call.replaying
+
+
+def forward_outputs():
+    """In the recomputation of a recomputed call (`replaying`): the call's outputs from its
+    forward pass, flat (`tf.nest.flatten`'s order), those of the cut's samples where it runs
+    in cuts of its batch (`_cuts_tf`); None elsewhere.
+
+    For a gradient that can be taken from an output instead of from what makes it (a
+    LayerNorm's, `recompute.bert4keras._norm_from_output`): the step holds the outputs anyway
+    (the next layer's input), and the recomputation then need not make them again."""
+    call = _running.innermost(_RunningCall)
+    return call.forward_outputs if call is not None and call.replaying else None
 
 
 def _is_float_tensor(value):
@@ -430,7 +457,8 @@ class Recomputation:
         self.created[id(variable)] = variable.read_value()
         return variable
 
-    def _run_call(self, inputs, seed, replay=False, gate=None, window=None, running=None):
+    def _run_call(self, inputs, seed, replay=False, gate=None, window=None, running=None,
+                  forward=None):
         """The call on `inputs` (its floating-point inputs); with `gate` (the recomputation:
         the incoming gradient), its other tensor inputs -- a padding mask, token ids -- wait
         for `gate` too (`after`): what the call computes from them alone (a mask broadcast to
@@ -438,7 +466,8 @@ class Recomputation:
         With `window` (a `_running.BatchWindow`: `recompute.engine._cuts_tf`), `inputs` are
         the window's samples, the other tensors of the batch's length are cut to them, the
         random draws inside draw the window's numbers, and `kept` keeps in `running` (the
-        cut's `_RunningCall`; None: nothing is kept)."""
+        cut's `_RunningCall`; None: nothing is kept). `forward`: in the recomputation, the
+        forward pass's outputs the call gets from `forward_outputs`."""
         others = [v for v in self.flat if gate is not None and _is_other_tensor(v)]
         gated = {id(v): w for v, w in zip(others, after(others, gate) if others else [])}
         new_flat = [inputs[self.slot_of[id(v)]] if id(v) in self.slot_of
@@ -448,6 +477,8 @@ class Recomputation:
             call = running or _running.RunningCall(self.layer)
         else:
             call = self.running.replay() if replay else self.running
+        if forward is not None:
+            call.forward_outputs = forward
         with _running.calls.entered(call), \
                 (_running.windows.entered(window) if window is not None
                  else contextlib.nullcontext()):
@@ -519,8 +550,9 @@ class Recomputation:
                         self.layer, self.state, after(self.start, first_dy)) as recomputed_losses:
                 # The legacy seed is a forward-pass tensor too: gated like the state.
                 seed = after([self.legacy_seed], first_dy)[0] if self.legacy is not None else None
+                forward = [cut(o, window) for o in tf.nest.flatten(self.outputs)]
                 recomputed = self._run_call(ready, seed, replay=True, gate=first_dy,
-                                            window=window, running=running)
+                                            window=window, running=running, forward=forward)
         (self.running if window is None else running).check_replayed()
         if len(recomputed_losses) != len(self.losses):
             raise RuntimeError(

@@ -371,10 +371,12 @@ def test_attention_policy_recomputes_when_the_gradient_arrives(dropout_config_pa
 @pytest.mark.parametrize("policy", ["block", "block_keep_ffn"])
 def test_block_keep_ffn_does_not_recompute_the_second_product(
         dropout_config_path, replayable_rng, monkeypatch, policy):
-    """Under "block_keep_ffn" each FeedForward's product `gelu(h) @ kernel` is computed
-    once per step (in the forward pass; the recomputed block takes it back) and the
-    loss and gradients equal RECOMPUTE=0's; "block" computes it again in the
-    recomputation (both run `_feed_forward.lean_call` inside the recomputed block)."""
+    """Under "block_keep_ffn" and "block" each FeedForward's product `gelu(h) @ kernel` is
+    computed once per step, in the forward pass, and the loss and gradients equal
+    RECOMPUTE=0's: the recomputed block takes it back under "block_keep_ffn", and needs
+    no value of it under "block", whose last LayerNorm takes its gradient from the block's
+    output (`_norm_from_output`; both run `_feed_forward.lean_call` inside the recomputed
+    block)."""
     from recompute.bert4keras import _feed_forward
 
     products = []
@@ -402,10 +404,8 @@ def _loss_and_grads_counting(config_path, on, products, policy):
                 labels, logits, from_logits=True))
         grads = tape.gradient(loss, model.trainable_weights)
     if on:
-        # 2 blocks: the forward products (again in the recomputation under "block"),
-        # 2 transposed products for the gradient.
-        forward = 2 if policy == "block_keep_ffn" else 4
-        assert products.count(False) == forward and products.count(True) == 2, products
+        # 2 blocks: the forward products, 2 transposed products for the gradient
+        assert products.count(False) == 2 and products.count(True) == 2, products
     else:
         assert products == []  # bert4keras's own FeedForward
     return [float(loss)] + to_numpy(grads)
