@@ -20,7 +20,10 @@ What is recomputed is a policy: `patch(policy="layer")` (the default: each
 marked layer is a unit), `patch(policy="block")` (alias `blocks=True`: each
 BERT Transformer block is built as one nested model recomputed as a unit; only
 the block's input is kept: the least memory; the block's layers are then
-reached through `model.get_layer("Transformer-<i>")`), or
+reached through `model.get_layer("Transformer-<i>")`; the recomputation takes each
+block's last LayerNorm's gradient from the block's output and skips the feed-forward's
+second product: `_norm_from_output`, which needs LayerNorm gammas with no entry equal to
+0), or
 `patch(policy="attention")` (selective: the attention probabilities and the
 element-wise work are recomputed, the dense layers' outputs kept: the least
 time), or `patch(policy="block_keep_ffn")` ("block", keeping each
@@ -74,7 +77,10 @@ The converter needs the `[bert]` extra (safetensors), imported only when it
 runs.
 
 Modules: `_patch` (the patch and its import hook), `converter` (the checkpoint
-converter and its command line).
+converter and its command line); what a patched layer runs differently: `_attention`
+(the attention core), `_feed_forward` (the feed-forward layer: its GELU keeping only its
+input, its products), `_norm_from_output` (under "block", a block's last LayerNorm's
+gradient from the block's output).
 """
 
 from ._patch import is_patched, patch, unpatch

@@ -449,8 +449,11 @@ def patch(policy=None, *, blocks=None, offload=False):
             bert4keras builds it. "block": each BERT Transformer block of models
             built from now on is one nested model `Transformer-<i>`, recomputed
             as a unit, its batch in cuts (`recompute.batch_cut`): the least memory
-            (only the block's input and its attention dropout's bits are kept), but
-            the block's layers are reached through it
+            (only the block's input and its attention dropout's bits are kept; the
+            recomputation takes each block's last LayerNorm's gradient from the block's
+            output, `_norm_from_output`, and so skips the FeedForward's second product:
+            it raises `InvalidArgumentError` where a gamma of that LayerNorm has an
+            entry equal to 0), but the block's layers are reached through it
             (`model.get_layer("Transformer-3").get_layer(...)`) and a model
             reloaded with `load_model` has undecorated blocks (decorate each
             block's bound call again). "attention": selective recomputation
@@ -463,7 +466,8 @@ def patch(policy=None, *, blocks=None, offload=False):
             (one [seq, hidden] tensor per block and sample), so the
             recomputation skips that product, 30% of the block's forward
             FLOPs at BERT-base (`_feed_forward.lean_call`; float32,
-            bert4keras's GELU; elsewhere as "block").
+            bert4keras's GELU; elsewhere as "block"), and the last
+            LayerNorm's gradient is taken from its input (any gamma).
             Layers take the policy in effect at their first call (when the
             model is built); weights, checkpoints and outputs are the same
             under every policy.

@@ -33,7 +33,8 @@ class _RunningCall(_running.RunningCall):
         super().__init__(layer)
         self.values, self.replaying, self.next = [], False, 0
         self.cut = cut  # a cut's of a call run in cuts of its batch (`kept`'s `in_cuts`)
-        self.forward_outputs = None  # in the recomputation: the forward pass's (`forward_outputs`)
+        # in the recomputation: the forward pass's outputs, or a function making them (`forward_outputs`)
+        self.forward_outputs = None
 
     def replay(self):
         self.replaying, self.next = True, 0
@@ -98,7 +99,11 @@ def forward_outputs():
     LayerNorm's, `recompute.bert4keras._norm_from_output`): the step holds the outputs anyway
     (the next layer's input), and the recomputation then need not make them again."""
     call = _running.innermost(_RunningCall)
-    return call.forward_outputs if call is not None and call.replaying else None
+    if call is None or not call.replaying or call.forward_outputs is None:
+        return None
+    if callable(call.forward_outputs):  # made when first asked for: no op where none asks
+        call.forward_outputs = call.forward_outputs()
+    return call.forward_outputs
 
 
 def _is_float_tensor(value):
@@ -466,8 +471,8 @@ class Recomputation:
         With `window` (a `_running.BatchWindow`: `recompute.engine._cuts_tf`), `inputs` are
         the window's samples, the other tensors of the batch's length are cut to them, the
         random draws inside draw the window's numbers, and `kept` keeps in `running` (the
-        cut's `_RunningCall`; None: nothing is kept). `forward`: in the recomputation, the
-        forward pass's outputs the call gets from `forward_outputs`."""
+        cut's `_RunningCall`; None: nothing is kept). `forward`: in the recomputation, a
+        function making the forward pass's outputs the call gets from `forward_outputs`."""
         others = [v for v in self.flat if gate is not None and _is_other_tensor(v)]
         gated = {id(v): w for v, w in zip(others, after(others, gate) if others else [])}
         new_flat = [inputs[self.slot_of[id(v)]] if id(v) in self.slot_of
@@ -550,7 +555,7 @@ class Recomputation:
                         self.layer, self.state, after(self.start, first_dy)) as recomputed_losses:
                 # The legacy seed is a forward-pass tensor too: gated like the state.
                 seed = after([self.legacy_seed], first_dy)[0] if self.legacy is not None else None
-                forward = [cut(o, window) for o in tf.nest.flatten(self.outputs)]
+                forward = lambda: [cut(o, window) for o in tf.nest.flatten(self.outputs)]  # noqa: E731
                 recomputed = self._run_call(ready, seed, replay=True, gate=first_dy,
                                             window=window, running=running, forward=forward)
         (self.running if window is None else running).check_replayed()

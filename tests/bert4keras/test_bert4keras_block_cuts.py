@@ -42,14 +42,7 @@ def _steps_cut(config_path, on, cut, mode):
     token_ids, segment_ids, labels = _five_samples()
     model = tiny_bert.classifier(config_path)
     tf.random.set_seed(1)  # the legacy RNG's seeds: the same in every run
-
-    def step(t, s):
-        with tf.GradientTape() as tape:
-            logits = model([t, s], training=True)
-            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
-                labels, logits, from_logits=True))
-        return [loss] + tape.gradient(loss, model.trainable_weights)
-
+    step = tiny_bert.loss_and_gradients(model, labels)
     spec = [tf.TensorSpec([None, None], tf.int64)] * 2
     run = step if mode == "eager" else tf.function(step) if mode == "function" \
         else tf.function(step, input_signature=spec)

@@ -1,5 +1,5 @@
-"""The tiny BERT configuration of the bert4keras tests (2 layers, hidden 32, 4 heads), and a
-classifier built from it."""
+"""The tiny BERT configuration of the bert4keras tests (2 layers, hidden 32, 4 heads), a
+classifier built from it, and its loss and gradients (`loss_and_gradients`)."""
 
 import json
 
@@ -28,3 +28,19 @@ def classifier(config_path):
     bert = build_transformer_model(str(config_path))
     out = tf.keras.layers.Dense(2)(tf.keras.layers.Lambda(lambda x: x[:, 0])(bert.output))
     return tf.keras.Model(bert.inputs, out)
+
+
+def loss_and_gradients(model, labels):
+    """`step(token_ids, segment_ids)`: `model`'s (a `classifier`) mean cross-entropy on
+    `labels` in training mode and its gradients for every trainable weight, as a list
+    (the loss first): a training step without the update, to run eagerly or traced."""
+    import tensorflow as tf
+
+    def step(token_ids, segment_ids):
+        with tf.GradientTape() as tape:
+            logits = model([token_ids, segment_ids], training=True)
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                labels, logits, from_logits=True))
+        return [loss] + tape.gradient(loss, model.trainable_weights)
+
+    return step
