@@ -120,13 +120,11 @@ def test_gradients_match_with_padding(config_path, monkeypatch, policy):
     results = []
     for on in (False, True):
         model = tiny_bert.classifier(config_path)
+        step = tiny_bert.loss_and_gradients(model, labels)
         with recompute.recompute_scope(on):
             for _ in range(2):
-                with tf.GradientTape() as tape:
-                    logits = model([token_ids, segment_ids], training=True)
-                    loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
-                grads = tape.gradient(loss, model.trainable_weights)
-        results.append([float(loss)] + to_numpy(grads))
+                loss_and_grads = step(token_ids, segment_ids)
+        results.append(to_numpy(loss_and_grads))
     assert len(results[0]) == 1 + len(model.trainable_weights)
     assert_all_close(results[0], results[1])
     assert calls["n"] > 0  # the recomputation really ran
@@ -190,14 +188,11 @@ def test_dropout_on_gradients_match_eager(dropout_config_path, replayable_rng, m
     results = []
     for on in (False, True):
         model = tiny_bert.classifier(dropout_config_path)
+        step = tiny_bert.loss_and_gradients(model, labels)
         with recompute.recompute_scope(on):
             for _ in range(2):  # the second step draws new masks in both runs
-                with tf.GradientTape() as tape:
-                    tape.watch(model.trainable_weights)
-                    logits = model([token_ids, segment_ids], training=True)
-                    loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
-                grads = tape.gradient(loss, model.trainable_weights)
-        results.append([float(loss)] + to_numpy(grads))
+                loss_and_grads = step(token_ids, segment_ids)
+        results.append(to_numpy(loss_and_grads))
     assert all(g is not None for g in results[1])
     assert_all_close(results[0], results[1])
     # Each step: the two Transformer blocks (or their attention, feed-forward
@@ -398,14 +393,10 @@ def _loss_and_grads_counting(config_path, on, products, policy):
     model = tiny_bert.classifier(config_path)
     products.clear()
     with recompute.recompute_scope(on):
-        with tf.GradientTape() as tape:
-            logits = model([token_ids, segment_ids], training=True)
-            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
-                labels, logits, from_logits=True))
-        grads = tape.gradient(loss, model.trainable_weights)
+        loss_and_grads = tiny_bert.loss_and_gradients(model, labels)(token_ids, segment_ids)
     if on:
         # 2 blocks: the forward products, 2 transposed products for the gradient
         assert products.count(False) == 2 and products.count(True) == 2, products
     else:
         assert products == []  # bert4keras's own FeedForward
-    return [float(loss)] + to_numpy(grads)
+    return to_numpy(loss_and_grads)
